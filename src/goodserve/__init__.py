@@ -1,0 +1,1 @@
+"""goodserve: an LLM serving engine built for goodput."""

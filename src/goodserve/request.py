@@ -1,0 +1,120 @@
+"""A request's state inside the engine: its tokens, its progress and its timestamps.
+
+There are no phases. A request holds ``num_tokens`` tokens (prompt + generated so far) of which the first
+``num_computed_tokens`` have their K/V in the paged cache. Prefill, chunked prefill, a prefix-cache hit and
+a recompute after preemption are all the same rule: schedule tokens until ``num_computed_tokens`` catches up
+with ``num_tokens``; when it does, the step samples one more token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from goodserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """OpenAI's ``finish_reason`` (``stop`` | ``length`` | ``abort``), ``None`` while unfinished."""
+        return self.value if self.is_finished else None
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps of one request, in seconds (``time.monotonic()`` of the engine).
+
+    Attributes:
+        arrival: When the request was added.
+        first_scheduled: When a step first scheduled any of its tokens.
+        first_token: When its first output token was sampled.
+        last_token: When its latest output token was sampled.
+        finished: When it finished (stop, length or abort).
+    """
+
+    arrival: float
+    first_scheduled: Optional[float] = None
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    finished: Optional[float] = None
+
+
+class Request:
+    """One generation request.
+
+    Args:
+        request_id: Unique id.
+        prompt_token_ids: The prompt, ``[num_prompt_tokens]`` token ids (at least one).
+        sampling_params: Sampling and stopping parameters.
+        arrival_time: Seconds (monotonic clock) when it arrived.
+        priority: Lower runs first under the ``priority`` policy.
+        eos_token_ids: Token ids that end generation unless ``ignore_eos``.
+        max_tokens: Resolved output limit in tokens (``sampling_params.max_tokens`` or what the context
+            leaves).
+
+    Raises:
+        ValueError: on an empty prompt.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 arrival_time: float, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 max_tokens: Optional[int] = None, prompt: Optional[str] = None) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("the prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.times = RequestTimes(arrival=arrival_time)
+        self.stop_reason: Optional[int | str] = None  # the stop token id or stop string that matched
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,105 @@
+"""Per-request sampling and stopping parameters (names and meaning as in vLLM and the OpenAI API)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Attributes:
+        temperature: Softmax temperature; ``0`` means greedy (argmax).
+        top_p: Nucleus sampling: keep the smallest set of tokens whose probability sums to ``top_p``.
+        top_k: Keep the ``top_k`` most likely tokens; ``0`` or ``-1`` keeps all.
+        min_p: Drop tokens whose probability is below ``min_p`` times the most likely token's.
+        seed: Per-request seed. The same seed and prompt give the same tokens whatever the batch.
+        max_tokens: Most tokens to generate; ``None`` runs until EOS or the context limit.
+        min_tokens: EOS, ``stop_token_ids`` and stop strings are ignored before this many tokens.
+        stop: Strings that end generation, matched on the detokenised text across token boundaries;
+            the matched string is excluded from the output.
+        stop_token_ids: Token ids that end generation (the token is kept in ``token_ids``).
+        ignore_eos: Keep generating past EOS.
+        presence_penalty: Subtracted from a token's logit once if it has appeared in the output.
+        frequency_penalty: Subtracted from a token's logit once per appearance in the output.
+        repetition_penalty: CTRL-style (Keskar et al. 2019, §4.1) penalty over prompt and output:
+            positive logits are divided by it, negative ones multiplied; ``1`` disables it.
+        logprobs: Number of top log-probabilities to return per generated token (``None``: none).
+        skip_special_tokens: Drop special tokens from the detokenised text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Sequence[str] = field(default_factory=list)
+    stop_token_ids: Sequence[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this request takes the argmax at every step."""
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Check every field.
+
+        Raises:
+            ValueError: naming the field, its value and the allowed range.
+        """
+        def bad(name: str, value: object, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, value, "a finite number")
+        if self.temperature < 0.0:
+            raise bad("temperature", self.temperature, ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", self.seed, "an integer or None")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", self.stop, "a list of non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", self.logprobs, "an integer in [0, 20] or None")
