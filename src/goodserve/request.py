@@ -67,6 +67,8 @@ class Request:
         eos_token_ids: Token ids that end generation unless ``ignore_eos``.
         max_tokens: Resolved output limit in tokens (``sampling_params.max_tokens`` or what the context
             leaves).
+        prompt: The prompt text, if the request came as text.
+        cache_salt: Isolates prefix-cache entries: only requests with the same salt share KV blocks.
 
     Raises:
         ValueError: on an empty prompt.
@@ -74,7 +76,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
-                 max_tokens: Optional[int] = None, prompt: Optional[str] = None) -> None:
+                 max_tokens: Optional[int] = None, prompt: Optional[str] = None,
+                 cache_salt: Optional[str] = None) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt must contain at least one token")
         self.request_id = request_id
@@ -92,6 +95,7 @@ class Request:
         self.num_preemptions = 0
         self.times = RequestTimes(arrival=arrival_time)
         self.stop_reason: Optional[int | str] = None  # the stop token id or stop string that matched
+        self.cache_salt = cache_salt  # mixed into every block hash (kv_cache.hashing)
 
     @property
     def num_tokens(self) -> int:

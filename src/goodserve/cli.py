@@ -1,0 +1,81 @@
+"""``goodserve`` command line: generate, chat (and the server, benchmark and planner commands)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from goodserve.engine.args import EngineArgs
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from goodserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from goodserve.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    params = _sampling_params(args)
+    if args.command == "chat":
+        outputs = llm.chat([[{"role": "user", "content": m}] for m in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
+    for prompt, out in zip(args.prompts, outputs):
+        if len(args.prompts) > 1:
+            print(f"### {prompt}")
+        print(out.text)
+        m = out.metrics
+        logging.getLogger("goodserve").info(
+            "%d prompt + %d output tokens, finish_reason=%s, TTFT %.3f s, TPOT %s", len(out.prompt_token_ids),
+            len(out.token_ids), out.finish_reason, m.ttft or 0.0, f"{m.tpot * 1000:.1f} ms" if m.tpot else "n/a")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="goodserve", description="LLM serving engine built for goodput.")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("generate", "complete prompts with the model"),
+                        ("chat", "answer messages with the model's chat template")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("prompts", nargs="+", help="one or more prompts / messages")
+        EngineArgs.add_cli_args(p)
+        _add_sampling_args(p)
+        p.set_defaults(func=_run_generate)
+    from goodserve.sim.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
+    from goodserve.server.serve_cli import add_serve_parser; add_serve_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"goodserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Engine arguments as users give them (``LLM(**kwargs)`` or CLI flags), before they are resolved."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from goodserve.config import SCHEDULING_POLICIES
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine knobs; ``None`` means "pick a sensible default".
+
+    Attributes:
+        model: GGUF file or HF model directory; ``None`` is the default model (SmolLM2-135M-Instruct).
+        dtype: ``"bfloat16"`` (default: faster on this class of CPU and on GPUs) or ``"float32"``.
+        device: ``"cpu"`` or ``"cuda"``; ``None`` picks CUDA when available.
+        block_size: Tokens per KV block.
+        num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
+        kv_cache_memory: KV pool size in bytes; default: 20% of available memory, at most 4 GiB on CPU.
+        max_num_batched_tokens: Token budget per step.
+        max_num_seqs: Most running requests.
+        max_model_len: Longest prompt + output in tokens; default the model's context length.
+        scheduling_policy: ``"fcfs"`` or ``"priority"``.
+        enable_prefix_caching: Reuse cached blocks of shared prompt prefixes.
+        seed: Seed of the generator used by unseeded sampled requests.
+        log_stats_interval: Seconds between engine stats log lines; ``0`` disables them.
+    """
+
+    model: Optional[str] = None
+    dtype: str = "bfloat16"
+    device: Optional[str] = None
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    max_num_batched_tokens: int = 1024
+    max_num_seqs: int = 128
+    max_model_len: Optional[int] = None
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    log_stats_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add the engine flags (``--dtype``, ``--num-blocks``, ...) to ``parser``."""
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
+        g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+        g.add_argument("--device", default=None, choices=["cpu", "cuda"])
+        g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+        g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+        g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+        g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
+        g.add_argument("--max-num-seqs", type=int, default=128, help="most running requests")
+        g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds; 0 disables")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """Build from parsed flags."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def available_memory_bytes() -> int:
+    """Available host memory in bytes (``MemAvailable`` on Linux, total physical memory elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_kv_cache_memory(device: str) -> int:
+    """Bytes for the KV pool when the user gives none.
+
+    CPU: 20% of available RAM, capped at 4 GiB (the weights, activations and the OS need the rest).
+    CUDA: 80% of free device memory (the weights are already loaded when this is called).
+    """
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * 0.8)
+    return min(int(available_memory_bytes() * 0.2), 4 * _GIB)

@@ -1,0 +1,373 @@
+"""The bridge between the synchronous :class:`Engine` and an asyncio server.
+
+One thread owns the engine and is the only code that ever touches it. Other threads talk to it through a
+command queue guarded by a condition variable: ``add`` and ``abort`` commands are applied by the engine
+thread before each step, so engine state is never shared. Outputs of a step are handed to per-request
+``asyncio.Queue``\\ s with ``loop.call_soon_threadsafe`` (one call per event loop per step), so the event loop
+never waits on a model step. When nothing is queued or running the engine thread sleeps on the condition
+(no busy spin).
+
+Request life as seen from the event loop::
+
+    stream = await async_engine.add_request(prompt, params)   # ValueError here, before any byte is sent
+    async for output in stream:                               # cumulative RequestOutputs until finished
+        ...
+    async_engine.abort(stream.request_id)                     # e.g. the client went away
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+from goodserve.engine.args import EngineArgs
+from goodserve.engine.engine import Engine, PromptType
+from goodserve.outputs import RequestOutput
+from goodserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (it raised, or the engine was shut down)."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state as of the end of the latest step or command batch (read by ``/metrics`` and admission).
+
+    Attributes:
+        num_running: Requests in the running batch.
+        num_waiting: Requests waiting for admission (new or preempted).
+        num_tokens_waiting: Prompt tokens not yet computed: all tokens of waiting requests plus the prompt
+            remainder of running requests still in (chunked) prefill. A saturation signal for autoscalers.
+        kv_cache_usage: Fraction of KV blocks in use, in ``[0, 1]``.
+        num_preemptions_total: Preemptions since start.
+        prefix_cache_queries: Prompt tokens looked up in the prefix cache since start.
+        prefix_cache_hits: Of which found (tokens).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_tokens_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+_END = object()  # put into a stream's queue when its request was aborted without a final output
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of cumulative :class:`RequestOutput`\\ s.
+
+    Iteration ends after the finished output, or silently when the request is aborted. If the engine loop
+    dies, iteration raises :class:`EngineDeadError`.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def _put(self, item: Any) -> None:
+        """Called on the event loop thread only."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class AsyncEngine:
+    """Runs an :class:`Engine` in its own thread and serves it to asyncio code.
+
+    Args:
+        engine: The engine; from now on only the engine thread may touch it.
+        start: Start the engine thread at once.
+
+    Attributes:
+        tokenizer: The engine's tokenizer (safe for encode/decode from the event loop).
+        chat_template: The model's chat template (or ``None``: the tokenizer's).
+        max_model_len: Longest prompt + output in tokens.
+        model_path: Where the model came from.
+    """
+
+    def __init__(self, engine: Engine, start: bool = True) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.chat_template = engine.chat_template
+        self.max_model_len = engine.max_model_len
+        self.model_path = engine.config.model_path
+        self._cond = threading.Condition()
+        self._commands: deque[tuple[str, Any]] = deque()  # guarded by _cond
+        self._num_pending_adds = 0  # add commands queued, not yet applied; guarded by _cond
+        self._streams: dict[str, RequestStream] = {}  # only the engine thread touches it
+        self._snapshot = EngineSnapshot()
+        self._paused = False
+        self._stopped = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="goodserve-engine", daemon=True)
+        if start:
+            self.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncEngine":
+        """Load the model and start the engine thread.
+
+        Raises:
+            ValueError, FileNotFoundError: as :class:`Engine`.
+        """
+        return cls(Engine(args))
+
+    @property
+    def model_name(self) -> str:
+        """A short name for the model: its file or directory name without extension."""
+        base = os.path.basename(os.path.normpath(self.model_path))
+        return os.path.splitext(base)[0] if base.endswith(".gguf") else base
+
+    # ---------------------------------------------------------------------------------------- control
+    def start(self) -> None:
+        """Start the engine thread (once)."""
+        if not self._thread.is_alive() and not self._stopped:
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; open streams end with :class:`EngineDeadError`."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def pause(self) -> None:
+        """Stop stepping (commands are still applied, so requests queue up). For tests and maintenance."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def is_healthy(self) -> bool:
+        """Whether the engine loop is alive and has not failed."""
+        return self._error is None and not self._stopped and self._thread.is_alive()
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """Engine state after the latest step or command batch."""
+        return self._snapshot
+
+    def num_waiting_total(self) -> int:
+        """Requests waiting in the scheduler plus adds not yet applied (for admission control)."""
+        with self._cond:
+            return self._snapshot.num_waiting + self._num_pending_adds
+
+    # --------------------------------------------------------------------------------------- requests
+    async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                          request_id: Optional[str] = None, priority: int = 0) -> RequestStream:
+        """Queue a request and wait (without blocking the loop) until the engine has accepted it.
+
+        Args:
+            prompt: Text or token ids.
+            params: Sampling parameters.
+            request_id: Unique id; a random one when ``None``.
+            priority: Lower runs first under the ``priority`` policy.
+
+        Returns:
+            The request's output stream.
+
+        Raises:
+            ValueError: on invalid parameters, an empty prompt or a prompt over the context length (the
+                engine's message, e.g. "... the maximum context length is N tokens ...").
+            EngineDeadError: if the engine loop is not running.
+        """
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit("add", (prompt, params or SamplingParams(), request_id, priority, time.monotonic(),
+                             stream, future), is_add=True)
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the caller went away while the engine was accepting it
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes; aborts it if the consumer stops early.
+
+        Validation happens on the first ``__anext__``, before any output is yielded.
+
+        Raises:
+            ValueError: as :meth:`add_request`.
+        """
+        stream = await self.add_request(prompt, params, request_id, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests from any thread; never blocks on a step. Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if ids and not self._stopped:
+            self._submit("abort", ids)
+
+    def call(self, fn: Callable[[Engine], Any], timeout: Optional[float] = 30.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result (blocking).
+
+        For tests and diagnostics, e.g. ``call(lambda e: e.scheduler.kv_cache_manager.check_integrity())``.
+        Must not be called from the engine thread.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit("call", (fn, future))
+        return future.result(timeout)
+
+    async def call_async(self, fn: Callable[[Engine], Any]) -> Any:
+        """Like :meth:`call`, awaited from the event loop."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit("call", (fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _submit(self, kind: str, payload: Any, is_add: bool = False) -> None:
+        with self._cond:
+            if self._error is not None or self._stopped:
+                raise EngineDeadError(f"the engine loop is not running: {self._error or 'shut down'}")
+            self._commands.append((kind, payload))
+            if is_add:
+                self._num_pending_adds += 1
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopped and not self._commands and \
+                            (self._paused or not engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._stopped:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    paused = self._paused
+                if commands:
+                    self._apply(commands)
+                if not paused and engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._dispatch(outputs)
+                    self._refresh_snapshot()
+        except BaseException as e:  # noqa: BLE001 - any failure kills the loop; report it to every stream
+            logger.exception("engine loop died")
+            self._error = e
+        finally:
+            with self._cond:
+                self._stopped = True
+                pending = list(self._commands)
+                self._commands.clear()
+            err = EngineDeadError(f"the engine loop stopped: {self._error or 'shut down'}")
+            for kind, payload in pending:
+                if kind in ("add", "call"):
+                    payload[-1].set_exception(err)
+            for stream in list(self._streams.values()):
+                self._post(stream, err)
+            self._streams.clear()
+
+    def _apply(self, commands: list[tuple[str, Any]]) -> None:
+        """Apply queued commands in order (engine thread)."""
+        engine = self.engine
+        num_adds = 0
+        for kind, payload in commands:
+            if kind == "add":
+                num_adds += 1
+                prompt, params, rid, priority, arrival, stream, future = payload
+                try:
+                    engine.add_request(prompt, params, request_id=rid, arrival_time=arrival, priority=priority)
+                except ValueError as e:
+                    future.set_exception(e)
+                    continue
+                self._streams[rid] = stream
+                future.set_result(None)
+            elif kind == "abort":
+                engine.abort(payload)
+                for rid in payload:
+                    stream = self._streams.pop(rid, None)
+                    if stream is not None:
+                        self._post(stream, _END)
+            elif kind == "call":
+                fn, future = payload
+                try:
+                    future.set_result(fn(engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+        self._refresh_snapshot(num_adds)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one ``call_soon_threadsafe`` per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self.engine.abort([s.request_id for s, _ in items])
+
+    def _post(self, stream: RequestStream, item: Any) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream._put, item)
+        except RuntimeError:
+            pass
+
+    def _refresh_snapshot(self, num_applied_adds: int = 0) -> None:
+        sched = self.engine.scheduler
+        kv = sched.kv_cache_manager
+        tokens_waiting = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        tokens_waiting += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
+        snap = EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                              num_tokens_waiting=tokens_waiting, kv_cache_usage=kv.usage,
+                              num_preemptions_total=sched.num_preemptions_total,
+                              prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits)
+        with self._cond:
+            self._snapshot = snap
+            self._num_pending_adds -= num_applied_adds
+
+
+def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream._put(item)

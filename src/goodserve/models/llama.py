@@ -1,0 +1,195 @@
+"""A Llama-family decoder over a flat token batch and a paged KV cache.
+
+Covers Llama 2/3 (incl. Llama-3 rope scaling), Mistral, Qwen2/2.5 (q/k/v bias) and SmolLM2: RMSNorm
+(Zhang & Sennrich 2019), rotary position embeddings in the rotate-half layout (Su et al. 2021), grouped-query
+attention (Ainslie et al. 2023; MQA when there is one KV head), a SwiGLU MLP (Shazeer 2020) and optionally
+tied embeddings. The arithmetic mirrors HF ``transformers`` (norms in float32, cast back before the weight)
+so greedy decoding matches it token for token.
+
+There is no padding and no batch dimension: a step is ``num_tokens`` tokens from many requests, each with
+its own position; attention reads the paged cache through ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from goodserve.config import ModelConfig
+from goodserve.runner.attention import AttentionBackend, AttentionMetadata
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32), with Llama-3 or linear scaling applied.
+
+    Llama-3 scaling (Meta's Llama 3.1 release): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, shorter than
+    ``.../high_freq_factor`` are kept, and those between are interpolated smoothly.
+
+    Raises:
+        ValueError: for a rope scaling type other than ``default``, ``linear`` or ``llama3``.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + eps) * weight``, reduced in float32. Input/output ``[num_tokens, hidden]``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``x``: ``[num_tokens, heads, head_dim]``; ``cos``/``sin``: ``[num_tokens, 1, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU block; q/k/v and gate/up projections fused into one matmul each."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.intermediate_size = c.intermediate_size
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = _rotate(q.view(n, self.num_heads, self.head_dim), cos, sin)  # [n, num_heads, head_dim]
+        k = _rotate(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)  # [n, num_kv_heads, head_dim]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        o = attn(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, num_heads, head_dim]
+        x = x + self.o_proj(o.reshape(n, self.q_size))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).split(self.intermediate_size, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head.
+
+    Args:
+        config: The architecture.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: Optional[nn.Linear] = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.requires_grad_(False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up.
+
+        Args:
+            weights: HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) to tensors.
+
+        Raises:
+            ValueError: when a weight is missing or has the wrong shape.
+        """
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"weight {name!r} missing from the checkpoint")
+            return weights[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            param.copy_(value)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+            put(layer.qkv_proj.weight, qkv, a + "qkv_proj.weight")
+            if layer.qkv_proj.bias is not None:
+                bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+                put(layer.qkv_proj.bias, bias, a + "qkv_proj.bias")
+            put(layer.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                attn: AttentionBackend) -> torch.Tensor:
+        """Run the decoder over a flat batch.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64.
+            positions: ``[num_tokens]`` int64 position of each token in its request.
+            kv_caches: Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            meta: Attention metadata of the step.
+            attn: The attention backend.
+
+        Returns:
+            ``[num_tokens, hidden_size]`` final hidden states (after the last norm).
+        """
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,161 @@
+"""Attention over the paged KV cache for a mixed batch of decodes and prefill chunks.
+
+The cache of one layer is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]`` (PagedAttention,
+Kwon et al. 2023, §4.1): a token at position ``p`` of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``. A step first writes the new K/V into their
+slots (``slot_mapping``), then lets every query attend to all earlier tokens of its own request.
+
+The batch is laid out decodes first, then prefill chunks (``AttentionMetadata.build`` does the ordering
+contract with the model runner). Decodes are attended together in one vectorised call over their gathered
+context, padded to the longest and masked; each prefill chunk is attended on its own, causally, over its
+cached context plus its own tokens — a chunk with no cached context never touches the cache for reading.
+
+``AttentionBackend`` is the interface a fused kernel (e.g. a CUDA paged-attention kernel) replaces;
+``TorchAttentionBackend`` is the portable, vectorised PyTorch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One request's prefill (or recompute) chunk in the flat batch.
+
+    Attributes:
+        start: Index of its first token in the flat batch.
+        end: One past its last token.
+        num_computed_tokens: Tokens of this request already in the cache (its context before the chunk).
+        block_table: ``[num_blocks_for_request]`` block ids (only used when ``num_computed_tokens > 0``).
+        mask: ``[num_new, num_computed + num_new]`` bool, True where a query may attend; ``None`` when the
+            chunk has no cached context (plain causal attention).
+    """
+
+    start: int
+    end: int
+    num_computed_tokens: int
+    block_table: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every layer's attention.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 cache slot of each token of the flat batch.
+        num_decodes: The first ``num_decodes`` tokens are one decode each.
+        decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0.
+        decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True on each request's
+            ``seq_len`` valid positions (the new token included).
+        prefills: The prefill chunks that follow the decodes, in batch order.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: Optional[torch.Tensor]
+    decode_mask: Optional[torch.Tensor]
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(cls, block_size: int, decode_block_tables: list[list[int]], decode_seq_lens: list[int],
+              prefill_chunks: list[tuple[int, int, list[int]]], slot_mapping: torch.Tensor,
+              device: torch.device) -> "AttentionMetadata":
+        """Build the metadata from plain lists.
+
+        Args:
+            block_size: Tokens per block.
+            decode_block_tables: Block table of each decode request, in batch order.
+            decode_seq_lens: Context length of each decode request including its new token.
+            prefill_chunks: ``(num_computed_tokens, num_new_tokens, block_table)`` of each prefill chunk,
+                in batch order after the decodes.
+            slot_mapping: ``[num_tokens]`` slots, decodes first.
+            device: Where the tensors live.
+        """
+        num_decodes = len(decode_block_tables)
+        dbt = dmask = None
+        if num_decodes:
+            max_blocks = max(len(t) for t in decode_block_tables)
+            dbt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_block_tables],
+                               dtype=torch.long, device=device)
+            seq_lens = torch.tensor(decode_seq_lens, dtype=torch.long, device=device)
+            positions = torch.arange(max_blocks * block_size, device=device)
+            dmask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+        prefills = []
+        start = num_decodes
+        for num_computed, num_new, table in prefill_chunks:
+            block_table = mask = None
+            if num_computed > 0:
+                block_table = torch.tensor(table[: (num_computed + num_new + block_size - 1) // block_size],
+                                           dtype=torch.long, device=device)
+                q_pos = torch.arange(num_computed, num_computed + num_new, device=device)
+                k_pos = torch.arange(num_computed + num_new, device=device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+            prefills.append(PrefillChunk(start, start + num_new, num_computed, block_table, mask))
+            start += num_new
+        return cls(slot_mapping, num_decodes, dbt, dmask, prefills)
+
+
+class AttentionBackend(Protocol):
+    """Computes one layer's attention over the paged cache; a fused kernel implements the same call."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Write ``k``/``v`` into the cache and attend.
+
+        Args:
+            q: ``[num_tokens, num_heads, head_dim]``.
+            k: ``[num_tokens, num_kv_heads, head_dim]``.
+            v: ``[num_tokens, num_kv_heads, head_dim]``.
+            k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+            v_cache: same shape as ``k_cache``.
+            meta: The step's metadata.
+
+        Returns:
+            ``[num_tokens, num_heads, head_dim]`` attention output.
+        """
+        ...
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Read blocks into a contiguous run: ``[..., nb]`` ids -> ``[..., num_kv_heads, nb * block_size, head_dim]``."""
+    blocks = cache[block_table]  # [..., nb, block_size, num_kv_heads, head_dim]
+    shape = blocks.shape
+    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    return flat.transpose(-3, -2)
+
+
+class TorchAttentionBackend:
+    """Portable paged attention with ``torch.nn.functional.scaled_dot_product_attention`` (GQA native)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            kd = _gather(k_cache, meta.decode_block_tables)  # [nd, num_kv_heads, ctx, head_dim]
+            vd = _gather(v_cache, meta.decode_block_tables)
+            qd = q[:nd].unsqueeze(2)  # [nd, num_heads, 1, head_dim]
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+            out[:nd] = od.squeeze(2)
+        for chunk in meta.prefills:
+            qp = q[chunk.start:chunk.end].transpose(0, 1)  # [num_heads, n, head_dim]
+            if chunk.mask is None:
+                kp = k[chunk.start:chunk.end].transpose(0, 1)  # [num_kv_heads, n, head_dim]
+                vp = v[chunk.start:chunk.end].transpose(0, 1)
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+            else:
+                ctx = chunk.mask.shape[1]
+                kp = _gather(k_cache, chunk.block_table)[:, :ctx]  # [num_kv_heads, ctx, head_dim]
+                vp = _gather(v_cache, chunk.block_table)[:, :ctx]
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, enable_gqa=True)
+            out[chunk.start:chunk.end] = op.transpose(0, 1)
+        return out

@@ -1,0 +1,312 @@
+"""The iteration-level scheduler: which requests advance by how many tokens in the next step.
+
+Each step is decided afresh (Orca, Yu et al., OSDI 2022, §3: iteration-level scheduling), under two
+limits: a token budget, ``max_num_batched_tokens`` (compute), and the KV block pool (memory, PagedAttention
+§4). Long prompts are cut into chunks that share the budget with ongoing decodes, and decodes always get
+their token first, so a long prompt never stalls them (Sarathi-Serve, Agrawal et al., OSDI 2024, §4:
+chunked prefill and stall-free batching).
+
+There are no phases: a request only has ``num_computed_tokens`` catching up with ``num_tokens``. A prefix
+hit starts it further ahead; a preemption frees its blocks and sends it back to 0 (recompute).
+
+One step: ``schedule(now)`` -> the runner computes the :class:`SchedulerOutput` -> ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Iterable, Optional
+
+from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.kv_cache.manager import KVCacheManager
+from goodserve.request import Request, RequestStatus
+from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from goodserve.scheduler.queue import RequestQueue, create_request_queue
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix caching and recompute preemption.
+
+    Args:
+        scheduler_config: Step limits and the waiting-queue policy.
+        cache_config: KV pool sizing; ``num_blocks`` must be resolved (an int).
+        enable_prefix_caching: Reuse cached full blocks across requests.
+
+    Raises:
+        ValueError: if ``cache_config.num_blocks`` is ``None``.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 enable_prefix_caching: bool = True) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be resolved to an int before building a Scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                               enable_prefix_caching)
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._in_flight: set[str] = set()  # scheduled by the last schedule(), not yet updated
+
+    # ------------------------------------------------------------------------------------------- state
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (new or preempted)."""
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        """The unfinished request with this id, or ``None``."""
+        return self._requests.get(request_id)
+
+    # ------------------------------------------------------------------------------------------ intake
+    def add_request(self, request: Request) -> None:
+        """Queue a request, refusing at once one that can never run.
+
+        Raises:
+            ValueError: on a duplicate ``request_id``; if ``max_tokens`` is not a positive int; if prompt +
+                ``max_tokens`` exceeds ``max_model_len`` tokens; or if those tokens need more KV blocks
+                than the whole pool holds. Nothing changes when it raises.
+        """
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_tokens = request.max_tokens
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_tokens must be resolved to an int >= 1, "
+                             f"got {max_tokens!r}")
+        num_prompt = request.num_prompt_tokens
+        total = num_prompt + max_tokens
+        max_len = self.scheduler_config.max_model_len
+        if total > max_len:
+            raise ValueError(f"request {rid!r} asks for {total} tokens ({num_prompt} prompt tokens + "
+                             f"max_tokens {max_tokens}), but the maximum context length is {max_len} "
+                             "tokens; shorten the prompt or lower max_tokens")
+        num_blocks = self.kv_cache_manager.num_blocks
+        blocks_needed = -(-total // self.block_size)
+        if blocks_needed > num_blocks:
+            raise ValueError(f"request {rid!r} needs {blocks_needed} KV blocks ({total} tokens at "
+                             f"block_size {self.block_size}), but the KV pool has only {num_blocks} blocks; "
+                             "shorten the prompt, lower max_tokens or give the cache more memory")
+        request.status = RequestStatus.WAITING
+        self._requests[rid] = request
+        self.waiting.add(request)
+
+    # ---------------------------------------------------------------------------------------- schedule
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Decide the next step: running requests first, then admissions if nothing was preempted.
+
+        Args:
+            now: Current time in seconds (engine's monotonic clock).
+
+        Returns:
+            The step; ``total_num_scheduled_tokens <= max_num_batched_tokens``. It is never empty while
+            requests are unfinished. ``num_computed_tokens`` is not advanced here (see
+            :meth:`update_from_output`).
+        """
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
+        if not out.scheduled and out.preempted_request_ids:
+            # Prefills that reserved budget for a decode that was then preempted get a second pass.
+            budget = self._schedule_running(out, budget)
+        if not out.preempted_request_ids or not self.running:
+            # No admission in a step that preempted (it would thrash) unless nothing else can run.
+            self._schedule_waiting(out, budget, now)
+        out.total_num_scheduled_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self._in_flight = {s.request_id for s in out.scheduled}
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give each running request its tokens in order, preempting from the tail when blocks run out.
+
+        A request still prefilling takes at most the budget left after reserving one token for every
+        decode-phase request behind it (stall-free batching, Sarathi-Serve §4).
+
+        Returns:
+            The token budget left.
+        """
+        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1:
+                decodes_left -= 1
+                n = 1
+            else:
+                n = min(remaining, budget - decodes_left)
+            if n <= 0:
+                i += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(req, n) is None:
+                victim = self.running[-1]
+                if victim is not req and victim.num_tokens - victim.num_computed_tokens == 1:
+                    decodes_left -= 1
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget
+            self._record(out, req, req.num_computed_tokens, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Admit waiting requests in queue order while budget, ``max_num_seqs`` and free blocks allow.
+
+        Stops at the first request whose blocks do not fit (no preemption on behalf of waiting ones).
+        """
+        kv = self.kv_cache_manager
+        while budget > 0 and self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
+            req = self.waiting.peek()
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if kv.allocate_slots(req, n, hit_blocks) is None:
+                break
+            self.waiting.pop()
+            req.num_computed_tokens = num_hit
+            if req.times.first_scheduled is None:  # first admission: count the lookup once
+                req.times.first_scheduled = now
+                req.num_cached_tokens = num_hit
+                kv.record_prefix_cache_lookup(req.num_tokens, num_hit)
+            out.num_prefix_cached_tokens += num_hit
+            req.status = RequestStatus.RUNNING
+            self._add_running(req)
+            self._record(out, req, num_hit, n)
+            budget -= n
+
+    def _add_running(self, req: Request) -> None:
+        """Append to the running list; under ``priority`` keep it sorted so the tail is lowest priority."""
+        if self.scheduler_config.policy == "priority":
+            bisect.insort(self.running, req, key=lambda r: (r.priority, r.times.arrival))
+        else:
+            self.running.append(req)
+
+    def _record(self, out: SchedulerOutput, req: Request, num_computed: int, n: int) -> None:
+        out.scheduled.append(ScheduledRequest(
+            request=req, num_computed_tokens=num_computed, num_new_tokens=n,
+            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+            sample=num_computed + n == req.num_tokens))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free a running request's blocks and send it back to the waiting queue to be recomputed."""
+        kv = self.kv_cache_manager
+        self.running.remove(req)
+        kv.free(req)
+        lost = req.num_computed_tokens
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(req)
+        out.preempted_request_ids.append(req.request_id)
+        logger.warning(
+            "KV cache full: preempted request %s (priority %d, %d computed tokens will be recomputed, "
+            "preempted %d time(s)); %d running, %d waiting, %d/%d blocks free, %d preemptions so far. "
+            "More KV blocks or a lower max_num_seqs would avoid this.",
+            req.request_id, req.priority, lost, req.num_preemptions, len(self.running), len(self.waiting),
+            kv.num_free_blocks, kv.num_blocks, self.num_preemptions_total)
+
+    # ------------------------------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int],
+                           now: float) -> list[Request]:
+        """Advance the scheduled requests after the step ran and apply token-level stop rules.
+
+        Args:
+            scheduler_output: The step returned by :meth:`schedule`.
+            sampled_token_ids: The new token of every scheduled request with ``sample=True``.
+            now: Current time in seconds.
+
+        Returns:
+            The requests that finished in this call (stop token, EOS or length).
+
+        Raises:
+            RuntimeError: if a request that had to sample has no token in ``sampled_token_ids``.
+        """
+        self._in_flight = set()
+        finished = []
+        for sched in scheduler_output.scheduled:
+            req = sched.request
+            if req.is_finished or self._requests.get(req.request_id) is not req:
+                continue  # aborted or stopped between schedule() and now
+            req.num_computed_tokens += sched.num_new_tokens
+            if not sched.sample:
+                continue
+            if req.request_id not in sampled_token_ids:
+                raise RuntimeError(f"request {req.request_id} was scheduled to sample but got no token")
+            token = sampled_token_ids[req.request_id]
+            req.append_output_token(token)
+            if req.times.first_token is None:
+                req.times.first_token = now
+            req.times.last_token = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status, now)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        """Token-level stop rules: stop token, then EOS (both after ``min_tokens``), then length."""
+        params = req.sampling_params
+        past_min = req.num_output_tokens >= params.min_tokens
+        if token in params.stop_token_ids and past_min:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if token in req.eos_token_ids and not params.ignore_eos and past_min:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.scheduler_config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
+                        now: float) -> list[Request]:
+        """Finish waiting or running requests from outside (abort, stop string found by the engine).
+
+        Args:
+            request_ids: One id or several; unknown or already finished ones are ignored.
+            status: A finished status, e.g. ``FINISHED_ABORTED`` or ``FINISHED_STOPPED``.
+            now: Current time in seconds.
+
+        Returns:
+            The requests finished by this call.
+
+        Raises:
+            ValueError: if ``status`` is not a finished status.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        done = []
+        for rid in ids:
+            req = self._requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self._finish(req, status, now)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        rid = req.request_id
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        # Dropped between schedule() and update: K/V registered for this step was never written.
+        valid = req.num_computed_tokens if rid in self._in_flight else None
+        self.kv_cache_manager.free(req, num_valid_tokens=valid)
+        req.status = status
+        req.times.finished = now
+        del self._requests[rid]

@@ -1,0 +1,170 @@
+"""Prometheus metrics of the server, named like vLLM's with the prefix ``goodserve:``.
+
+Every app gets its own :class:`prometheus_client.CollectorRegistry` (tests build several apps in one
+process). Engine-wide state (running/waiting requests, tokens waiting, KV usage, preemptions, prefix-cache
+counters) is read from the :class:`~goodserve.engine.async_engine.EngineSnapshot` at scrape time by a
+custom collector; per-request counters and histograms are fed by a :class:`RequestTracker` per request as
+its outputs arrive on the event loop.
+
+Latencies are in seconds, measured on the engine's monotonic clock:
+TTFT = first token - arrival; ITL = gap between successive tokens; TPOT = (last - first) / (n - 1);
+queue = first scheduled - arrival; prefill = first token - first scheduled; decode = last - first token.
+
+Goodput (Zhong et al., DistServe, OSDI 2024, §2): with ``slo_ttft`` and/or ``slo_tpot`` set, every request
+that finishes (stop or length) counts in ``request_slo_attained_total`` when it met all the SLOs set, else
+in ``request_slo_missed_total``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from goodserve.engine.async_engine import AsyncEngine
+from goodserve.outputs import RequestOutput
+
+PREFIX = "goodserve:"
+
+# 1 ms .. 40 min
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2400.0)
+# 1 .. 128k tokens
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 131072)
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine-wide counters read from the engine snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._engine.snapshot
+        yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch.",
+                                value=s.num_running)
+        yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission.",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily(PREFIX + "num_tokens_waiting",
+                                "Prompt tokens not yet computed (waiting requests and prefill remainders).",
+                                value=s.num_tokens_waiting)
+        yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                                value=s.kv_cache_usage)
+        yield GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine loop runs, else 0.",
+                                value=1.0 if self._engine.is_healthy() else 0.0)
+        yield CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions (recompute) since start.",
+                                  value=s.num_preemptions_total)
+        yield CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=s.prefix_cache_queries)
+        yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=s.prefix_cache_hits)
+
+
+class ServerMetrics:
+    """All metrics of one app.
+
+    Args:
+        engine: The engine whose snapshot feeds the gauges.
+        slo_ttft: TTFT SLO in seconds, or ``None``.
+        slo_tpot: TPOT SLO in seconds, or ``None``.
+    """
+
+    def __init__(self, engine: AsyncEngine, slo_ttft: Optional[float] = None,
+                 slo_tpot: Optional[float] = None) -> None:
+        self.registry = CollectorRegistry()
+        self.slo_ttft = slo_ttft
+        self.slo_tpot = slo_tpot
+        r = self.registry
+        r.register(_EngineCollector(engine))
+
+        def hist(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of requests that were prefilled.",
+                                     registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.slo_attained = Counter(PREFIX + "request_slo_attained",
+                                    "Finished requests that met every SLO set (--slo-ttft, --slo-tpot).", registry=r)
+        self.slo_missed = Counter(PREFIX + "request_slo_missed",
+                                  "Finished requests that missed an SLO set (--slo-ttft, --slo-tpot).", registry=r)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (s).", LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Gap between successive output tokens (s).",
+                        LATENCY_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds", "Per request: (last - first token) / (n - 1) (s).",
+                         LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish (s).", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled (s).", LATENCY_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token (s).", LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to last token (s).", LATENCY_BUCKETS)
+        self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.req_generation_tokens = hist("request_generation_tokens", "Generated tokens per finished request.",
+                                          TOKEN_BUCKETS)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(finished_reason=reason)
+
+    def tracker(self) -> "RequestTracker":
+        """A tracker for one new engine request."""
+        return RequestTracker(self)
+
+    def slo_met(self, ttft: Optional[float], tpot: Optional[float]) -> bool:
+        """Whether a request met every SLO that is set (a missing TPOT, e.g. one token, meets its SLO)."""
+        if self.slo_ttft is not None and (ttft is None or ttft > self.slo_ttft):
+            return False
+        if self.slo_tpot is not None and tpot is not None and tpot > self.slo_tpot:
+            return False
+        return True
+
+
+class RequestTracker:
+    """Feeds one request's outputs into the metrics (event loop thread)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+        self.num_tokens = 0
+        self.last_token_time: Optional[float] = None
+        self.prompt_counted = False
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record the new tokens of a cumulative output, and the request's latencies once it finished."""
+        if self.done:
+            return
+        m, met = self.m, out.metrics
+        new = len(out.token_ids) - self.num_tokens
+        if new > 0:
+            m.generation_tokens.inc(new)
+            if not self.prompt_counted:
+                m.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.prompt_counted = True
+            last = met.last_token_time if met is not None else None
+            if self.last_token_time is not None and last is not None:
+                m.itl.observe(max(0.0, last - self.last_token_time) / new)
+            self.last_token_time = last
+            self.num_tokens = len(out.token_ids)
+        if out.finished:
+            self.done = True
+            m.request_success.labels(finished_reason=out.finish_reason or "abort").inc()
+            if met is None:
+                return
+            for hist, value in ((m.ttft, met.ttft), (m.tpot, met.tpot), (m.e2e, met.e2e_latency),
+                                (m.queue, met.queue_time)):
+                if value is not None:
+                    hist.observe(value)
+            if met.first_token_time is not None and met.first_scheduled_time is not None:
+                m.prefill.observe(met.first_token_time - met.first_scheduled_time)
+            if met.first_token_time is not None and met.last_token_time is not None:
+                m.decode.observe(met.last_token_time - met.first_token_time)
+            m.req_prompt_tokens.observe(len(out.prompt_token_ids))
+            m.req_generation_tokens.observe(len(out.token_ids))
+            if out.finish_reason in ("stop", "length") and (m.slo_ttft is not None or m.slo_tpot is not None):
+                (m.slo_attained if m.slo_met(met.ttft, met.tpot) else m.slo_missed).inc()
+
+    def aborted(self) -> None:
+        """The request was aborted before it finished (client gone)."""
+        if not self.done:
+            self.done = True
+            self.m.request_success.labels(finished_reason="abort").inc()

@@ -1,0 +1,204 @@
+"""Model architectures for the planner: built-in presets and loading from a HF ``config.json``.
+
+An :class:`ArchSpec` holds only what the memory and roofline maths need. Presets are plain data, written
+from each model's published ``config.json``; :func:`load_arch` also accepts a path to such a file or to a
+HF model directory containing one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from goodserve.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """A decoder-only transformer, reduced to the shapes that decide memory and FLOPs.
+
+    Dense Llama-family models fill the first block of fields. Multi-head latent attention (MLA,
+    DeepSeek-V2 §2.1) sets ``kv_lora_rank`` and the ``qk_*``/``v_head_dim`` widths; mixture-of-experts
+    (MoE) sets ``num_experts`` and friends.
+
+    Attributes:
+        name: Display name.
+        num_hidden_layers: Decoder layers ``L``.
+        hidden_size: Residual width ``H``.
+        num_attention_heads: Query heads.
+        num_key_value_heads: KV heads ``n_kv`` (ignored by the KV formula when MLA is used).
+        head_dim: Per-head width ``d_head``.
+        intermediate_size: SwiGLU width of a dense MLP.
+        vocab_size: Token ids.
+        tie_word_embeddings: LM head shares the embedding matrix.
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        max_position_embeddings: Context length the model was trained for, tokens.
+        kv_lora_rank: MLA latent width ``d_c``; ``None`` for ordinary attention.
+        q_lora_rank: MLA query low-rank width ``d_c'``; ``None`` means a full-rank query projection.
+        qk_rope_head_dim: MLA decoupled RoPE key width ``d_h^R`` (shared by all heads).
+        qk_nope_head_dim: MLA per-head non-RoPE query/key width.
+        v_head_dim: MLA per-head value width.
+        num_experts: Routed experts per MoE layer; ``0`` for a dense model.
+        num_experts_per_tok: Routed experts each token uses (top-k).
+        num_shared_experts: Always-on experts per MoE layer.
+        moe_intermediate_size: SwiGLU width of one expert.
+        first_k_dense_layers: Leading layers that keep a dense MLP.
+    """
+
+    name: str
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 8192
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                           "head_dim", "vocab_size"):
+            if getattr(self, field_name) < 1:
+                raise ValueError(f"{self.name}: {field_name} must be >= 1, got {getattr(self, field_name)}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(f"{self.name}: num_experts_per_tok must be in 1..num_experts")
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention caches a compressed latent (MLA) instead of per-head K and V."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_experts > 0
+
+    def to_model_config(self) -> ModelConfig:
+        """The engine's :class:`~goodserve.config.ModelConfig` for a dense Llama-family spec.
+
+        Raises:
+            ValueError: MLA or MoE specs, which the engine's ModelConfig cannot describe.
+        """
+        if self.is_mla or self.is_moe:
+            raise ValueError(f"{self.name}: MLA/MoE architectures have no goodserve ModelConfig")
+        return ModelConfig(
+            architecture="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias, tie_word_embeddings=self.tie_word_embeddings,
+        )
+
+
+# Figures from each model's config.json on the Hugging Face Hub.
+PRESETS: dict[str, ArchSpec] = {
+    spec.name.lower(): spec
+    for spec in (
+        ArchSpec("Llama-3-8B", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                 max_position_embeddings=8192),
+        ArchSpec("Llama-3-70B", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=28672, vocab_size=128256,
+                 max_position_embeddings=8192),
+        ArchSpec("Qwen2.5-7B", num_hidden_layers=28, hidden_size=3584, num_attention_heads=28,
+                 num_key_value_heads=4, head_dim=128, intermediate_size=18944, vocab_size=152064,
+                 attention_bias=True, max_position_embeddings=131072),
+        ArchSpec("Mistral-7B", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
+                 max_position_embeddings=32768),
+        # MLA + MoE: 236B parameters in total, ~21B active per token (DeepSeek-V2 paper, abstract). All
+        # experts must be resident, so weights memory follows the total; decode FLOPs follow the active.
+        ArchSpec("DeepSeek-V2", num_hidden_layers=60, hidden_size=5120, num_attention_heads=128,
+                 num_key_value_heads=128, head_dim=192, intermediate_size=12288, vocab_size=102400,
+                 max_position_embeddings=131072, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                 qk_nope_head_dim=128, v_head_dim=128, num_experts=160, num_experts_per_tok=6,
+                 num_shared_experts=2, moe_intermediate_size=1536, first_k_dense_layers=1),
+        ArchSpec("SmolLM2-135M", num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                 num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
+                 tie_word_embeddings=True, max_position_embeddings=8192),
+    )
+}
+
+
+def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
+    """Build an :class:`ArchSpec` from a parsed HF ``config.json``.
+
+    Understands Llama/Mistral/Qwen2/SmolLM-style configs, DeepSeek-V2/V3 (MLA, ``n_routed_experts``)
+    and Mixtral (``num_local_experts``, experts as wide as ``intermediate_size``).
+
+    Raises:
+        ValueError: A required key is missing.
+    """
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        vocab = int(cfg["vocab_size"])
+    except KeyError as exc:
+        raise ValueError(f"{name}: config.json lacks {exc.args[0]!r}") from None
+    model_type = str(cfg.get("model_type", ""))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    intermediate = int(cfg.get("intermediate_size") or 4 * hidden)
+    mla: dict[str, Any] = {}
+    if cfg.get("kv_lora_rank"):
+        nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+        mla = dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=cfg.get("q_lora_rank"),
+                   qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=int(cfg["v_head_dim"]))
+        head_dim = nope + rope
+    moe: dict[str, Any] = {}
+    if cfg.get("n_routed_experts"):  # DeepSeek style
+        moe = dict(num_experts=int(cfg["n_routed_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                   num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                   moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                   first_k_dense_layers=int(cfg.get("first_k_dense_replace") or 0))
+    elif cfg.get("num_local_experts"):  # Mixtral style
+        moe = dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                   moe_intermediate_size=intermediate)
+    return ArchSpec(
+        name=name, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 8192),
+        **mla, **moe,
+    )
+
+
+def load_arch(model: str) -> ArchSpec:
+    """Resolve ``--model``: a preset name, a ``config.json`` path, or a HF model directory.
+
+    Args:
+        model: Preset name (case-insensitive, see :data:`PRESETS`) or a filesystem path.
+
+    Raises:
+        ValueError: Neither a known preset nor a readable config; the message lists the presets.
+    """
+    preset = PRESETS.get(model.lower())
+    if preset is not None:
+        return preset
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        names = ", ".join(spec.name for spec in PRESETS.values())
+        raise ValueError(f"unknown model {model!r}: not a preset ({names}) nor a config.json / HF model directory")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    return arch_from_hf_config(cfg, name=path.parent.name if path.name == "config.json" else path.stem)

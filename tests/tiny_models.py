@@ -1,0 +1,238 @@
+"""Tiny random Llama-family checkpoints for fast CPU tests.
+
+``make_tiny_hf_model`` writes a HF model directory (config.json, safetensors, generation_config.json and
+the SmolLM2 tokenizer) that both :func:`goodserve.models.loader.load_model` and
+``transformers.AutoModelForCausalLM.from_pretrained`` can read, so tests can compare the engine with HF
+token for token. The vocabulary is the real SmolLM2 one (49152 ids) so real text tokenizes; the other
+sizes are tiny (hidden 64, 2 layers), keeping a model at a few million parameters.
+
+``make_tiny_gguf`` writes the same kind of model as an F32 GGUF file, with Q/K rows reordered the way
+llama.cpp's converter does for ``llama`` (so the loader's un-permutation is exercised).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+ARCHES = ("llama", "qwen2", "llama3", "mistral")
+SMOLLM2_VOCAB = 49152
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer() -> Any:
+    """The SmolLM2 tokenizer read from the default GGUF (cached; ~0.5 s the first time)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from goodserve.models.loader import default_model_path
+
+    path = default_model_path()
+    return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: int = SMOLLM2_VOCAB) -> Any:
+    """A tiny ``transformers`` config of the given family.
+
+    Args:
+        arch: ``"llama"``, ``"qwen2"`` (q/k/v bias), ``"llama3"`` (llama3 rope scaling, list of EOS ids) or
+            ``"mistral"``.
+        tie: Tie the LM head to the embeddings; default True except for ``"llama3"``.
+        vocab_size: Number of token ids (keep the SmolLM2 size to tokenize real text).
+
+    Returns:
+        A ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig``.
+    """
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
+    if tie is None:
+        tie = arch != "llama3"
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":
+        return LlamaConfig(rope_theta=100000.0, **common)
+    if arch == "llama3":
+        common["eos_token_id"] = [2, 0]
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 500000.0,
+        }
+        return LlamaConfig(rope_scaling=scaling, rope_theta=500000.0, **common)
+    if arch == "mistral":
+        return MistralConfig(rope_theta=10000.0, sliding_window=None, **common)
+    return Qwen2Config(rope_theta=1000000.0, **common)
+
+
+def make_tiny_hf_model(
+    tmp_path: os.PathLike | str,
+    arch: str = "llama",
+    tie: Optional[bool] = None,
+    seed: int = 0,
+    max_shard_size: Optional[str] = None,
+) -> str:
+    """Build a random tiny model, save it with its tokenizer, and return the directory.
+
+    Norm weights and attention biases are randomized too (HF initializes them to ones / zeros), so a
+    test catches a loader or model that ignores them.
+
+    Args:
+        tmp_path: Parent folder; the model goes to ``tmp_path / f"tiny-{arch}"``.
+        arch: See :func:`tiny_hf_config`.
+        tie: See :func:`tiny_hf_config`.
+        seed: Seed of the random weights.
+        max_shard_size: Passed to ``save_pretrained`` (e.g. ``"1MB"``) to write sharded safetensors.
+
+    Returns:
+        The model directory path.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(arch, tie)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    model.eval()
+    out = Path(tmp_path) / f"tiny-{arch}{'-tied' if config.tie_word_embeddings else ''}-{seed}"
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **kwargs)
+    smollm2_tokenizer().save_pretrained(out)
+    return str(out)
+
+
+def _llamacpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rotary row order llama.cpp writes for ``llama``: within a head, HF row ``j*d/2 + i`` -> row ``2i + j``."""
+    out = np.empty_like(weight)
+    head_dim = weight.shape[0] // n_heads
+    half = head_dim // 2
+    for h in range(n_heads):
+        for i in range(half):
+            for j in range(2):
+                out[h * head_dim + 2 * i + j] = weight[h * head_dim + j * half + i]
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_tokenizer_metadata() -> dict[str, Any]:
+    """Tokenizer metadata of the default GGUF (cached: parsing its 98k strings takes ~2 s)."""
+    import gguf
+
+    from goodserve.models.loader import default_model_path
+
+    fields = gguf.GGUFReader(default_model_path()).fields
+    keys = ("model", "pre", "tokens", "token_type", "merges")
+    meta = {key: fields[f"tokenizer.ggml.{key}"].contents() for key in keys}
+    meta["chat_template"] = fields["tokenizer.chat_template"].contents()
+    return meta
+
+
+_HF_TO_GGUF_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def make_tiny_gguf(
+    tmp_path: os.PathLike | str, arch: str = "llama", tie: bool = True, seed: int = 0
+) -> tuple[str, dict[str, torch.Tensor]]:
+    """Write a tiny random model as an F32 GGUF (with the SmolLM2 tokenizer metadata).
+
+    Args:
+        tmp_path: Folder to write ``tiny-{arch}.gguf`` into.
+        arch: ``"llama"`` (Q/K rows permuted as llama.cpp does) or ``"qwen2"`` (q/k/v biases, no permutation).
+        tie: Omit ``output.weight`` (tied embeddings).
+        seed: Seed of the random weights.
+
+    Returns:
+        ``(path, state_dict)``: the file and the HF-layout weights it encodes.
+    """
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(arch, tie)
+    torch.manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, param in model.state_dict().items():
+        if name == "lm_head.weight" and tie:
+            continue
+        state[name] = (param + 0.1 * torch.randn_like(param)).contiguous()
+
+    path = str(Path(tmp_path) / f"tiny-{arch}.gguf")
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+
+    meta = _smollm2_tokenizer_metadata()
+    writer.add_tokenizer_model(meta["model"])
+    writer.add_tokenizer_pre(meta["pre"])
+    writer.add_token_list(meta["tokens"])
+    writer.add_token_types(meta["token_type"])
+    writer.add_token_merges(meta["merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(meta["chat_template"])
+
+    kv_heads, q_heads = config.num_key_value_heads, config.num_attention_heads
+    for name, tensor in state.items():
+        array = tensor.numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                array = _llamacpp_permute(array, q_heads if module == "self_attn.q_proj" else kv_heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, state
