@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         EngineArgs.add_cli_args(p)
         _add_sampling_args(p)
         p.set_defaults(func=_run_generate)
+    from goodserve.bench.cli import add_bench_parser
     from goodserve.sim.plan_cli import add_plan_parser
 
+    add_bench_parser(sub)
     add_plan_parser(sub)
     from goodserve.server.serve_cli import add_serve_parser; add_serve_parser(sub)
     return parser

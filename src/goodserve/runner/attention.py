@@ -123,19 +123,37 @@ class AttentionBackend(Protocol):
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Read blocks into a contiguous run: ``[..., nb]`` ids -> ``[..., num_kv_heads, nb * block_size, head_dim]``."""
-    blocks = cache[block_table]  # [..., nb, block_size, num_kv_heads, head_dim]
-    shape = blocks.shape
-    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
-    return flat.transpose(-3, -2)
+    """Read blocks into a contiguous run.
+
+    Args:
+        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_table: ``[..., nb]`` block ids.
+
+    Returns:
+        ``[..., num_kv_heads, nb * block_size, head_dim]`` (a transposed view of one ``index_select`` copy,
+        which is about ten times faster on CPU than advanced indexing of the 4-D cache).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_table.reshape(-1))
+    ctx = block_table.shape[-1] * block_size
+    return rows.view(*block_table.shape[:-1], ctx, num_kv_heads, head_dim).transpose(-3, -2)
 
 
 class TorchAttentionBackend:
-    """Portable paged attention with ``torch.nn.functional.scaled_dot_product_attention`` (GQA native)."""
+    """Portable paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Every call is shaped so that PyTorch's fused CPU kernel (flash attention for CPU) takes it rather than
+    the unfused math path, which is several times slower: 4-D inputs and no ``enable_gqa``. Decodes group
+    the ``num_heads // num_kv_heads`` query heads that share a KV head into the query-length axis
+    (``[nd, num_kv_heads, group, head_dim]``), so the gathered KV is read once and never repeated;
+    prefill chunks repeat K/V per query head (a copy linear in the chunk, small next to its attention).
+    """
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
@@ -143,19 +161,20 @@ class TorchAttentionBackend:
         if nd:
             kd = _gather(k_cache, meta.decode_block_tables)  # [nd, num_kv_heads, ctx, head_dim]
             vd = _gather(v_cache, meta.decode_block_tables)
-            qd = q[:nd].unsqueeze(2)  # [nd, num_heads, 1, head_dim]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-            out[:nd] = od.squeeze(2)
+            qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            out[:nd] = od.reshape(nd, num_heads, head_dim)
         for chunk in meta.prefills:
-            qp = q[chunk.start:chunk.end].transpose(0, 1)  # [num_heads, n, head_dim]
+            qp = q[chunk.start:chunk.end].transpose(0, 1)[None]  # [1, num_heads, n, head_dim]
             if chunk.mask is None:
                 kp = k[chunk.start:chunk.end].transpose(0, 1)  # [num_kv_heads, n, head_dim]
                 vp = v[chunk.start:chunk.end].transpose(0, 1)
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:
                 ctx = chunk.mask.shape[1]
                 kp = _gather(k_cache, chunk.block_table)[:, :ctx]  # [num_kv_heads, ctx, head_dim]
                 vp = _gather(v_cache, chunk.block_table)[:, :ctx]
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, enable_gqa=True)
-            out[chunk.start:chunk.end] = op.transpose(0, 1)
+            kp = kp.repeat_interleave(group, dim=0)[None]  # [1, num_heads, ctx, head_dim]
+            vp = vp.repeat_interleave(group, dim=0)[None]
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None)
+            out[chunk.start:chunk.end] = op[0].transpose(0, 1)
         return out
