@@ -285,8 +285,8 @@ class AsyncEngine:
                     self._apply(commands)
                 if not paused and engine.has_unfinished_requests():
                     outputs = engine.step()
+                    self._refresh_snapshot()  # before the outputs, so a client never sees older state
                     self._dispatch(outputs)
-                    self._refresh_snapshot()
         except BaseException as e:  # noqa: BLE001 - any failure kills the loop; report it to every stream
             logger.exception("engine loop died")
             self._error = e
@@ -297,7 +297,7 @@ class AsyncEngine:
                 self._commands.clear()
             err = EngineDeadError(f"the engine loop stopped: {self._error or 'shut down'}")
             for kind, payload in pending:
-                if kind in ("add", "call"):
+                if kind in ("add", "call") and payload[-1].set_running_or_notify_cancel():
                     payload[-1].set_exception(err)
             for stream in list(self._streams.values()):
                 self._post(stream, err)
@@ -311,6 +311,8 @@ class AsyncEngine:
             if kind == "add":
                 num_adds += 1
                 prompt, params, rid, priority, arrival, stream, future = payload
+                if not future.set_running_or_notify_cancel():
+                    continue  # the caller gave up before the engine saw it
                 try:
                     engine.add_request(prompt, params, request_id=rid, arrival_time=arrival, priority=priority)
                 except ValueError as e:
@@ -326,6 +328,8 @@ class AsyncEngine:
                         self._post(stream, _END)
             elif kind == "call":
                 fn, future = payload
+                if not future.set_running_or_notify_cancel():
+                    continue
                 try:
                     future.set_result(fn(engine))
                 except Exception as e:  # noqa: BLE001 - handed to the caller

@@ -17,7 +17,7 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -71,7 +71,6 @@ class _Sub:
     sent_text: str = ""
     sent_tokens: int = 0
     text_offset: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _usage(subs: list[_Sub]) -> P.UsageInfo:
