@@ -16,10 +16,10 @@ FAKE_TOKEN = 7  # what the fake "model" samples: never EOS
 
 def create_scheduler(block_size: int = 4, num_blocks: int = 64, max_num_batched_tokens: int = 64,
                      max_num_seqs: int = 16, max_model_len: int = 1024, policy: str = "fcfs",
-                     enable_prefix_caching: bool = True) -> Scheduler:
+                     enable_prefix_caching: bool = True, mode: str = "chunked") -> Scheduler:
     """A scheduler over a small pool."""
     return Scheduler(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                     max_model_len=max_model_len, policy=policy),
+                                     max_model_len=max_model_len, policy=policy, mode=mode),
                      CacheConfig(block_size=block_size, num_blocks=num_blocks),
                      enable_prefix_caching=enable_prefix_caching)
 

@@ -430,3 +430,27 @@ def test_priority_queue_orders_by_priority_then_arrival():
         q.remove(create_requests(1, prefix="x")[0])
     with pytest.raises(ValueError, match="unknown scheduling policy"):
         create_request_queue("lifo")
+
+
+def test_static_mode_runs_one_batch_to_completion_before_the_next():
+    """Request-level batching (the pre-Orca baseline): no request joins a batch that is running."""
+    sched = create_scheduler(max_num_seqs=2, max_num_batched_tokens=64, mode="static")
+    short, long_, third = create_requests(3, prompt_len=8, max_tokens=2)
+    long_.max_tokens = 6
+    for r in (short, long_, third):
+        sched.add_request(r)
+    steps = run_to_completion(sched)
+    ids = [[s.request_id for s in out.scheduled] for out in steps]
+    # batch 1 = r0, r1 (prefill, then decodes); r0 finishes after 2 tokens but r2 waits until r1 is done
+    assert ids == [["r0", "r1"], ["r0", "r1"], ["r1"], ["r1"], ["r1"], ["r1"], ["r2"], ["r2"]]
+    assert sched.kv_cache_manager.usage == 0
+
+
+def test_static_mode_admits_a_whole_batch_beyond_the_token_budget():
+    """A static batch is admitted at once; prompts beyond the step's budget are prefilled in later steps."""
+    sched = create_scheduler(max_num_seqs=3, max_num_batched_tokens=10, mode="static")
+    for r in create_requests(4, prompt_len=8, max_tokens=1):
+        sched.add_request(r)
+    out = sched.schedule(0.0)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("r0", 8), ("r1", 2)]
+    assert [r.request_id for r in sched.running] == ["r0", "r1", "r2"] and sched.num_waiting == 1

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# How batches form: "chunked" is continuous batching with chunked prefill (Sarathi-Serve); "static" is
+# request-level batching, where a batch runs to completion before the next is admitted (pre-Orca).
+SCHEDULING_MODES = ("chunked", "static")
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,14 @@ class SchedulerConfig:
         max_num_seqs: Most requests in the running batch.
         max_model_len: Longest sequence (prompt + output) in tokens a request may reach.
         policy: ``"fcfs"`` (arrival order) or ``"priority"`` (lower value first, then arrival).
+        mode: How batches form, one of ``SCHEDULING_MODES``.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 8192
     policy: str = "fcfs"
+    mode: str = "chunked"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -107,6 +112,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if self.mode not in SCHEDULING_MODES:
+            raise ValueError(f"mode must be one of {SCHEDULING_MODES}, got {self.mode!r}")
 
 
 @dataclass(frozen=True)

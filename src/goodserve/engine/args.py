@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from goodserve.config import SCHEDULING_POLICIES
+from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class EngineArgs:
         max_num_seqs: Most running requests.
         max_model_len: Longest prompt + output in tokens; default the model's context length.
         scheduling_policy: ``"fcfs"`` or ``"priority"``.
+        scheduler: Batching mode, one of ``SCHEDULING_MODES`` (``"chunked"``: continuous batching with
+            chunked prefill; ``"static"``: request-level batches, the pre-Orca baseline).
         enable_prefix_caching: Reuse cached blocks of shared prompt prefixes.
         seed: Seed of the generator used by unseeded sampled requests.
         log_stats_interval: Seconds between engine stats log lines; ``0`` disables them.
@@ -45,6 +47,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_model_len: Optional[int] = None
     scheduling_policy: str = "fcfs"
+    scheduler: str = "chunked"
     enable_prefix_caching: bool = True
     seed: int = 0
     log_stats_interval: float = 10.0
@@ -57,6 +60,8 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        if self.scheduler not in SCHEDULING_MODES:
+            raise ValueError(f"scheduler must be one of {SCHEDULING_MODES}, got {self.scheduler!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +77,8 @@ class EngineArgs:
         g.add_argument("--max-num-seqs", type=int, default=128, help="most running requests")
         g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
         g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
+        g.add_argument("--scheduler", default="chunked", choices=list(SCHEDULING_MODES),
+                       help="batching mode: chunked (continuous, chunked prefill) or static (request-level)")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds; 0 disables")

@@ -85,7 +85,7 @@ class Engine:
             cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                      policy=args.scheduling_policy),
+                                      policy=args.scheduling_policy, mode=args.scheduler),
             dtype=args.dtype, device=device, seed=args.seed, log_stats_interval=args.log_stats_interval)
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template

@@ -123,7 +123,10 @@ class Scheduler:
         if not out.scheduled and out.preempted_request_ids:
             # Prefills that reserved budget for a decode that was then preempted get a second pass.
             budget = self._schedule_running(out, budget)
-        if not out.preempted_request_ids or not self.running:
+        if self.scheduler_config.mode == "static":
+            if not self.running:  # request-level batching: a new batch only once the last one is done
+                self._admit_static_batch(out, budget, now)
+        elif not out.preempted_request_ids or not self.running:
             # No admission in a step that preempted (it would thrash) unless nothing else can run.
             self._schedule_waiting(out, budget, now)
         out.total_num_scheduled_tokens = sum(s.num_new_tokens for s in out.scheduled)
@@ -169,24 +172,48 @@ class Scheduler:
 
         Stops at the first request whose blocks do not fit (no preemption on behalf of waiting ones).
         """
-        kv = self.kv_cache_manager
         while budget > 0 and self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
-            req = self.waiting.peek()
-            hit_blocks, num_hit = kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if kv.allocate_slots(req, n, hit_blocks) is None:
+            n = self._admit(out, budget, now)
+            if n is None:
                 break
-            self.waiting.pop()
-            req.num_computed_tokens = num_hit
-            if req.times.first_scheduled is None:  # first admission: count the lookup once
-                req.times.first_scheduled = now
-                req.num_cached_tokens = num_hit
-                kv.record_prefix_cache_lookup(req.num_tokens, num_hit)
-            out.num_prefix_cached_tokens += num_hit
-            req.status = RequestStatus.RUNNING
-            self._add_running(req)
-            self._record(out, req, num_hit, n)
             budget -= n
+
+    def _admit_static_batch(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Static (request-level) batching: admit up to ``max_num_seqs`` requests at once.
+
+        Requests beyond the step's token budget join the batch with no tokens this step; the running pass
+        gives them their prefill chunks in the next steps. Nothing joins until the whole batch is done.
+        """
+        while self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
+            n = self._admit(out, budget, now)
+            if n is None:
+                break
+            budget -= n
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> Optional[int]:
+        """Move the head of the waiting queue to running with up to ``budget`` tokens scheduled.
+
+        Returns:
+            The tokens scheduled for it (possibly 0), or ``None`` if its blocks do not fit.
+        """
+        kv = self.kv_cache_manager
+        req = self.waiting.peek()
+        hit_blocks, num_hit = kv.get_computed_blocks(req)
+        n = max(0, min(req.num_tokens - num_hit, budget))
+        if kv.allocate_slots(req, n, hit_blocks) is None:
+            return None
+        self.waiting.pop()
+        req.num_computed_tokens = num_hit
+        if req.times.first_scheduled is None:  # first admission: count the lookup once
+            req.times.first_scheduled = now
+            req.num_cached_tokens = num_hit
+            kv.record_prefix_cache_lookup(req.num_tokens, num_hit)
+        out.num_prefix_cached_tokens += num_hit
+        req.status = RequestStatus.RUNNING
+        self._add_running(req)
+        if n:
+            self._record(out, req, num_hit, n)
+        return n
 
     def _add_running(self, req: Request) -> None:
         """Append to the running list; under ``priority`` keep it sorted so the tail is lowest priority."""
