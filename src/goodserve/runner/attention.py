@@ -156,13 +156,16 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             kd = _gather(k_cache, meta.decode_block_tables)  # [nd, num_kv_heads, ctx, head_dim]
             vd = _gather(v_cache, meta.decode_block_tables)
-            qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+            qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            if not meta.prefills:
+                return od.reshape(nd, num_heads, head_dim)
+        out = torch.empty_like(q)
+        if nd:
             out[:nd] = od.reshape(nd, num_heads, head_dim)
         for chunk in meta.prefills:
             qp = q[chunk.start:chunk.end].transpose(0, 1)[None]  # [1, num_heads, n, head_dim]
