@@ -13,8 +13,10 @@ from typing import Any, Optional
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # How batches form: "chunked" is continuous batching with chunked prefill (Sarathi-Serve); "static" is
-# request-level batching, where a batch runs to completion before the next is admitted (pre-Orca).
-SCHEDULING_MODES = ("chunked", "static")
+# request-level batching, where a batch runs to completion before the next is admitted (pre-Orca);
+# "reserve" is continuous batching that reserves KV for prompt + max_tokens at admission (Orca's memory
+# policy, never preempts); "paged" is prefill-first, unchunked continuous batching over paged KV (vLLM v0).
+SCHEDULING_MODES = ("chunked", "static", "reserve", "paged")
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,10 @@ class EngineArgs:
         max_num_seqs: Most running requests.
         max_model_len: Longest prompt + output in tokens; default the model's context length.
         scheduling_policy: ``"fcfs"`` or ``"priority"``.
-        scheduler: Batching mode, one of ``SCHEDULING_MODES`` (``"chunked"``: continuous batching with
-            chunked prefill; ``"static"``: request-level batches, the pre-Orca baseline).
+        scheduler: Batching mode, one of ``SCHEDULING_MODES``: ``"chunked"`` (continuous batching with
+            chunked prefill, the default), or a baseline: ``"static"`` (request-level batches, pre-Orca),
+            ``"reserve"`` (continuous, reserving prompt + max_tokens at admission), ``"paged"`` (vLLM-v0-style
+            prefill-first, unchunked). See :mod:`goodserve.scheduler.scheduler`.
         enable_prefix_caching: Reuse cached blocks of shared prompt prefixes.
         seed: Seed of the generator used by unseeded sampled requests.
         log_stats_interval: Seconds between engine stats log lines; ``0`` disables them.
@@ -78,7 +80,8 @@ class EngineArgs:
         g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
         g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
         g.add_argument("--scheduler", default="chunked", choices=list(SCHEDULING_MODES),
-                       help="batching mode: chunked (continuous, chunked prefill) or static (request-level)")
+                       help="batching mode: chunked (default: continuous, chunked prefill); baselines: static "
+                            "(request-level), reserve (reserve max length), paged (prefill-first, unchunked)")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds; 0 disables")

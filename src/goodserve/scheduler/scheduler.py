@@ -10,6 +10,16 @@ There are no phases: a request only has ``num_computed_tokens`` catching up with
 hit starts it further ahead; a preemption frees its blocks and sends it back to 0 (recompute).
 
 One step: ``schedule(now)`` -> the runner computes the :class:`SchedulerOutput` -> ``update_from_output``.
+
+Baselines (``SchedulerConfig.mode``), for comparison in the simulator and the benchmarks:
+
+* ``static``: request-level batching; a batch runs to completion before the next is admitted (pre-Orca).
+* ``reserve``: the ``chunked`` flow, but admission allocates blocks for prompt + ``max_tokens`` up front,
+  as systems without paging reserve the maximum length (Orca's "Max" baseline in PagedAttention §6). It
+  never preempts. Prefix caching is off: a reserved block would be registered before its K/V is written.
+* ``paged``: prefill-first and unchunked (vLLM v0): a waiting prompt is admitted only whole, and a step that
+  admits prompts schedules no decodes. The first prompt of a step may exceed the token budget so that
+  prompts longer than ``max_num_batched_tokens`` can run.
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
+        if scheduler_config.mode == "reserve" and enable_prefix_caching:
+            logger.info("scheduler mode 'reserve' runs without prefix caching")
+            enable_prefix_caching = False
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                enable_prefix_caching)
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
@@ -114,11 +127,21 @@ class Scheduler:
             now: Current time in seconds (engine's monotonic clock).
 
         Returns:
-            The step; ``total_num_scheduled_tokens <= max_num_batched_tokens``. It is never empty while
-            requests are unfinished. ``num_computed_tokens`` is not advanced here (see
-            :meth:`update_from_output`).
+            The step; ``total_num_scheduled_tokens <= max_num_batched_tokens`` (in ``paged`` mode a step's
+            single prompt may exceed it). It is never empty while requests are unfinished.
+            ``num_computed_tokens`` is not advanced here (see :meth:`update_from_output`).
         """
         out = SchedulerOutput()
+        if self.scheduler_config.mode == "paged":
+            self._schedule_prefill_first(out, now)
+        else:
+            self._schedule_continuous(out, now)
+        out.total_num_scheduled_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self._in_flight = {s.request_id for s in out.scheduled}
+        return out
+
+    def _schedule_continuous(self, out: SchedulerOutput, now: float) -> None:
+        """``chunked``, ``reserve`` and ``static``: running requests first, then admissions."""
         budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
         if not out.scheduled and out.preempted_request_ids:
             # Prefills that reserved budget for a decode that was then preempted get a second pass.
@@ -129,9 +152,23 @@ class Scheduler:
         elif not out.preempted_request_ids or not self.running:
             # No admission in a step that preempted (it would thrash) unless nothing else can run.
             self._schedule_waiting(out, budget, now)
-        out.total_num_scheduled_tokens = sum(s.num_new_tokens for s in out.scheduled)
-        self._in_flight = {s.request_id for s in out.scheduled}
-        return out
+
+    def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
+        """``paged`` (vLLM v0): admit whole prompts; only a step that admitted none runs the decodes.
+
+        Running requests are all decoding (their prompts ran whole), so the running pass gives each one
+        token, preempting from the tail when blocks run out.
+        """
+        budget = self.scheduler_config.max_num_batched_tokens
+        while budget > 0 and self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
+            # The step's first prompt may exceed the budget, or a long prompt could never run.
+            cap = budget if out.scheduled else max(budget, self.scheduler_config.max_model_len)
+            n = self._admit(out, cap, now, whole=True)
+            if n is None:
+                break
+            budget -= n
+        if not out.scheduled:
+            self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens in order, preempting from the tail when blocks run out.
@@ -190,17 +227,23 @@ class Scheduler:
                 break
             budget -= n
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> Optional[int]:
+    def _admit(self, out: SchedulerOutput, budget: int, now: float, whole: bool = False) -> Optional[int]:
         """Move the head of the waiting queue to running with up to ``budget`` tokens scheduled.
 
+        Args:
+            whole: Admit only if all its uncached tokens fit ``budget`` (no chunking, ``paged`` mode).
+
         Returns:
-            The tokens scheduled for it (possibly 0), or ``None`` if its blocks do not fit.
+            The tokens scheduled for it (possibly 0), or ``None`` if its blocks (or, with ``whole``, its
+            tokens) do not fit.
         """
         kv = self.kv_cache_manager
         req = self.waiting.peek()
         hit_blocks, num_hit = kv.get_computed_blocks(req)
         n = max(0, min(req.num_tokens - num_hit, budget))
-        if kv.allocate_slots(req, n, hit_blocks) is None:
+        if whole and n < req.num_tokens - num_hit:
+            return None
+        if kv.allocate_slots(req, self._slots_to_allocate(req, num_hit, n), hit_blocks) is None:
             return None
         self.waiting.pop()
         req.num_computed_tokens = num_hit
@@ -213,6 +256,13 @@ class Scheduler:
         self._add_running(req)
         if n:
             self._record(out, req, num_hit, n)
+        return n
+
+    def _slots_to_allocate(self, req: Request, num_hit: int, n: int) -> int:
+        """New slots an admission allocates beyond the prefix hit: the step's ``n`` tokens, or under
+        ``reserve`` every slot up to prompt + ``max_tokens``, so the request never needs another block."""
+        if self.scheduler_config.mode == "reserve":
+            return max(n, req.num_prompt_tokens + req.max_tokens - num_hit)
         return n
 
     def _add_running(self, req: Request) -> None:

@@ -1,0 +1,186 @@
+"""Step-time cost models for the simulator: how long the model takes to compute one ``SchedulerOutput``.
+
+A cost model sees exactly what the real model runner sees (the scheduler's decision for one step) and
+returns seconds. Three are provided:
+
+* :class:`RooflineCostModel` for accelerators from their datasheet (:mod:`goodserve.sim.hardware`). Each
+  layer runs two kinds of kernel one after the other, and each is timed on its own roofline
+  ``max(FLOPs / peak, bytes / bandwidth)`` (Williams et al., CACM 2009):
+
+  - the projections and MLP (GEMMs): ``2 · params_per_layer`` FLOPs per scheduled token; their weights
+    are read **once per step** whatever the batch (this is why batching pays);
+  - attention: every new token at position ``p`` attends to the ``p + 1`` tokens up to itself
+    (``2 · n_heads · (d_qk + d_v)`` FLOPs per query-key pair, causal), and every request's K/V context
+    (``num_computed_tokens + num_new_tokens`` tokens) is read once per step.
+
+  The LM head runs only for tokens that sample (``ScheduledRequest.sample``), as in the real runner. A
+  per-step overhead (``HardwareSpec.step_overhead_s``: scheduling, input preparation, launches) is added.
+  Tensor-parallel communication is not modelled.
+* :class:`LinearCostModel`, least-squares coefficients measured on this machine by ``goodserve profile``
+  (:mod:`goodserve.sim.profile`): ``overhead + a · tokens + b · sampled + c · attention pairs``.
+* :class:`ConstantCostModel`, a fixed time per step, for tests whose timings are worked out by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Union
+
+from goodserve.scheduler.output import SchedulerOutput
+from goodserve.sim.hardware import HardwareSpec
+from goodserve.sim.planner import decode_bytes, dtype_bytes, kv_bytes_per_token, param_count
+from goodserve.sim.presets import ArchSpec
+
+
+class CostModel(Protocol):
+    """Anything that prices one step."""
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        """Seconds the model takes to compute ``out`` (including the fixed per-step overhead)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The figures of one step that decide its cost.
+
+    Attributes:
+        num_tokens: Tokens computed (prefill chunks + decodes).
+        num_sampled: Requests that sample a token (LM head rows).
+        attention_pairs: Causal query-key pairs, summed over requests:
+            ``sum(n · c + n · (n + 1) / 2)`` for ``n`` new tokens after ``c`` cached ones.
+        kv_tokens_read: Context tokens whose K/V attention reads: ``sum(c + n)``.
+        num_seqs: Requests in the step.
+    """
+
+    num_tokens: int
+    num_sampled: int
+    attention_pairs: int
+    kv_tokens_read: int
+    num_seqs: int
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> "StepShape":
+        tokens = sampled = pairs = kv = 0
+        for s in out.scheduled:
+            n, c = s.num_new_tokens, s.num_computed_tokens
+            tokens += n
+            sampled += s.sample
+            pairs += n * c + n * (n + 1) // 2
+            kv += c + n
+        return cls(tokens, sampled, pairs, kv, len(out.scheduled))
+
+
+class ConstantCostModel:
+    """Every non-empty step takes ``step_s`` seconds.
+
+    Raises:
+        ValueError: if ``step_s`` is not positive.
+    """
+
+    def __init__(self, step_s: float) -> None:
+        if step_s <= 0:
+            raise ValueError(f"step time must be > 0, got {step_s}")
+        self.step_s = step_s
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        return self.step_s if out.scheduled else 0.0
+
+
+class RooflineCostModel:
+    """Roofline step time of a model on an accelerator (see the module docstring).
+
+    Args:
+        arch: The model.
+        hw: The accelerator.
+        dtype: Weights, KV and compute dtype (``"bf16"``, ``"fp8"``, ``"fp32"``).
+        tp: Tensor-parallel degree (FLOPs and bytes are per GPU).
+        overhead_s: Per-step overhead; ``None`` takes ``hw.step_overhead_s``.
+    """
+
+    def __init__(self, arch: ArchSpec, hw: HardwareSpec, dtype: str = "bf16", tp: int = 1,
+                 overhead_s: float | None = None) -> None:
+        self.arch, self.hw, self.dtype, self.tp = arch, hw, dtype, tp
+        self.overhead_s = hw.step_overhead_s if overhead_s is None else overhead_s
+        self._nbytes = dtype_bytes(dtype)
+        self._peak = hw.peak_flops(dtype)
+        pc = param_count(arch)
+        lm_head = arch.vocab_size * arch.hidden_size
+        embed = 0 if arch.tie_word_embeddings else lm_head  # an input embedding is a lookup, not a GEMM
+        self._body_flops_per_token = 2 * (pc.active - embed - lm_head) / tp
+        self._lm_head_flops_per_token = 2 * lm_head / tp
+        if arch.is_mla:
+            d_qk, d_v = arch.kv_lora_rank + arch.qk_rope_head_dim, arch.kv_lora_rank
+        else:
+            d_qk = d_v = arch.head_dim
+        self._flops_per_pair = 2 * arch.num_attention_heads * (d_qk + d_v) * arch.num_hidden_layers / tp
+        self._kv_bytes_per_token = kv_bytes_per_token(arch, self._nbytes, tp)
+
+    def gemm_time(self, shape: StepShape) -> float:
+        """Seconds of the projections, MLPs and LM head: weights read once, FLOPs per token."""
+        flops = shape.num_tokens * self._body_flops_per_token + shape.num_sampled * self._lm_head_flops_per_token
+        weight_bytes = decode_bytes(self.arch, max(1, shape.num_tokens), 0, self._nbytes, self.tp)
+        return max(flops / self._peak, weight_bytes / self.hw.mem_bandwidth)
+
+    def attention_time(self, shape: StepShape) -> float:
+        """Seconds of attention: causal query-key FLOPs against the K/V context read once per request."""
+        flops = shape.attention_pairs * self._flops_per_pair
+        kv_bytes = shape.kv_tokens_read * self._kv_bytes_per_token
+        return max(flops / self._peak, kv_bytes / self.hw.mem_bandwidth)
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        if not out.scheduled:
+            return 0.0
+        shape = StepShape.of(out)
+        return self.overhead_s + self.gemm_time(shape) + self.attention_time(shape)
+
+
+@dataclass(frozen=True)
+class LinearCostModel:
+    """Step time fitted on a real machine: ``overhead + per_token·tokens + per_sampled·sampled +
+    per_pair·attention_pairs`` (seconds).
+
+    Attributes:
+        overhead_s: Fixed cost of a step (scheduling, input preparation, Python).
+        per_token_s: Cost of one computed token through the GEMMs.
+        per_sampled_s: Cost of one LM-head row and its sampling.
+        per_pair_s: Cost of one causal query-key pair in attention.
+        source: Where the coefficients came from (a profile file, a machine).
+    """
+
+    overhead_s: float
+    per_token_s: float
+    per_sampled_s: float
+    per_pair_s: float
+    source: str = ""
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        if not out.scheduled:
+            return 0.0
+        return self.predict(StepShape.of(out))
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds for a step of this shape."""
+        return (self.overhead_s + self.per_token_s * shape.num_tokens + self.per_sampled_s * shape.num_sampled
+                + self.per_pair_s * shape.attention_pairs)
+
+    def to_dict(self) -> dict:
+        return {"overhead_s": self.overhead_s, "per_token_s": self.per_token_s,
+                "per_sampled_s": self.per_sampled_s, "per_pair_s": self.per_pair_s}
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "LinearCostModel":
+        """Read the ``coefficients`` of a ``goodserve profile`` JSON file.
+
+        Raises:
+            ValueError: if the file is unreadable or lacks a coefficient.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+            c = data["coefficients"]
+            return cls(float(c["overhead_s"]), float(c["per_token_s"]), float(c["per_sampled_s"]),
+                       float(c["per_pair_s"]), source=str(path))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"cannot read cost model {path}: {exc!r}") from None

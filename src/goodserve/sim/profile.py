@@ -1,0 +1,156 @@
+"""``goodserve profile``: measure this machine's step times with the real engine and fit a cost model.
+
+The engine runs small workloads over a grid of batch shapes: for each (batch size ``B``, prompt length
+``C``), ``B`` requests of ``C`` prompt tokens that each decode ``--decode-steps`` tokens. That gives
+prefill chunks (alone and at growing contexts, cut by the token budget), decode batches at several
+contexts, and the steps in between. Every step is timed around ``Engine.step()`` (schedule, model,
+sampling, postprocessing: what a simulated step stands for) and described by its ``SchedulerOutput``.
+
+The fit is least squares on relative error (each row divided by its measured time, so a 5 ms decode step
+weighs as much as a 500 ms prefill) of::
+
+    step_s = overhead + per_token · tokens + per_sampled · sampled + per_pair · attention_pairs
+
+with ``attention_pairs`` the causal query-key pairs of the step (see
+:class:`~goodserve.sim.cost_model.StepShape`). A coefficient that comes out negative is dropped (set to 0)
+and the rest refitted, so the model never predicts a cheaper step for more work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence, TextIO
+
+from goodserve.sim.cost_model import LinearCostModel, StepShape
+
+logger = logging.getLogger(__name__)
+
+FEATURES = ("overhead_s", "per_token_s", "per_sampled_s", "per_pair_s")
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF model directory (default: the default model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated decode batch sizes")
+    p.add_argument("--contexts", default="64,512,1024", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--decode-steps", type=int, default=8, help="tokens each request decodes")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget (prefill chunk size)")
+    p.add_argument("--output", default="cpu-local-cost-model.json", help="where to write the fit (JSON)")
+
+
+def _features(shape: StepShape) -> list[float]:
+    return [1.0, float(shape.num_tokens), float(shape.num_sampled), float(shape.attention_pairs)]
+
+
+def fit_linear(shapes: Sequence[StepShape], seconds: Sequence[float]) -> LinearCostModel:
+    """Non-negative least squares on relative error (see the module docstring).
+
+    Raises:
+        ValueError: with fewer samples than coefficients.
+    """
+    import numpy as np
+
+    if len(shapes) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} timed steps to fit, got {len(shapes)}")
+    x = np.array([_features(s) for s in shapes]) / np.array(seconds)[:, None]
+    y = np.ones(len(shapes))
+    active = list(range(len(FEATURES)))
+    coef = np.zeros(len(FEATURES))
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return LinearCostModel(*(float(c) for c in coef))
+
+
+def _measure(engine, batch: int, context: int, decode_steps: int, rng: random.Random
+             ) -> list[tuple[StepShape, float]]:
+    from goodserve.sampling_params import SamplingParams
+
+    captured = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule(now: float):
+        out = schedule(now)
+        captured.append(StepShape.of(out))
+        return out
+
+    engine.scheduler.schedule = recording_schedule  # this engine only lives for the profile
+    vocab = engine.config.model.vocab_size
+    params = SamplingParams(max_tokens=decode_steps, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(256, vocab) for _ in range(context)], params)
+    samples = []
+    try:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            samples.append((captured[-1], time.perf_counter() - t0))
+    finally:
+        engine.scheduler.schedule = schedule
+    return samples
+
+
+def profile(model: Optional[str], dtype: str, batch_sizes: Sequence[int], contexts: Sequence[int],
+            decode_steps: int, max_num_batched_tokens: int) -> list[tuple[StepShape, float]]:
+    """Time every step of the grid's workloads on the real engine (one warm-up workload first)."""
+    from goodserve.engine.args import EngineArgs
+    from goodserve.engine.engine import Engine
+
+    block_size = 16
+    num_blocks = max(batch_sizes) * (-(-(max(contexts) + decode_steps) // block_size)) + 16
+    engine = Engine(EngineArgs(model=model, dtype=dtype, device="cpu", block_size=block_size,
+                               num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
+                               max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
+                               log_stats_interval=0))
+    rng = random.Random(0)
+    _measure(engine, 2, min(contexts), 2, rng)  # warm-up: allocator, kernels, caches
+    samples = []
+    for batch in batch_sizes:
+        for context in contexts:
+            t0 = time.perf_counter()
+            samples += _measure(engine, batch, context, decode_steps, rng)
+            logger.info("profiled batch %d x context %d in %.1f s", batch, context, time.perf_counter() - t0)
+    return samples
+
+
+def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    """Execute ``goodserve profile``: measure, fit, print the fit's error and write the JSON."""
+    out = out or sys.stdout
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    t0 = time.perf_counter()
+    samples = profile(args.model, args.dtype, batches, contexts, args.decode_steps, args.max_num_batched_tokens)
+    shapes, seconds = [s for s, _ in samples], [t for _, t in samples]
+    fit = fit_linear(shapes, seconds)
+    errors = sorted(abs(fit.predict(s) / t - 1) for s, t in samples)
+    report = {
+        "kind": "linear", "machine": platform.machine(), "model": args.model or "default", "dtype": args.dtype,
+        "coefficients": fit.to_dict(),
+        "fit": {"num_steps": len(samples), "median_abs_rel_error": errors[len(errors) // 2],
+                "p90_abs_rel_error": errors[int(0.9 * (len(errors) - 1))], "max_abs_rel_error": errors[-1],
+                "profile_wall_s": time.perf_counter() - t0},
+        "grid": {"batch_sizes": batches, "contexts": contexts, "decode_steps": args.decode_steps,
+                 "max_num_batched_tokens": args.max_num_batched_tokens},
+        "samples": [{"tokens": s.num_tokens, "sampled": s.num_sampled, "attention_pairs": s.attention_pairs,
+                     "seconds": t, "predicted": fit.predict(s)} for s, t in samples],
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=1))
+    c = report["coefficients"]
+    print(f"{len(samples)} steps timed in {report['fit']['profile_wall_s']:.0f} s\n"
+          f"step_s = {c['overhead_s'] * 1e3:.3f} ms + {c['per_token_s'] * 1e6:.2f} us/token "
+          f"+ {c['per_sampled_s'] * 1e6:.2f} us/sampled token + {c['per_pair_s'] * 1e9:.3f} ns/attention pair\n"
+          f"relative error: median {report['fit']['median_abs_rel_error']:.1%}, "
+          f"p90 {report['fit']['p90_abs_rel_error']:.1%}, max {report['fit']['max_abs_rel_error']:.1%}\n"
+          f"wrote {args.output}", file=out)
+    return 0

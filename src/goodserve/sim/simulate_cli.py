@@ -1,0 +1,283 @@
+"""``goodserve simulate``: serve a workload on simulated hardware with the engine's real scheduler.
+
+``goodserve profile`` (in :mod:`goodserve.sim.profile`) measures this machine's step times and fits the
+cost model that ``simulate --hardware cpu-local --cost-model FILE`` uses.
+
+The output is the serving benchmark's (:mod:`goodserve.bench.report`): the same summary table, sweep table,
+JSON result and plots, so a simulated run reads like a measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from typing import Any, Optional, TextIO
+
+from goodserve.bench.arrivals import poisson_arrivals
+from goodserve.bench.metrics import parse_slos
+from goodserve.bench.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
+from goodserve.bench.workloads import AZURE_FILES, load_azure, random_lengths
+from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel
+from goodserve.sim.hardware import HARDWARE, get_hardware
+from goodserve.sim.planner import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, plan_memory
+from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
+from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
+
+logger = logging.getLogger(__name__)
+
+DATASETS = (*AZURE_FILES, "random")
+MAX_TOKENS_POLICIES = ("exact", "pow2", "max")
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``simulate`` subcommand; its ``func`` default is :func:`run_simulate`."""
+    presets = ", ".join(spec.name for spec in PRESETS.values())
+    p = subparsers.add_parser(
+        "simulate", help="discrete-event simulation of serving on a GPU/CPU model, with the real scheduler",
+        description="Simulate serving a workload: the engine's Scheduler decides every step, a roofline (or "
+                    "fitted) cost model times it. Prints the serving benchmark's metrics.")
+    p.add_argument("--model", required=True, help=f"preset ({presets}), a config.json, or a HF model directory")
+    p.add_argument("--hardware", default="h100", choices=list(HARDWARE), help="accelerator (default: h100)")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES), help="weights/KV dtype (default: bf16)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance (default: 1)")
+    p.add_argument("--cost-model", default=None,
+                   help="JSON from `goodserve profile`: fitted step times instead of the roofline")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", default="azure-conv", choices=DATASETS)
+    w.add_argument("--num-prompts", type=int, default=200)
+    w.add_argument("--request-rate", default="inf",
+                   help="requests/s (Poisson), 'inf' (all at 0) or 'trace' (the Azure trace's own clock)")
+    w.add_argument("--random-input-len", type=int, default=1024)
+    w.add_argument("--random-output-len", type=int, default=128)
+    w.add_argument("--random-range-ratio", type=float, default=0.0)
+    w.add_argument("--seed", type=int, default=0, help="seed of arrivals and random lengths")
+    w.add_argument("--max-tokens", default="exact", choices=MAX_TOKENS_POLICIES,
+                   help="max_tokens each client asks for: exact (the output length, an oracle), pow2 (next power "
+                        "of two) or max (what the context leaves); matters to --scheduler reserve")
+    w.add_argument("--sweep", default=None, help="comma-separated request rates; reports the highest rate "
+                                                 "with >= 90%% SLO attainment")
+    w.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs in ms, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    s = p.add_argument_group("engine (as in serve)")
+    s.add_argument("--scheduler", default="chunked",
+                   help=f"batching mode, or several comma-separated to compare: {', '.join(SCHEDULING_MODES)}")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
+    s.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
+    s.add_argument("--max-num-seqs", type=int, default=128, help="most running requests per instance")
+    s.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pool per instance in blocks (default: the planner's pool for the hardware)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--replicas", type=int, default=1, help="colocated instances behind the router")
+    c.add_argument("--routing", default="least-loaded", choices=list(ROUTING_POLICIES))
+    c.add_argument("--disaggregate", default=None, metavar="P:D", help="P prefill and D decode instances")
+    c.add_argument("--link-bandwidth", type=float, default=50.0,
+                   help="GB/s of each prefill instance's KV link (default: 50)")
+    o = p.add_argument_group("output")
+    o.add_argument("--save-result", default=None, help="write the runs (summary + per-request records) as JSON")
+    o.add_argument("--plot", default=None, help="write TTFT/TPOT CDFs (and goodput vs rate on a sweep) as PNG")
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``profile`` subcommand (see :mod:`goodserve.sim.profile`)."""
+    from goodserve.sim.profile import add_profile_arguments, run_profile
+
+    p = subparsers.add_parser(
+        "profile", help="measure this machine's step times and fit the simulator's cpu-local cost model",
+        description="Run the real engine over a small grid of batch shapes and fit "
+                    "overhead + per-token + per-sampled-token + per-attention-pair step costs.")
+    add_profile_arguments(p)
+    p.set_defaults(func=run_profile)
+    return p
+
+
+# ----------------------------------------------------------------------------------------- building
+def parse_disaggregate(text: str) -> tuple[int, int]:
+    """``"2:1"`` -> ``(2, 1)``.
+
+    Raises:
+        ValueError: for anything but two positive integers around a colon.
+    """
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--disaggregate expects P:D (e.g. 1:1), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--disaggregate needs at least one prefill and one decode instance, got {text!r}")
+    return p, d
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"1,2,inf"`` -> ``[1.0, 2.0, inf]``; ``"trace"`` -> ``[nan]`` (the trace's clock).
+
+    Raises:
+        ValueError: for a non-positive or unparsable rate.
+    """
+    rates = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item == "trace":
+            rates.append(math.nan)
+            continue
+        try:
+            rate = float(item)
+        except ValueError:
+            raise ValueError(f"bad request rate {item!r}") from None
+        if not rate > 0:
+            raise ValueError(f"request rate must be > 0, inf or trace, got {item!r}")
+        rates.append(rate)
+    return rates
+
+
+def build_workload(args: argparse.Namespace, rate: float, max_model_len: int) -> list[SimRequest]:
+    """The requests of one run: the dataset's lengths with Poisson arrivals at ``rate`` (or the trace's).
+
+    Raises:
+        ValueError: ``trace`` arrivals asked of the random dataset.
+    """
+    if args.dataset == "random":
+        specs = random_lengths(args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, seed=args.seed)
+    else:
+        specs = load_azure(args.dataset, args.num_prompts, max_model_len)
+    if math.isnan(rate):
+        if args.dataset == "random":
+            raise ValueError("--request-rate trace needs an Azure dataset")
+        arrivals = [s.arrival for s in specs]
+    else:
+        arrivals = poisson_arrivals(len(specs), rate, seed=args.seed)
+    requests = []
+    for i, (s, t) in enumerate(zip(specs, arrivals)):
+        output_len = max(1, min(s.output_len, max_model_len // 2))  # clipped as load_azure does
+        prompt_len = max(1, min(s.prompt_len, max_model_len - output_len))
+        cap = {"exact": output_len, "pow2": 1 << (output_len - 1).bit_length(),
+               "max": max_model_len - prompt_len}[args.max_tokens]
+        requests.append(SimRequest(f"req-{i}", t, prompt_len, output_len, min(cap, max_model_len - prompt_len)))
+    return requests
+
+
+def build_cost_model(args: argparse.Namespace, arch: ArchSpec) -> CostModel:
+    if args.cost_model:
+        return LinearCostModel.load(args.cost_model)
+    return RooflineCostModel(arch, get_hardware(args.hardware), args.dtype, args.tp)
+
+
+def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str) -> ClusterConfig:
+    """Scheduler, KV pool and instances of one run from the flags (pool from the planner by default).
+
+    Raises:
+        ValueError: bad flags, or weights that leave no KV pool (from the planner).
+    """
+    max_model_len = args.max_model_len or arch.max_position_embeddings
+    if args.num_blocks is not None:
+        num_blocks = args.num_blocks
+    else:
+        num_blocks = plan_memory(arch, get_hardware(args.hardware), args.dtype, args.tp, context=max_model_len,
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                 block_size=args.block_size).num_blocks
+    max_model_len = min(max_model_len, num_blocks * args.block_size)
+    disagg = None
+    if args.disaggregate:
+        p, d = parse_disaggregate(args.disaggregate)
+        if args.replicas != 1:
+            raise ValueError("--replicas applies to colocated serving; with --disaggregate give P:D instead")
+        disagg = Disaggregation(p, d, args.link_bandwidth * 1e9,
+                                kv_bytes_per_token(arch, dtype_bytes(args.dtype), args.tp))
+    return ClusterConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                                  policy=args.scheduling_policy, mode=mode),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
+        enable_prefix_caching=args.enable_prefix_caching, num_replicas=args.replicas, routing=args.routing,
+        disaggregation=disagg)
+
+
+def simulate_once(args: argparse.Namespace, arch: ArchSpec, mode: str, rate: float,
+                  slos: dict[str, float]) -> RunResult:
+    """One simulated run of the workload at ``rate`` with scheduler mode ``mode``."""
+    cluster = build_cluster(args, arch, mode)
+    requests = build_workload(args, rate, cluster.scheduler.max_model_len)
+    result = Simulator(cluster, build_cost_model(args, arch), requests, slos).run()
+    config = {"mode": mode, "instances": result.instances, "num_instances": cluster.num_instances,
+              "num_blocks": cluster.cache.num_blocks, "num_preemptions": result.num_preemptions,
+              "mean_kv_transfer_s": result.mean_kv_transfer_s}
+    return RunResult(label=mode if not cluster.disaggregation else f"{mode}-disagg", rate=rate,
+                     summary=result.summary, records=result.records, config=config)
+
+
+# ------------------------------------------------------------------------------------------- command
+def run_simulate(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    """Execute ``goodserve simulate``.
+
+    Returns:
+        0 on success, 2 on bad input (the reason on stderr).
+    """
+    # Preemptions are counted in the report; one warning line each would drown it in a saturated sweep.
+    sched_logger = logging.getLogger("goodserve.scheduler.scheduler")
+    level = sched_logger.level
+    if sched_logger.getEffectiveLevel() >= logging.WARNING:
+        sched_logger.setLevel(logging.ERROR)
+    try:
+        return _run_simulate(args, out or sys.stdout)
+    finally:
+        sched_logger.setLevel(level)
+
+
+def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        arch = load_arch(args.model)
+        modes = [m.strip() for m in args.scheduler.split(",")]
+        bad = [m for m in modes if m not in SCHEDULING_MODES]
+        if bad:
+            raise ValueError(f"unknown scheduler mode(s) {bad}; choose from {SCHEDULING_MODES}")
+        rates = parse_rates(args.sweep or args.request_rate)
+        slos = parse_slos(args.goodput)
+        results = []
+        for mode in modes:
+            for rate in rates:
+                t0 = time.perf_counter()
+                results.append(simulate_once(args, arch, mode, rate, slos))
+                logger.info("simulated %s at rate %s in %.1f s", mode, rate_str(rate), time.perf_counter() - t0)
+    except ValueError as exc:
+        print(f"goodserve simulate: error: {exc}", file=sys.stderr)
+        return 2
+    hw = "fitted " + args.cost_model if args.cost_model else args.hardware
+    title = f"{arch.name} on {hw} x{results[0].config['num_instances']}, {args.dataset}"
+    if len(results) == 1:
+        print(format_summary(results[0].summary, title), file=out)
+    else:
+        print(title, file=out)
+        print(format_sweep(results), file=out)
+    for r in results:
+        c = r.config
+        print(f"{r.label} @ {rate_str(r.rate)}: {c['num_instances']} instance(s) of {c['num_blocks']} KV blocks, "
+              f"{c['num_preemptions']} preemptions, max running "
+              f"{max(i['max_running'] for i in c['instances'])}"
+              + (f", mean KV transfer {c['mean_kv_transfer_s'] * 1e3:.2f} ms" if c["mean_kv_transfer_s"] else ""),
+              file=out)
+    if args.sweep and slos:
+        for label in dict.fromkeys(r.label for r in results):
+            best = max_rate_meeting(results, label)
+            n = next(r.config["num_instances"] for r in results if r.label == label)
+            if best is not None:
+                print(f"{label}: goodput {best:g} req/s at >= 90% attainment = {best / n:g} req/s per instance",
+                      file=out)
+    meta = {"model": arch.name, "hardware": args.hardware, "cost_model": args.cost_model, "dtype": args.dtype,
+            "tp": args.tp, "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
+            "slos": slos, "argv": sys.argv[1:]}
+    if args.save_result:
+        save_json(args.save_result, results, meta)
+        print(f"wrote {args.save_result}", file=out)
+    if args.plot:
+        plot(args.plot, results, title)
+        print(f"wrote {args.plot}", file=out)
+    return 0

@@ -1,0 +1,397 @@
+"""Discrete-event simulation of a serving cluster that drives the engine's real :class:`Scheduler`.
+
+Each instance (a replica, or a prefill or decode instance when disaggregated) owns a real
+:class:`~goodserve.scheduler.scheduler.Scheduler` with its own KV block pool. Nothing is re-implemented
+for the simulator: an instance asks its scheduler for the next ``SchedulerOutput``, a cost model
+(:mod:`goodserve.sim.cost_model`) prices it, and when the step's time has passed the scheduler gets the
+sampled tokens through ``update_from_output``, exactly as in ``Engine.step``. A policy studied here is the
+policy that ships.
+
+The clock only jumps from event to event (:mod:`goodserve.sim.events`), kept in a heap ordered by time
+and then by the order they were queued, so a run is deterministic. Once every event of an instant is
+applied, each idle instance with unfinished requests starts its next step.
+
+Disaggregation (DistServe, Zhong et al., OSDI 2024): a request is prefilled on a prefill instance, which
+samples its first token (``max_tokens=1`` there). Its prompt's KV then crosses the prefill instance's link,
+one transfer at a time, taking ``prompt tokens · KV bytes per token / link bandwidth``. On arrival the
+decode instance stores the full blocks in its pool and registers them in its prefix cache, and the request
+joins its scheduler with prompt + first token as the prompt and ``max_tokens - 1``. Admission finds the
+transferred blocks as a prefix hit, so the cost model charges no prefill for them; only the partial last
+block (fewer than ``block_size`` tokens, which the transfer does not make a full cached block) and the
+first token are computed there, which is the request's first decode step. If the pool cannot hold the
+blocks on arrival, or they are evicted before admission, the request recomputes its prompt there, and
+that compute is charged. Decode instances therefore always run with prefix caching on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+from goodserve.bench.metrics import RequestRecord, Summary, record_from_timeline, summarize
+from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.request import Request
+from goodserve.sampling_params import SamplingParams
+from goodserve.scheduler.scheduler import Scheduler
+from goodserve.sim.cost_model import CostModel
+from goodserve.sim.events import Event, KVTransferDone, RequestArrival, StepEnd
+
+logger = logging.getLogger(__name__)
+
+ROUTING_POLICIES = ("round-robin", "least-loaded")
+SIM_TOKEN = 7  # what the simulated model samples ...
+SIM_EOS = 2  # ... until a request's last token, which is EOS
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of the simulated workload.
+
+    Attributes:
+        request_id: Unique id.
+        arrival: When the client sends it, seconds from the start.
+        prompt_len: Prompt tokens.
+        output_len: Output tokens it generates: the simulated model samples EOS as token ``output_len``.
+        max_tokens: The cap the client asks for (``None``: exactly ``output_len``). Only a scheduler that
+            reserves memory by it (``reserve``) behaves differently with a larger cap.
+    """
+
+    request_id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    max_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 1:
+            raise ValueError(f"{self.request_id}: prompt and output need >= 1 token")
+        if self.max_tokens is not None and self.max_tokens < self.output_len:
+            raise ValueError(f"{self.request_id}: max_tokens {self.max_tokens} < output_len {self.output_len}")
+
+    @property
+    def cap(self) -> int:
+        """``max_tokens`` as resolved: ``output_len`` when not given."""
+        return self.output_len if self.max_tokens is None else self.max_tokens
+
+
+@dataclass(frozen=True)
+class Disaggregation:
+    """Separate prefill and decode instances joined by a link.
+
+    Attributes:
+        num_prefill: Prefill instances.
+        num_decode: Decode instances.
+        link_bandwidth: Bytes per second of each prefill instance's outgoing link.
+        kv_bytes_per_token: KV bytes one prompt token occupies (all layers).
+    """
+
+    num_prefill: int
+    num_decode: int
+    link_bandwidth: float
+    kv_bytes_per_token: int
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(f"disaggregation needs >= 1 prefill and >= 1 decode instance, got "
+                             f"{self.num_prefill}:{self.num_decode}")
+        if self.link_bandwidth <= 0:
+            raise ValueError(f"link bandwidth must be > 0, got {self.link_bandwidth}")
+
+    def transfer_time(self, num_tokens: int) -> float:
+        """Seconds to move ``num_tokens`` tokens of KV over one link."""
+        return num_tokens * self.kv_bytes_per_token / self.link_bandwidth
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What is simulated: the instances, their scheduler and KV pool, and the routing.
+
+    Attributes:
+        scheduler: Every instance's scheduler limits and mode.
+        cache: Every instance's KV pool (``num_blocks`` resolved).
+        enable_prefix_caching: Prefix caching on colocated and prefill instances.
+        num_replicas: Independent colocated instances (ignored when disaggregated).
+        routing: ``"round-robin"`` or ``"least-loaded"`` (fewest unfinished requests, lowest index on ties).
+        disaggregation: Prefill/decode split, or ``None`` for colocated replicas.
+    """
+
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    enable_prefix_caching: bool = True
+    num_replicas: int = 1
+    routing: str = "least-loaded"
+    disaggregation: Optional[Disaggregation] = None
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.num_replicas}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.disaggregation is not None and self.scheduler.mode == "reserve":
+            raise ValueError("disaggregation lands the KV through the decode instance's prefix cache, which "
+                             "scheduler mode 'reserve' turns off; use chunked, paged or static")
+
+    @property
+    def num_instances(self) -> int:
+        d = self.disaggregation
+        return d.num_prefill + d.num_decode if d else self.num_replicas
+
+
+class Instance:
+    """One model instance: a real scheduler, a cost model and step counters.
+
+    Args:
+        name: Display name, e.g. ``"replica0"``, ``"prefill1"``.
+        role: ``"colocated"``, ``"prefill"`` or ``"decode"``.
+        scheduler: Its scheduler.
+        cost_model: Prices its steps.
+    """
+
+    def __init__(self, name: str, role: str, scheduler: Scheduler, cost_model: CostModel) -> None:
+        self.name, self.role, self.scheduler, self.cost_model = name, role, scheduler, cost_model
+        self.busy = False
+        self.link_free_at = 0.0  # prefill instances: when the outgoing link is next idle
+        self.num_incoming = 0  # decode instances: requests whose KV is on its way here
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.max_running = 0
+        self.num_mixed_steps = 0  # steps with both prefill chunks and decodes
+        self.num_tokens = 0
+        self.num_kv_installs_failed = 0
+
+    @property
+    def load(self) -> int:
+        """Unfinished requests (running + waiting), counting those whose KV is on its way."""
+        return self.scheduler.num_running + self.scheduler.num_waiting + self.num_incoming
+
+    def stats(self, duration: float) -> dict:
+        s, kv = self.scheduler, self.scheduler.kv_cache_manager
+        return {
+            "name": self.name, "role": self.role, "steps": self.num_steps, "busy_s": self.busy_s,
+            "utilisation": self.busy_s / duration if duration > 0 else 0.0,
+            "mean_tokens_per_step": self.num_tokens / self.num_steps if self.num_steps else 0.0,
+            "max_running": self.max_running, "mixed_steps": self.num_mixed_steps,
+            "preemptions": s.num_preemptions_total, "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            "kv_installs_failed": self.num_kv_installs_failed,
+        }
+
+
+@dataclass
+class _Progress:
+    """The simulator's view of one logical request across instances."""
+
+    spec: SimRequest
+    prompt_token_ids: list[int]
+    token_times: list[float] = field(default_factory=list)
+    finished: Optional[float] = None
+    num_preemptions: int = 0
+    transfer_s: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class SimResult:
+    """Outcome of one simulation.
+
+    Attributes:
+        summary: The benchmark's summary (TTFT, TPOT, ITL, E2E, throughput, SLO attainment, goodput).
+        records: One record per request, in workload order.
+        instances: Per-instance counters (see :meth:`Instance.stats`).
+        num_preemptions: Preemptions over all instances.
+        mean_kv_transfer_s: Mean transfer time of disaggregated requests (0 when colocated).
+    """
+
+    summary: Summary
+    records: list[RequestRecord]
+    instances: list[dict]
+    num_preemptions: int
+    mean_kv_transfer_s: float
+
+    def to_dict(self, with_records: bool = False) -> dict:
+        d = {"summary": self.summary.to_dict(), "instances": self.instances,
+             "num_preemptions": self.num_preemptions, "mean_kv_transfer_s": self.mean_kv_transfer_s}
+        if with_records:
+            d["records"] = [r.to_dict() for r in self.records]
+        return d
+
+
+class Simulator:
+    """Heap-based event loop over the instances of a :class:`ClusterConfig`.
+
+    Args:
+        config: The cluster.
+        cost_model: Prices every instance's steps.
+        requests: The workload (any order; arrivals are queued by time).
+        slos: SLO limits in seconds for the summary (``"ttft"``, ``"tpot"``, ``"e2el"``).
+
+    Raises:
+        ValueError: on duplicate request ids or a bad config.
+    """
+
+    def __init__(self, config: ClusterConfig, cost_model: CostModel, requests: list[SimRequest],
+                 slos: Optional[dict[str, float]] = None) -> None:
+        if len({r.request_id for r in requests}) != len(requests):
+            raise ValueError("request ids must be unique")
+        self.config = config
+        self.requests = list(requests)
+        self.slos = dict(slos or {})
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Event]] = []
+        self._seq = itertools.count()
+        self._progress: dict[str, _Progress] = {}
+        d = config.disaggregation
+        if d is None:
+            self.front = [self._instance(f"replica{i}", "colocated", config.enable_prefix_caching, cost_model)
+                          for i in range(config.num_replicas)]
+            self.decode: list[Instance] = []
+        else:
+            self.front = [self._instance(f"prefill{i}", "prefill", config.enable_prefix_caching, cost_model)
+                          for i in range(d.num_prefill)]
+            self.decode = [self._instance(f"decode{i}", "decode", True, cost_model) for i in range(d.num_decode)]
+        self.instances = self.front + self.decode
+        self._round_robin = {"front": itertools.count(), "decode": itertools.count()}
+
+    def _instance(self, name: str, role: str, prefix_caching: bool, cost_model: CostModel) -> Instance:
+        return Instance(name, role, Scheduler(self.config.scheduler, self.config.cache, prefix_caching), cost_model)
+
+    # ------------------------------------------------------------------------------------------ loop
+    def push(self, event: Event) -> None:
+        """Queue an event (ties in time keep queueing order)."""
+        heapq.heappush(self._queue, (event.time, next(self._seq), event))
+
+    def run(self) -> SimResult:
+        """Simulate until every request has finished (or failed).
+
+        Raises:
+            RuntimeError: if a scheduler schedules nothing while it has unfinished requests.
+        """
+        for i, spec in enumerate(self.requests):
+            self.push(RequestArrival(spec.arrival, i))
+        while self._queue:
+            self.now = self._queue[0][0]
+            while self._queue and self._queue[0][0] == self.now:
+                heapq.heappop(self._queue)[2].apply(self)
+            for inst in self.instances:
+                if not inst.busy and inst.scheduler.has_unfinished_requests():
+                    self._start_step(inst)
+        return self._result()
+
+    def _start_step(self, inst: Instance) -> None:
+        out = inst.scheduler.schedule(self.now)
+        if out.is_empty:
+            raise RuntimeError(f"{inst.name}: requests are pending but the scheduler scheduled nothing")
+        step_s = inst.cost_model.step_time(out)
+        inst.busy = True
+        inst.num_steps += 1
+        inst.busy_s += step_s
+        inst.num_tokens += out.total_num_scheduled_tokens
+        inst.max_running = max(inst.max_running, inst.scheduler.num_running)
+        if out.num_decode_tokens and out.num_prefill_tokens:
+            inst.num_mixed_steps += 1
+        self.push(StepEnd(self.now + step_s, inst, out))
+
+    # ---------------------------------------------------------------------------------------- events
+    def on_request_arrival(self, ev: RequestArrival) -> None:
+        spec = self.requests[ev.index]
+        # Distinct ids per request: the trace carries no text, so no two prompts share a prefix.
+        base = (ev.index + 1) << 24
+        prog = _Progress(spec, list(range(base, base + spec.prompt_len)))
+        self._progress[spec.request_id] = prog
+        disaggregated = self.config.disaggregation is not None
+        max_tokens = 1 if disaggregated else spec.cap
+        req = _make_request(spec.request_id, prog.prompt_token_ids, max_tokens, self.now)
+        try:
+            self._route(self.front, "front").scheduler.add_request(req)
+        except ValueError as exc:
+            prog.error = str(exc)
+
+    def on_step_end(self, ev: StepEnd) -> None:
+        inst, out = ev.instance, ev.output
+        inst.busy = False
+        sampled = {s.request_id: self._next_token(s.request_id) for s in out.scheduled if s.sample}
+        finished = inst.scheduler.update_from_output(out, sampled, self.now)
+        for rid in sampled:
+            self._progress[rid].token_times.append(self.now)
+        for req in finished:
+            prog = self._progress[req.request_id]
+            prog.num_preemptions += req.num_preemptions
+            if inst.role == "prefill" and prog.spec.output_len > 1:
+                self._start_transfer(inst, prog)
+            else:
+                prog.finished = self.now
+
+    def _next_token(self, request_id: str) -> int:
+        prog = self._progress[request_id]
+        return SIM_EOS if len(prog.token_times) + 1 >= prog.spec.output_len else SIM_TOKEN
+
+    def _start_transfer(self, inst: Instance, prog: _Progress) -> None:
+        d = self.config.disaggregation
+        start = max(self.now, inst.link_free_at)
+        done = start + d.transfer_time(prog.spec.prompt_len)
+        inst.link_free_at = done
+        prog.transfer_s = done - self.now
+        target = self._route(self.decode, "decode")
+        target.num_incoming += 1
+        self.push(KVTransferDone(done, prog.spec.request_id, target))
+
+    def on_kv_transfer_done(self, ev: KVTransferDone) -> None:
+        prog = self._progress[ev.request_id]
+        spec = prog.spec
+        ev.instance.num_incoming -= 1
+        req = _make_request(spec.request_id, prog.prompt_token_ids + [SIM_TOKEN], spec.cap - 1, self.now)
+        if not _install_transferred_kv(ev.instance, req):
+            ev.instance.num_kv_installs_failed += 1
+        ev.instance.scheduler.add_request(req)
+
+    def _route(self, group: list[Instance], key: str) -> Instance:
+        if self.config.routing == "round-robin":
+            return group[next(self._round_robin[key]) % len(group)]
+        return min(group, key=lambda inst: inst.load)  # min() keeps the first (lowest index) on ties
+
+    # --------------------------------------------------------------------------------------- results
+    def _result(self) -> SimResult:
+        records = []
+        for spec in self.requests:
+            prog = self._progress.get(spec.request_id)
+            if prog is None or prog.finished is None:
+                error = prog.error if prog else "never arrived"
+                records.append(RequestRecord(arrival=spec.arrival, prompt_tokens=spec.prompt_len,
+                                             success=False, error=error or "unfinished"))
+                continue
+            records.append(record_from_timeline(spec.arrival, prog.token_times, prog.finished, spec.prompt_len,
+                                                len(prog.token_times), arrival=spec.arrival))
+        duration = max([p.finished for p in self._progress.values() if p.finished is not None], default=0.0)
+        transfers = [p.transfer_s for p in self._progress.values() if p.transfer_s > 0]
+        return SimResult(
+            summary=summarize(records, duration if duration > 0 else 1e-9, self.slos),
+            records=records,
+            instances=[inst.stats(duration) for inst in self.instances],
+            num_preemptions=sum(inst.scheduler.num_preemptions_total for inst in self.instances),
+            mean_kv_transfer_s=sum(transfers) / len(transfers) if transfers else 0.0,
+        )
+
+
+def _make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int, now: float) -> Request:
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(request_id, prompt_token_ids, params, arrival_time=now, eos_token_ids=(SIM_EOS,),
+                   max_tokens=max_tokens)
+
+
+def _install_transferred_kv(inst: Instance, req: Request) -> bool:
+    """Store a transferred prompt's full KV blocks in the instance's pool as cached, evictable blocks.
+
+    A stand-in request takes the blocks (which registers their hashes in the prefix cache, as written
+    blocks) and releases them at once; the real request, added next, finds them as a prefix hit.
+
+    Returns:
+        Whether the blocks fit the pool.
+    """
+    kv = inst.scheduler.kv_cache_manager
+    stand_in = _make_request(f"{req.request_id}/kv-transfer", req.all_token_ids, 1, req.times.arrival)
+    if kv.allocate_slots(stand_in, stand_in.num_tokens) is None:
+        return False
+    kv.free(stand_in)
+    return True

@@ -1,0 +1,278 @@
+"""The discrete-event simulator: it drives the engine's own Scheduler, keeps exact time, is deterministic,
+and reproduces the baselines' defining behaviours (fast: constant or roofline cost, tiny workloads)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import goodserve.sim
+from goodserve.cli import build_parser
+from goodserve.config import SCHEDULING_MODES, CacheConfig, SchedulerConfig
+from goodserve.request import Request
+from goodserve.sampling_params import SamplingParams
+from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from goodserve.scheduler.scheduler import Scheduler
+from goodserve.sim import simulator as simulator_module
+from goodserve.sim.cost_model import ConstantCostModel, LinearCostModel, RooflineCostModel, StepShape
+from goodserve.sim.hardware import get_hardware
+from goodserve.sim.planner import decode_step
+from goodserve.sim.presets import load_arch
+from goodserve.sim.profile import fit_linear
+from goodserve.sim.simulate_cli import build_workload, parse_disaggregate, parse_rates
+from goodserve.sim.simulator import ClusterConfig, Disaggregation, SimRequest, Simulator
+
+STEP = 0.1  # seconds per step under the constant cost model
+
+
+def cluster(mode: str = "chunked", num_blocks: int = 64, block_size: int = 4, budget: int = 64,
+            max_num_seqs: int = 16, **kw) -> ClusterConfig:
+    return ClusterConfig(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                         max_model_len=1024, mode=mode),
+                         CacheConfig(block_size=block_size, num_blocks=num_blocks), **kw)
+
+
+def simulate(config: ClusterConfig, requests: list[SimRequest], step_s: float = STEP, slos=None):
+    sim = Simulator(config, ConstantCostModel(step_s), requests, slos)
+    return sim, sim.run()
+
+
+def mixed_workload(n: int = 24) -> list[SimRequest]:
+    """Staggered arrivals, prompts of 5..40 tokens and outputs of 2..12 (deterministic)."""
+    return [SimRequest(f"q{i}", 0.05 * i, 5 + (7 * i) % 36, 2 + (5 * i) % 11) for i in range(n)]
+
+
+def assert_no_leak(sim: Simulator) -> None:
+    for inst in sim.instances:
+        kv = inst.scheduler.kv_cache_manager
+        kv.check_integrity()
+        assert kv.num_free_blocks == kv.num_blocks, inst.name
+        assert not inst.scheduler.has_unfinished_requests()
+
+
+# ----------------------------------------------------------------------------------------- structure
+def test_the_simulator_drives_the_engines_scheduler_and_defines_none_of_its_own():
+    assert simulator_module.Scheduler is Scheduler
+    sim_dir = Path(goodserve.sim.__file__).parent
+    own = [(f.name, node.name) for f in sim_dir.rglob("*.py")
+           for node in ast.walk(ast.parse(f.read_text())) if isinstance(node, ast.ClassDef)
+           and node.name.endswith("Scheduler")]
+    assert own == [], f"a simulator-only scheduler appeared: {own}"
+    sim = Simulator(cluster(), ConstantCostModel(STEP), [])
+    assert all(type(inst.scheduler) is Scheduler for inst in sim.instances)
+
+
+# --------------------------------------------------------------------------------------------- timing
+def test_exact_times_for_two_requests_that_do_not_overlap():
+    sim, res = simulate(cluster(), [SimRequest("a", 0.0, 4, 3), SimRequest("b", 0.5, 4, 3)])
+    a, b = res.records
+    assert a.ttft == pytest.approx(0.1) and a.e2e == pytest.approx(0.3)
+    assert a.itls == pytest.approx([0.1, 0.1])
+    assert b.ttft == pytest.approx(0.1) and b.e2e == pytest.approx(0.3)
+    assert res.summary.duration == pytest.approx(0.8)
+    assert sim.instances[0].num_steps == 6 and sim.instances[0].busy_s == pytest.approx(0.6)
+    assert_no_leak(sim)
+
+
+def test_a_request_arriving_mid_step_waits_for_the_next_step():
+    # a: prefill [0, .1], decodes [.1, .2], [.2, .3]. b arrives at .15, joins the step starting at .2.
+    sim, res = simulate(cluster(), [SimRequest("a", 0.0, 4, 3), SimRequest("b", 0.15, 4, 3)])
+    a, b = res.records
+    assert a.e2e == pytest.approx(0.3)
+    assert b.ttft == pytest.approx(0.3 - 0.15) and b.e2e == pytest.approx(0.5 - 0.15)
+    assert sim.instances[0].num_steps == 5  # a's third step carries b's prefill
+
+
+def test_simultaneous_arrival_and_step_end_share_the_next_step():
+    """Events of one instant are all applied before any step starts."""
+    sim, res = simulate(cluster(), [SimRequest("a", 0.0, 4, 2), SimRequest("b", 0.1, 4, 2)])
+    a, b = res.records
+    assert b.ttft == pytest.approx(0.1)  # its prefill rides with a's decode at t=0.1
+    assert sim.instances[0].num_steps == 3
+
+
+def test_ttft_includes_queueing_behind_a_full_batch():
+    sim, res = simulate(cluster(max_num_seqs=1), [SimRequest("a", 0.0, 4, 3), SimRequest("b", 0.0, 4, 3)])
+    assert [r.ttft for r in res.records] == pytest.approx([0.1, 0.4])
+
+
+def test_runs_are_deterministic_for_a_seed(tmp_path):
+    paths = []
+    for run in range(2):
+        path = tmp_path / f"run{run}.json"
+        args = build_parser().parse_args([
+            "simulate", "--model", "SmolLM2-135M", "--hardware", "h100", "--dataset", "random",
+            "--num-prompts", "30", "--random-input-len", "200", "--random-output-len", "20",
+            "--random-range-ratio", "0.5", "--request-rate", "50", "--seed", "3", "--num-blocks", "200",
+            "--scheduler", "chunked,paged", "--goodput", "ttft:50", "tpot:5", "--save-result", str(path)])
+        assert args.func(args) == 0
+        paths.append(path)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    runs = json.loads(paths[0].read_text())["runs"]
+    assert [r["label"] for r in runs] == ["chunked", "paged"]
+    assert all(len(r["requests"]) == 30 for r in runs)
+
+
+# ---------------------------------------------------------------------------------------------- modes
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_every_mode_finishes_the_workload_without_leaking_blocks(mode):
+    reqs = mixed_workload()
+    sim, res = simulate(cluster(mode, num_blocks=40, budget=32, max_num_seqs=8), reqs)
+    assert res.summary.completed == len(reqs)
+    assert [r.output_tokens for r in res.records] == [q.output_len for q in reqs]
+    assert_no_leak(sim)
+
+
+def test_reserve_never_preempts_and_runs_fewer_requests_at_once_than_chunked():
+    reqs = [SimRequest(f"q{i}", 0.0, 8, 40) for i in range(12)]  # 48 slots = 12 blocks each at the end
+    runs = {mode: simulate(cluster(mode, num_blocks=48, budget=64), reqs) for mode in ("reserve", "chunked")}
+    (reserve, r_res), (chunked, c_res) = runs["reserve"], runs["chunked"]
+    assert r_res.num_preemptions == 0
+    assert reserve.instances[0].max_running == 4  # 48 blocks / 12 reserved each
+    assert chunked.instances[0].max_running > reserve.instances[0].max_running
+    assert r_res.summary.completed == c_res.summary.completed == 12
+
+
+def test_a_larger_max_tokens_cap_only_shrinks_reserves_batch():
+    """Requests stop at their output length (EOS) whatever the cap; only ``reserve`` reserves the cap."""
+    def run(mode, cap):
+        reqs = [SimRequest(f"q{i}", 0.0, 8, 8, max_tokens=cap) for i in range(8)]
+        sim, res = simulate(cluster(mode, num_blocks=64, budget=64), reqs)
+        assert [r.output_tokens for r in res.records] == [8] * 8
+        assert_no_leak(sim)
+        return sim.instances[0].max_running
+
+    assert run("reserve", 8) == 8 and run("reserve", 56) == 4  # 16 vs 64 slots reserved per request
+    assert run("chunked", 8) == run("chunked", 56) == 8
+
+
+def test_paged_never_mixes_prefills_and_decodes_in_a_step():
+    reqs = mixed_workload()
+    paged, _ = simulate(cluster("paged", num_blocks=64, budget=48), reqs)
+    chunked, _ = simulate(cluster("chunked", num_blocks=64, budget=48), reqs)
+    assert paged.instances[0].num_mixed_steps == 0
+    assert chunked.instances[0].num_mixed_steps > 0
+
+
+# ------------------------------------------------------------------------------- cluster and transfer
+def test_disaggregation_adds_exactly_the_transfer_time_before_the_second_token():
+    req = [SimRequest("a", 0.0, 10, 4)]
+    _, colocated = simulate(cluster(), req)
+    d = Disaggregation(1, 1, link_bandwidth=1000.0, kv_bytes_per_token=50)  # 10 tokens -> 0.5 s
+    sim, disagg = simulate(cluster(disaggregation=d), req)
+    (c,), (g,) = colocated.records, disagg.records
+    assert g.ttft == pytest.approx(c.ttft)
+    assert g.itls[0] - c.itls[0] == pytest.approx(0.5)
+    assert g.itls[1:] == pytest.approx(c.itls[1:])
+    assert g.output_tokens == 4 and disagg.mean_kv_transfer_s == pytest.approx(0.5)
+    prefill, decode = sim.instances
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    assert decode.scheduler.kv_cache_manager.prefix_cache_hits == 8  # full blocks arrived, not recomputed
+    assert_no_leak(sim)
+
+
+def test_transfers_queue_on_a_prefill_instances_link():
+    d = Disaggregation(1, 2, link_bandwidth=1000.0, kv_bytes_per_token=50)
+    reqs = [SimRequest("a", 0.0, 10, 3), SimRequest("b", 0.0, 10, 3)]  # prefilled together, sent in turn
+    sim, res = simulate(cluster(disaggregation=d), reqs)
+    a, b = res.records
+    assert b.itls[0] - a.itls[0] == pytest.approx(0.5)
+    assert [inst.num_steps > 0 for inst in sim.instances] == [True, True, True]  # least-loaded spreads
+    assert_no_leak(sim)
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "least-loaded"])
+def test_replicas_share_the_load(routing):
+    reqs = [SimRequest(f"q{i}", 0.0, 8, 4) for i in range(6)]
+    sim, res = simulate(cluster(num_replicas=3, routing=routing), reqs)
+    assert [inst.num_steps for inst in sim.instances] == [4, 4, 4]
+    assert res.summary.completed == 6
+    assert_no_leak(sim)
+
+
+def test_a_request_too_large_for_the_pool_fails_and_is_counted():
+    sim, res = simulate(cluster(num_blocks=4), [SimRequest("big", 0.0, 30, 4), SimRequest("ok", 0.0, 4, 2)])
+    assert [r.success for r in res.records] == [False, True]
+    assert "KV blocks" in res.records[0].error
+    assert res.summary.failed == 1 and res.summary.attainment == 0.5
+
+
+def test_cluster_config_rejects_reserve_with_disaggregation():
+    with pytest.raises(ValueError, match="reserve"):
+        cluster("reserve", disaggregation=Disaggregation(1, 1, 1.0, 1))
+
+
+# ---------------------------------------------------------------------------------------- cost models
+def _step(*shapes: tuple[int, int, bool]) -> SchedulerOutput:
+    out = SchedulerOutput()
+    for i, (computed, new, sample) in enumerate(shapes):
+        req = Request(f"s{i}", [1] * (computed + new), SamplingParams(max_tokens=4), 0.0)
+        out.scheduled.append(ScheduledRequest(req, computed, new, [], sample))
+    return out
+
+
+def test_roofline_decode_step_matches_the_planners_decode_roofline():
+    arch, hw = load_arch("Llama-3-8B"), get_hardware("h100")
+    model = RooflineCostModel(arch, hw)
+    batch, context = 16, 2048
+    ours = model.step_time(_step(*[(context - 1, 1, True)] * batch))
+    assert ours == pytest.approx(decode_step(arch, hw, batch, context).step_s, rel=0.01)
+
+
+def test_roofline_prefill_is_compute_bound_and_attention_is_causal():
+    arch, hw = load_arch("Llama-3-8B"), get_hardware("h100")
+    model = RooflineCostModel(arch, hw)
+    shape = StepShape.of(_step((0, 2048, True)))
+    assert shape.attention_pairs == 2048 * 2049 // 2
+    gemm = model.gemm_time(shape)
+    assert gemm == pytest.approx(2 * 6.98e9 * 2048 / 989.4e12, rel=0.05)  # ~7B non-embedding GEMM params
+    # the weights are read once per step: doubling a decode batch costs far less than double
+    one = model.step_time(_step((1000, 1, True)))
+    two = model.step_time(_step((1000, 1, True), (1000, 1, True)))
+    assert two < 1.1 * one
+
+
+def test_linear_fit_recovers_known_coefficients():
+    truth = LinearCostModel(2e-3, 5e-5, 3e-4, 1e-9)
+    shapes = [StepShape(t, s, p, 0, s) for t, s, p in
+              [(1, 1, 100), (8, 8, 4000), (32, 32, 30000), (512, 1, 131328), (512, 0, 400000), (64, 60, 80000)]]
+    fit = fit_linear(shapes, [truth.predict(s) for s in shapes])
+    for name, value in truth.to_dict().items():
+        assert fit.to_dict()[name] == pytest.approx(value, rel=1e-6)
+
+
+def test_linear_cost_model_loads_a_profile(tmp_path):
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps({"coefficients": {"overhead_s": 0.01, "per_token_s": 0.001, "per_sampled_s": 0.0,
+                                                 "per_pair_s": 0.0}}))
+    model = LinearCostModel.load(path)
+    assert model.step_time(_step((0, 10, True))) == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="cannot read"):
+        LinearCostModel.load(tmp_path / "missing.json")
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_cli_parsers_and_trace_arrivals():
+    assert parse_disaggregate("2:1") == (2, 1)
+    with pytest.raises(ValueError):
+        parse_disaggregate("2")
+    assert parse_rates("1,inf")[1] == math.inf and math.isnan(parse_rates("trace")[0])
+    args = build_parser().parse_args(["simulate", "--model", "Llama-3-8B", "--dataset", "azure-code",
+                                      "--num-prompts", "5"])
+    reqs = build_workload(args, math.nan, 8192)
+    assert reqs[0].arrival == 0.0 and [r.arrival for r in reqs] == sorted(r.arrival for r in reqs)
+
+
+def test_cli_sweep_reports_the_highest_rate_meeting_the_slos(capsys, tmp_path):
+    args = build_parser().parse_args([
+        "simulate", "--model", "Llama-3-8B", "--hardware", "h100", "--dataset", "random", "--num-prompts", "40",
+        "--random-input-len", "512", "--random-output-len", "32", "--sweep", "1,4", "--goodput", "ttft:200",
+        "tpot:40", "--disaggregate", "1:1", "--plot", str(tmp_path / "sweep.png")])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "chunked-disagg: goodput 4 req/s" in text and "per instance" in text
+    assert (tmp_path / "sweep.png").stat().st_size > 0
