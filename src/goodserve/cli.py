@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_plan_parser(sub)
     from goodserve.server.serve_cli import add_serve_parser; add_serve_parser(sub)
+    from goodserve.sim.simulate_cli import add_simulate_parser; add_simulate_parser(sub)
+    from goodserve.sim.simulate_cli import add_profile_parser; add_profile_parser(sub)
     return parser
 
 
