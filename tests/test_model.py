@@ -103,3 +103,14 @@ def test_unknown_rope_scaling_is_refused():
     cfg = ModelConfig("llama", 10, 8, 8, 1, 1, 1, 8, 16, rope_scaling={"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
         rope_inv_freq(cfg)
+
+
+def test_decode_groups_bound_padding():
+    """Sorted decodes are cut where padding to the group's longest would exceed 25% of real blocks."""
+    from goodserve.runner.attention import group_decodes
+
+    assert group_decodes([1, 1, 1, 2, 2, 10, 10, 11]) == [(0, 3), (3, 5), (5, 8)]
+    assert group_decodes([4, 4, 4]) == [(0, 3)]
+    assert group_decodes([]) == []
+    with pytest.raises(ValueError, match="sorted"):
+        group_decodes([3, 1])

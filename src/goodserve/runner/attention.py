@@ -44,22 +44,63 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, attended in one call (padded to the group's longest).
+
+    Attributes:
+        start: Index of its first token in the flat batch.
+        end: One past its last token.
+        block_tables: ``[end - start, max_blocks]`` int64, padded with block 0.
+        mask: ``[end - start, 1, 1, max_blocks * block_size]`` bool, True on each request's ``seq_len``
+            valid positions (the new token included).
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+
+# A decode group's padded blocks may exceed its real blocks by at most this factor: decodes are padded
+# to the group's longest context, and on CPU the padded reads cost as much as real ones.
+MAX_DECODE_PADDING = 1.25
+
+
+def group_decodes(num_blocks: list[int], max_padding: float = MAX_DECODE_PADDING) -> list[tuple[int, int]]:
+    """Cut decodes, sorted by block count ascending, into ``[start, end)`` runs of bounded padding.
+
+    A run grows while ``count * longest <= max_padding * sum``; each run becomes one attention call.
+
+    Raises:
+        ValueError: if ``num_blocks`` is not sorted ascending.
+    """
+    if any(a > b for a, b in zip(num_blocks, num_blocks[1:])):
+        raise ValueError("decodes must be sorted by context length, shortest first")
+    groups, start, total = [], 0, 0
+    for i, n in enumerate(num_blocks):
+        if i > start and (i - start + 1) * n > max_padding * (total + n):
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    if num_blocks:
+        groups.append((start, len(num_blocks)))
+    return groups
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step inputs shared by every layer's attention.
 
     Attributes:
         slot_mapping: ``[num_tokens]`` int64 cache slot of each token of the flat batch.
         num_decodes: The first ``num_decodes`` tokens are one decode each.
-        decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0.
-        decode_mask: ``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True on each request's
-            ``seq_len`` valid positions (the new token included).
+        decode_groups: The decodes, cut into groups of similar context length.
         prefills: The prefill chunks that follow the decodes, in batch order.
     """
 
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_block_tables: Optional[torch.Tensor]
-    decode_mask: Optional[torch.Tensor]
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
     @classmethod
@@ -70,7 +111,8 @@ class AttentionMetadata:
 
         Args:
             block_size: Tokens per block.
-            decode_block_tables: Block table of each decode request, in batch order.
+            decode_block_tables: Block table of each decode request (trimmed to its context), in batch
+                order, sorted by length ascending.
             decode_seq_lens: Context length of each decode request including its new token.
             prefill_chunks: ``(num_computed_tokens, num_new_tokens, block_table)`` of each prefill chunk,
                 in batch order after the decodes.
@@ -78,14 +120,15 @@ class AttentionMetadata:
             device: Where the tensors live.
         """
         num_decodes = len(decode_block_tables)
-        dbt = dmask = None
-        if num_decodes:
-            max_blocks = max(len(t) for t in decode_block_tables)
-            dbt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_block_tables],
-                               dtype=torch.long, device=device)
-            seq_lens = torch.tensor(decode_seq_lens, dtype=torch.long, device=device)
+        groups = []
+        for start, end in group_decodes([len(t) for t in decode_block_tables]):
+            tables = decode_block_tables[start:end]
+            max_blocks = len(tables[-1])
+            dbt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=device)
+            seq_lens = torch.tensor(decode_seq_lens[start:end], dtype=torch.long, device=device)
             positions = torch.arange(max_blocks * block_size, device=device)
-            dmask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+            mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(start, end, dbt, mask))
         prefills = []
         start = num_decodes
         for num_computed, num_new, table in prefill_chunks:
@@ -98,7 +141,7 @@ class AttentionMetadata:
                 mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(PrefillChunk(start, start + num_new, num_computed, block_table, mask))
             start += num_new
-        return cls(slot_mapping, num_decodes, dbt, dmask, prefills)
+        return cls(slot_mapping, num_decodes, groups, prefills)
 
 
 class AttentionBackend(Protocol):
@@ -156,17 +199,19 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        nd = meta.num_decodes
-        if nd:
-            kd = _gather(k_cache, meta.decode_block_tables)  # [nd, num_kv_heads, ctx, head_dim]
-            vd = _gather(v_cache, meta.decode_block_tables)
-            qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-            if not meta.prefills:
-                return od.reshape(nd, num_heads, head_dim)
+        outs = []
+        for g in meta.decode_groups:
+            n = g.end - g.start
+            kd = _gather(k_cache, g.block_tables)  # [n, num_kv_heads, ctx, head_dim]
+            vd = _gather(v_cache, g.block_tables)
+            qd = q[g.start:g.end].reshape(n, num_kv_heads, group, head_dim)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
+            outs.append(od.reshape(n, num_heads, head_dim))
+        if len(outs) == 1 and not meta.prefills:
+            return outs[0]
         out = torch.empty_like(q)
-        if nd:
-            out[:nd] = od.reshape(nd, num_heads, head_dim)
+        for g, od in zip(meta.decode_groups, outs):
+            out[g.start:g.end] = od
         for chunk in meta.prefills:
             qp = q[chunk.start:chunk.end].transpose(0, 1)[None]  # [1, num_heads, n, head_dim]
             if chunk.mask is None:

@@ -90,7 +90,9 @@ class ModelRunner:
         """
         if scheduler_output.is_empty:
             return {}
-        decodes = [s for s in scheduler_output.scheduled if s.is_decode]
+        # Decodes shortest context first, so decodes of similar length share one attention call.
+        decodes = sorted((s for s in scheduler_output.scheduled if s.is_decode),
+                         key=lambda s: s.num_computed_tokens)
         prefills = [s for s in scheduler_output.scheduled if not s.is_decode]
         ordered: list[ScheduledRequest] = decodes + prefills
 
