@@ -36,7 +36,8 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
+                 cache_salt: Union[str, Sequence[Optional[str]], None] = None) -> list[RequestOutput]:
         """Generate for every prompt, continuously batched.
 
         Args:
@@ -44,6 +45,8 @@ class LLM:
             sampling_params: One for all prompts or one per prompt (default ``SamplingParams()``).
             use_tqdm: Show a progress bar with live prefill and decode tokens/s.
             priority: Per-prompt priority for the ``priority`` policy (lower first).
+            cache_salt: One prefix-cache salt for all prompts or one per prompt (``None`` entries: no
+                salt); only requests with the same salt share cached KV blocks.
 
         Returns:
             One finished ``RequestOutput`` per prompt, in the order given.
@@ -62,10 +65,17 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if cache_salt is None or isinstance(cache_salt, str):
+            salts = [cache_salt] * len(prompts)
+        else:
+            salts = list(cache_salt)
+            if len(salts) != len(prompts):
+                raise ValueError(f"got {len(salts)} cache salts for {len(prompts)} prompts")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                req = self.engine.add_request(prompt, params, priority=priority[i] if priority else 0)
+                req = self.engine.add_request(prompt, params, priority=priority[i] if priority else 0,
+                                              cache_salt=salts[i])
                 ids.append(req.request_id)
         except ValueError:
             self.engine.abort(ids)

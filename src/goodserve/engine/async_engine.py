@@ -190,7 +190,8 @@ class AsyncEngine:
 
     # --------------------------------------------------------------------------------------- requests
     async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                          request_id: Optional[str] = None, priority: int = 0) -> RequestStream:
+                          request_id: Optional[str] = None, priority: int = 0,
+                          cache_salt: Optional[str] = None) -> RequestStream:
         """Queue a request and wait (without blocking the loop) until the engine has accepted it.
 
         Args:
@@ -198,6 +199,7 @@ class AsyncEngine:
             params: Sampling parameters.
             request_id: Unique id; a random one when ``None``.
             priority: Lower runs first under the ``priority`` policy.
+            cache_salt: Prefix-cache isolation key (see :meth:`Engine.add_request`).
 
         Returns:
             The request's output stream.
@@ -210,8 +212,8 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = RequestStream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit("add", (prompt, params or SamplingParams(), request_id, priority, time.monotonic(),
-                             stream, future), is_add=True)
+        self._submit("add", (prompt, params or SamplingParams(), request_id, priority, cache_salt,
+                             time.monotonic(), stream, future), is_add=True)
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller went away while the engine was accepting it
@@ -220,7 +222,8 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, priority: int = 0,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes; aborts it if the consumer stops early.
 
         Validation happens on the first ``__anext__``, before any output is yielded.
@@ -228,7 +231,7 @@ class AsyncEngine:
         Raises:
             ValueError: as :meth:`add_request`.
         """
-        stream = await self.add_request(prompt, params, request_id, priority)
+        stream = await self.add_request(prompt, params, request_id, priority, cache_salt)
         try:
             async for out in stream:
                 yield out
@@ -310,11 +313,12 @@ class AsyncEngine:
         for kind, payload in commands:
             if kind == "add":
                 num_adds += 1
-                prompt, params, rid, priority, arrival, stream, future = payload
+                prompt, params, rid, priority, salt, arrival, stream, future = payload
                 if not future.set_running_or_notify_cancel():
                     continue  # the caller gave up before the engine saw it
                 try:
-                    engine.add_request(prompt, params, request_id=rid, arrival_time=arrival, priority=priority)
+                    engine.add_request(prompt, params, request_id=rid, arrival_time=arrival, priority=priority,
+                                       cache_salt=salt)
                 except ValueError as e:
                     future.set_exception(e)
                     continue

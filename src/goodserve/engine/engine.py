@@ -122,7 +122,7 @@ class Engine:
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, arrival_time: Optional[float] = None,
-                    priority: int = 0) -> Request:
+                    priority: int = 0, cache_salt: Optional[str] = None) -> Request:
         """Queue a request.
 
         Args:
@@ -131,6 +131,7 @@ class Engine:
             request_id: Unique id; generated when ``None``.
             arrival_time: Monotonic seconds; now when ``None``.
             priority: Lower runs first under the ``priority`` policy.
+            cache_salt: Prefix-cache isolation key: only requests with the same salt share KV blocks.
 
         Returns:
             The queued request.
@@ -155,7 +156,7 @@ class Engine:
         eos = () if params.ignore_eos else self.config.model.eos_token_ids
         request = Request(request_id, ids, params, arrival_time or time.monotonic(), priority=priority,
                           eos_token_ids=eos, max_tokens=max_tokens,
-                          prompt=prompt if isinstance(prompt, str) else None)
+                          prompt=prompt if isinstance(prompt, str) else None, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer.backend_tokenizer, ids, params.stop, params.skip_special_tokens)

@@ -180,7 +180,7 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
                            "NotFoundError", param="model", code="model_not_found")
 
     async def start(prompts: list[Union[str, list[int]]], params: list[SamplingParams], request_id: str,
-                    priority: int) -> list[_Sub]:
+                    priority: int, cache_salt: Optional[str] = None) -> list[_Sub]:
         """Add ``len(prompts) * len(params)`` engine requests; all accepted, or none (error raised)."""
         if max_waiting_requests is not None and engine.num_waiting_total() >= max_waiting_requests:
             raise APIError(429, f"The server is busy: {max_waiting_requests} requests are already waiting. "
@@ -188,7 +188,8 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         jobs = []
         for p, prompt in enumerate(prompts):
             for j, sp in enumerate(params):
-                jobs.append((p, j, engine.add_request(prompt, sp, f"{request_id}-{p * len(params) + j}", priority)))
+                jobs.append((p, j, engine.add_request(prompt, sp, f"{request_id}-{p * len(params) + j}", priority,
+                                                      cache_salt)))
         results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
@@ -323,7 +324,7 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         params = [body.build_params(body.max_tokens, body.logprobs, j) for j in range(body.n)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        subs = await start(prompts, params, rid, body.priority)
+        subs = await start(prompts, params, rid, body.priority, body.cache_salt)
         echo = {}
         if body.echo:
             for p, prompt in enumerate(prompts):
@@ -382,7 +383,7 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         prompt_ids = chat_prompt(body.conversation())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        subs = await start([prompt_ids], params, rid, body.priority)
+        subs = await start([prompt_ids], params, rid, body.priority, body.cache_salt)
 
         if not body.stream:
             if await collect(request, subs) is None:

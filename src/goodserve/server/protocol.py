@@ -2,9 +2,10 @@
 :class:`SamplingParams`.
 
 Field names and meanings follow the OpenAI API; ``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens`` and ``priority`` are extensions
-(as in vLLM). Unknown fields are ignored. Errors in values that pydantic cannot see (ranges, an empty
-prompt) surface as ``ValueError`` from :meth:`SamplingParams.validate` or the engine and become HTTP 400.
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``priority`` and ``cache_salt``
+(only requests with the same salt share prefix-cache blocks) are extensions (as in vLLM). Unknown fields
+are ignored. Errors in values that pydantic cannot see (ranges, an empty prompt) surface as ``ValueError``
+from :meth:`SamplingParams.validate` or the engine and become HTTP 400.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     priority: int = 0
+    cache_salt: Optional[str] = None
     user: Optional[str] = None
 
     @property
