@@ -26,11 +26,10 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from importlib import resources
-from typing import Optional
 
 import numpy as np
 
+from goodserve.bench.datasets import load_mooncake
 from goodserve.engine.args import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -93,25 +92,6 @@ def shared_system_workload(args: argparse.Namespace, vocab: int) -> list[Submiss
     return out
 
 
-def load_trace(path: Optional[str], n: int) -> list[dict]:
-    """The first ``n`` rows of a Mooncake trace (the packaged conversation trace by default)."""
-    if path is None:
-        src = resources.files("goodserve.bench") / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
-        f = src.open()
-    else:
-        f = open(path)
-    rows = []
-    with f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-                if len(rows) == n:
-                    break
-    if len(rows) < n:
-        raise ValueError(f"the trace has only {len(rows)} requests, asked for {n}")
-    return rows
-
-
 def mooncake_workload(args: argparse.Namespace, vocab: int, max_model_len: int,
                       block_size: int) -> tuple[list[Submission], float]:
     """Synthetic prompts with the trace's block sharing; also returns the ideal (unbounded-cache) hit rate.
@@ -121,21 +101,21 @@ def mooncake_workload(args: argparse.Namespace, vocab: int, max_model_len: int,
     and to ``trace_max_prompt_len``; outputs are scaled the same way. The ideal hit rate is computed at
     the engine's ``block_size``.
     """
-    rows = load_trace(args.trace, args.trace_requests)
+    rows = load_mooncake(args.trace_requests, path=args.trace)
     bt = args.trace_block_tokens
     scale = bt / 512
     blocks: dict[int, list[int]] = {}
     subs = []
-    for row in rows:
+    for spec, hash_ids in rows:
         ids: list[int] = []
-        for h in row["hash_ids"]:
+        for h in hash_ids:
             if h not in blocks:
                 blocks[h] = _random_ids(random.Random((args.workload_seed << 32) + h), bt, vocab)
             ids.extend(blocks[h])
-        out_len = max(1, round(row["output_length"] * scale))
-        n = max(1, min(math.ceil(row["input_length"] * scale), len(ids), args.trace_max_prompt_len,
+        out_len = max(1, round(spec.output_len * scale))
+        n = max(1, min(math.ceil(spec.prompt_len * scale), len(ids), args.trace_max_prompt_len,
                        max_model_len - out_len))
-        subs.append(Submission(row["timestamp"] / 1000 * args.trace_time_scale, ids[:n], out_len))
+        subs.append(Submission(spec.arrival * args.trace_time_scale, ids[:n], out_len))
     return subs, ideal_hit_rate([s.prompt for s in subs], block_size)
 
 
