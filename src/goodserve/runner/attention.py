@@ -165,31 +165,64 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Read blocks into a contiguous run.
+def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Read blocks into a contiguous run, token-major.
 
     Args:
         cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         block_table: ``[..., nb]`` block ids.
 
     Returns:
-        ``[..., num_kv_heads, nb * block_size, head_dim]`` (a transposed view of one ``index_select`` copy,
-        which is about ten times faster on CPU than advanced indexing of the 4-D cache).
+        ``[..., nb * block_size, num_kv_heads, head_dim]``, contiguous: one ``index_select`` copy, which
+        is about ten times faster on CPU than advanced indexing of the 4-D cache.
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_table.reshape(-1))
     ctx = block_table.shape[-1] * block_size
-    return rows.view(*block_table.shape[:-1], ctx, num_kv_heads, head_dim).transpose(-3, -2)
+    return rows.view(*block_table.shape[:-1], ctx, num_kv_heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """:func:`_gather_rows` as a head-major view: ``[..., num_kv_heads, nb * block_size, head_dim]``."""
+    return _gather_rows(cache, block_table).transpose(-3, -2)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query token per request over its gathered context, as two batched matmuls.
+
+    PyTorch's fused CPU attention kernel is built for blocks of queries; with the few query heads of one
+    decode token per KV head it runs at a small fraction of matmul speed. Here the scores of all query
+    heads against all KV heads come from one ``bmm`` over the contiguous token-major context (``num_kv_heads``
+    times the FLOPs, but streaming the KV once), the diagonal KV head of each query head is kept, the
+    softmax runs in float32, and the weighted sum of values is a second batched matmul.
+
+    Args:
+        q: ``[n, num_heads, head_dim]``.
+        k: ``[n, ctx, num_kv_heads, head_dim]`` contiguous.
+        v: ``[n, ctx, num_kv_heads, head_dim]`` contiguous.
+        mask: ``[n, 1, 1, ctx]`` bool, True on valid positions.
+
+    Returns:
+        ``[n, num_heads, head_dim]``.
+    """
+    n, ctx, num_kv_heads, head_dim = k.shape
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    scores = torch.bmm(q, k.view(n, ctx * num_kv_heads, head_dim).transpose(1, 2))  # [n, heads, ctx * kv]
+    scores = torch.diagonal(scores.view(n, num_kv_heads, group, ctx, num_kv_heads), dim1=1, dim2=4)
+    scores = scores.permute(0, 3, 1, 2).float() * (head_dim ** -0.5)  # [n, num_kv_heads, group, ctx]
+    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v.transpose(1, 2))  # [n, num_kv_heads, group, head_dim]
+    return out.reshape(n, num_heads, head_dim)
 
 
 class TorchAttentionBackend:
     """Portable paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Every call is shaped so that PyTorch's fused CPU kernel (flash attention for CPU) takes it rather than
-    the unfused math path, which is several times slower: 4-D inputs and no ``enable_gqa``. Decodes group
-    the ``num_heads // num_kv_heads`` query heads that share a KV head into the query-length axis
-    (``[nd, num_kv_heads, group, head_dim]``), so the gathered KV is read once and never repeated;
-    prefill chunks repeat K/V per query head (a copy linear in the chunk, small next to its attention).
+    Prefill chunks are shaped so that PyTorch's fused CPU kernel (flash attention for CPU) takes them rather
+    than the unfused math path, which is several times slower: 4-D inputs and no ``enable_gqa``, K/V
+    repeated per query head (a copy linear in the chunk, small next to its attention). Decodes, one query
+    per request, use :func:`decode_attention` (batched matmuls), faster than that kernel for them.
     """
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -202,11 +235,9 @@ class TorchAttentionBackend:
         outs = []
         for g in meta.decode_groups:
             n = g.end - g.start
-            kd = _gather(k_cache, g.block_tables)  # [n, num_kv_heads, ctx, head_dim]
-            vd = _gather(v_cache, g.block_tables)
-            qd = q[g.start:g.end].reshape(n, num_kv_heads, group, head_dim)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
-            outs.append(od.reshape(n, num_heads, head_dim))
+            kd = _gather_rows(k_cache, g.block_tables)  # [n, ctx, num_kv_heads, head_dim]
+            vd = _gather_rows(v_cache, g.block_tables)
+            outs.append(decode_attention(q[g.start:g.end], kd, vd, g.mask))
         if len(outs) == 1 and not meta.prefills:
             return outs[0]
         out = torch.empty_like(q)
