@@ -6,9 +6,10 @@ Kwon et al. 2023, §4.1): a token at position ``p`` of a request lives in slot
 slots (``slot_mapping``), then lets every query attend to all earlier tokens of its own request.
 
 The batch is laid out decodes first, then prefill chunks (``AttentionMetadata.build`` does the ordering
-contract with the model runner). Decodes are attended together in one vectorised call over their gathered
-context, padded to the longest and masked; each prefill chunk is attended on its own, causally, over its
-cached context plus its own tokens — a chunk with no cached context never touches the cache for reading.
+contract with the model runner). Decodes, sorted by context length, are cut into groups of bounded
+padding and each group is attended in one vectorised call over its gathered, masked context; each prefill
+chunk is attended on its own, causally, over its cached context plus its own tokens — a chunk with no
+cached context never touches the cache for reading.
 
 ``AttentionBackend`` is the interface a fused kernel (e.g. a CUDA paged-attention kernel) replaces;
 ``TorchAttentionBackend`` is the portable, vectorised PyTorch reference.
@@ -30,15 +31,13 @@ class PrefillChunk:
     Attributes:
         start: Index of its first token in the flat batch.
         end: One past its last token.
-        num_computed_tokens: Tokens of this request already in the cache (its context before the chunk).
-        block_table: ``[num_blocks_for_request]`` block ids (only used when ``num_computed_tokens > 0``).
+        block_table: ``[num_blocks_for_request]`` block ids, or ``None`` when the chunk has no cached context.
         mask: ``[num_new, num_computed + num_new]`` bool, True where a query may attend; ``None`` when the
             chunk has no cached context (plain causal attention).
     """
 
     start: int
     end: int
-    num_computed_tokens: int
     block_table: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
 
@@ -139,7 +138,7 @@ class AttentionMetadata:
                 q_pos = torch.arange(num_computed, num_computed + num_new, device=device)
                 k_pos = torch.arange(num_computed + num_new, device=device)
                 mask = k_pos[None, :] <= q_pos[:, None]
-            prefills.append(PrefillChunk(start, start + num_new, num_computed, block_table, mask))
+            prefills.append(PrefillChunk(start, start + num_new, block_table, mask))
             start += num_new
         return cls(slot_mapping, num_decodes, groups, prefills)
 
