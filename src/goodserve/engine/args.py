@@ -19,6 +19,9 @@ _GIB = 1 << 30
 class EngineArgs:
     """User-facing engine knobs; ``None`` means "pick a sensible default".
 
+    Raises:
+        ValueError: on an unknown dtype, device, policy or mode, a size below 1, or a negative interval.
+
     Attributes:
         model: GGUF file or HF model directory; ``None`` is the default model (SmolLM2-135M-Instruct).
         dtype: ``"bfloat16"`` (default: faster on this class of CPU and on GPUs) or ``"float32"``.
@@ -64,6 +67,13 @@ class EngineArgs:
                              f"got {self.scheduling_policy!r}")
         if self.scheduler not in SCHEDULING_MODES:
             raise ValueError(f"scheduler must be one of {SCHEDULING_MODES}, got {self.scheduler!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "kv_cache_memory",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.log_stats_interval >= 0:
+            raise ValueError(f"log_stats_interval must be >= 0 seconds, got {self.log_stats_interval!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
