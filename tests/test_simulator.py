@@ -23,6 +23,7 @@ from goodserve.sim.hardware import get_hardware
 from goodserve.sim.planner import decode_step
 from goodserve.sim.presets import load_arch
 from goodserve.sim.profile import fit_linear
+from goodserve.engine.step_trace import TracedStep
 from goodserve.sim.simulate_cli import build_workload, parse_disaggregate, parse_rates
 from goodserve.sim.simulator import ClusterConfig, Disaggregation, SimRequest, Simulator
 
@@ -243,6 +244,40 @@ def test_linear_fit_recovers_known_coefficients():
     fit = fit_linear(shapes, [truth.predict(s) for s in shapes])
     for name, value in truth.to_dict().items():
         assert fit.to_dict()[name] == pytest.approx(value, rel=1e-6)
+
+
+def test_profile_fits_a_servers_step_trace(tmp_path, capsys):
+    """``goodserve profile --from-step-trace`` fits each step's whole serving-loop cycle, not ``step_s``."""
+    truth = LinearCostModel(2e-3, 5e-5, 3e-4, 1e-9)
+    shapes = [StepShape(t, s, p, p, s) for t, s, p in
+              [(1, 1, 100), (8, 8, 4000), (32, 32, 30000), (512, 1, 131328), (512, 0, 400000), (64, 60, 80000)]]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(TracedStep(0.1 * i, truth.predict(s), truth.predict(s) / 2, False, s).to_json() + "\n"
+                             for i, s in enumerate(shapes)))
+    out = tmp_path / "fit.json"
+    args = build_parser().parse_args(["profile", "--from-step-trace", str(trace), "--output", str(out)])
+    assert args.func(args) == 0
+    fit = LinearCostModel.load(out)
+    for name, value in truth.to_dict().items():
+        assert getattr(fit, name) == pytest.approx(value, rel=1e-5)
+    assert json.loads(out.read_text())["grid"] == {"step_traces": [str(trace)]}
+    assert "6 steps" in capsys.readouterr().out
+
+
+def test_simulate_clips_lengths_and_draws_arrivals_as_the_benchmark_does():
+    """The same flags give ``goodserve bench serve`` and ``goodserve simulate`` the same workload."""
+    from goodserve.bench import datasets
+    from goodserve.bench.arrivals import gamma_arrivals
+
+    args = build_parser().parse_args(["simulate", "--model", "SmolLM2-135M", "--dataset", "azure-conv",
+                                      "--num-prompts", "30", "--max-input-len", "512", "--max-output-len", "128",
+                                      "--trace-start", "5", "--seed", "3"])
+    sim = build_workload(args, 2.0, 8192)
+    bench = datasets.build_workload("azure-conv", 30, tokenizer=None, vocab_size=49152, max_model_len=8192,
+                                    max_input_len=512, max_output_len=128, start=5, seed=3)
+    assert [(r.prompt_len, r.output_len) for r in sim] == [(b.prompt_len, b.output_len) for b in bench]
+    assert max(r.prompt_len for r in sim) == 512 and max(r.output_len for r in sim) == 128
+    assert [r.arrival for r in sim] == gamma_arrivals(30, 2.0, 1.0, seed=3)
 
 
 def test_linear_cost_model_loads_a_profile(tmp_path):

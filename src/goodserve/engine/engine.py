@@ -22,6 +22,7 @@ from goodserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from goodserve.request import Request, RequestStatus
 from goodserve.runner.model_runner import DTYPES, ModelRunner
 from goodserve.sampling_params import SamplingParams
+from goodserve.scheduler.output import SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache,
                                    enable_prefix_caching=args.enable_prefix_caching)
         self.stats = EngineStats(args.log_stats_interval)
+        self.last_schedule: Optional[SchedulerOutput] = None  # what the latest non-empty step computed
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]]]] = {}
         self._counter = 0
@@ -217,6 +219,7 @@ class Engine:
                 self._detokenizers.pop(req.request_id, None)
                 self._logprobs.pop(req.request_id, None)
         self.stats.record_step(sched, now - t0, self.scheduler)
+        self.last_schedule = sched
         return outputs
 
     def _make_output(self, req: Request) -> RequestOutput:

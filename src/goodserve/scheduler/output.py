@@ -1,5 +1,5 @@
 """The scheduler's decision for one step: the only thing the model runner (or the simulator's cost model)
-receives."""
+receives; and its :class:`StepShape`, the few figures that decide what the step costs."""
 
 from __future__ import annotations
 
@@ -69,3 +69,49 @@ class SchedulerOutput:
     def num_decode_tokens(self) -> int:
         """Tokens of decode steps in this step."""
         return sum(1 for s in self.scheduled if s.is_decode)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The figures of one step that decide its cost.
+
+    Attributes:
+        num_tokens: Tokens computed (prefill chunks + decodes).
+        num_sampled: Requests that sample a token (LM head rows).
+        attention_pairs: Causal query-key pairs, summed over requests:
+            ``sum(n · c + n · (n + 1) / 2)`` for ``n`` new tokens after ``c`` cached ones.
+        kv_tokens_read: Context tokens whose K/V attention reads: ``sum(c + n)``.
+        num_seqs: Requests in the step.
+    """
+
+    num_tokens: int
+    num_sampled: int
+    attention_pairs: int
+    kv_tokens_read: int
+    num_seqs: int
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> "StepShape":
+        """The shape of one scheduler decision."""
+        tokens = sampled = pairs = kv = 0
+        for s in out.scheduled:
+            n, c = s.num_new_tokens, s.num_computed_tokens
+            tokens += n
+            sampled += s.sample
+            pairs += n * c + n * (n + 1) // 2
+            kv += c + n
+        return cls(tokens, sampled, pairs, kv, len(out.scheduled))
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.num_tokens, "sampled": self.num_sampled, "attention_pairs": self.attention_pairs,
+                "kv_tokens_read": self.kv_tokens_read, "seqs": self.num_seqs}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepShape":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            KeyError, TypeError, ValueError: if a field is missing or not an integer.
+        """
+        return cls(int(d["tokens"]), int(d["sampled"]), int(d["attention_pairs"]), int(d["kv_tokens_read"]),
+                   int(d["seqs"]))

@@ -22,6 +22,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="answer 429 while this many requests wait (default: no limit)")
     g.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput counters")
     g.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput counters")
+    g.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="write one JSON line per engine step (shape and seconds), for `goodserve profile "
+                        "--from-step-trace`")
     p.set_defaults(func=run_serve)
     return p
 
@@ -43,7 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
-    engine = AsyncEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = AsyncEngine.from_engine_args(EngineArgs.from_cli_args(args), step_trace=args.step_trace)
     app = build_app(engine, served_model_name=args.served_model_name,
                     max_waiting_requests=args.max_waiting_requests, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
     logger.info("serving %s on http://%s:%d/v1", app.state.served_model_name, args.host, args.port)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
 
-from goodserve.scheduler.output import SchedulerOutput
+from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.sim.hardware import HardwareSpec
 from goodserve.sim.planner import decode_bytes, dtype_bytes, kv_bytes_per_token, param_count
 from goodserve.sim.presets import ArchSpec
@@ -40,37 +40,6 @@ class CostModel(Protocol):
     def step_time(self, out: SchedulerOutput) -> float:
         """Seconds the model takes to compute ``out`` (including the fixed per-step overhead)."""
         ...
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The figures of one step that decide its cost.
-
-    Attributes:
-        num_tokens: Tokens computed (prefill chunks + decodes).
-        num_sampled: Requests that sample a token (LM head rows).
-        attention_pairs: Causal query-key pairs, summed over requests:
-            ``sum(n · c + n · (n + 1) / 2)`` for ``n`` new tokens after ``c`` cached ones.
-        kv_tokens_read: Context tokens whose K/V attention reads: ``sum(c + n)``.
-        num_seqs: Requests in the step.
-    """
-
-    num_tokens: int
-    num_sampled: int
-    attention_pairs: int
-    kv_tokens_read: int
-    num_seqs: int
-
-    @classmethod
-    def of(cls, out: SchedulerOutput) -> "StepShape":
-        tokens = sampled = pairs = kv = 0
-        for s in out.scheduled:
-            n, c = s.num_new_tokens, s.num_computed_tokens
-            tokens += n
-            sampled += s.sample
-            pairs += n * c + n * (n + 1) // 2
-            kv += c + n
-        return cls(tokens, sampled, pairs, kv, len(out.scheduled))
 
 
 class ConstantCostModel:

@@ -12,7 +12,7 @@ weighs as much as a 500 ms prefill) of::
     step_s = overhead + per_token · tokens + per_sampled · sampled + per_pair · attention_pairs
 
 with ``attention_pairs`` the causal query-key pairs of the step (see
-:class:`~goodserve.sim.cost_model.StepShape`). A coefficient that comes out negative is dropped (set to 0)
+:class:`~goodserve.scheduler.output.StepShape`). A coefficient that comes out negative is dropped (set to 0)
 and the rest refitted, so the model never predicts a cheaper step for more work.
 """
 
@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence, TextIO
 
-from goodserve.sim.cost_model import LinearCostModel, StepShape
+from goodserve.engine.step_trace import read_step_trace
+from goodserve.scheduler.output import StepShape
+from goodserve.sim.cost_model import LinearCostModel
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=8, help="tokens each request decodes")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget (prefill chunk size)")
     p.add_argument("--output", default="cpu-local-cost-model.json", help="where to write the fit (JSON)")
+    p.add_argument("--from-step-trace", nargs="+", default=None, metavar="FILE",
+                   help="fit to the steps of `goodserve serve --step-trace` files instead of timing a grid "
+                        "(each step's whole serving-loop cycle, so the fit includes the server's overhead)")
 
 
 def _features(shape: StepShape) -> list[float]:
@@ -129,7 +134,13 @@ def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     batches = [int(x) for x in args.batch_sizes.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     t0 = time.perf_counter()
-    samples = profile(args.model, args.dtype, batches, contexts, args.decode_steps, args.max_num_batched_tokens)
+    if args.from_step_trace:
+        samples = [(step.shape, step.cycle_s) for path in args.from_step_trace for step in read_step_trace(path)]
+        grid = {"step_traces": list(args.from_step_trace)}
+    else:
+        samples = profile(args.model, args.dtype, batches, contexts, args.decode_steps, args.max_num_batched_tokens)
+        grid = {"batch_sizes": batches, "contexts": contexts, "decode_steps": args.decode_steps,
+                "max_num_batched_tokens": args.max_num_batched_tokens}
     shapes, seconds = [s for s, _ in samples], [t for _, t in samples]
     fit = fit_linear(shapes, seconds)
     errors = sorted(abs(fit.predict(s) / t - 1) for s, t in samples)
@@ -139,8 +150,7 @@ def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
         "fit": {"num_steps": len(samples), "median_abs_rel_error": errors[len(errors) // 2],
                 "p90_abs_rel_error": errors[int(0.9 * (len(errors) - 1))], "max_abs_rel_error": errors[-1],
                 "profile_wall_s": time.perf_counter() - t0},
-        "grid": {"batch_sizes": batches, "contexts": contexts, "decode_steps": args.decode_steps,
-                 "max_num_batched_tokens": args.max_num_batched_tokens},
+        "grid": grid,
         "samples": [{"tokens": s.num_tokens, "sampled": s.num_sampled, "attention_pairs": s.attention_pairs,
                      "seconds": t, "predicted": fit.predict(s)} for s, t in samples],
     }

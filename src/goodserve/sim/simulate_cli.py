@@ -17,6 +17,7 @@ import time
 from typing import Any, Optional, TextIO
 
 from goodserve.bench.arrivals import poisson_arrivals
+from goodserve.bench.datasets import clip_specs
 from goodserve.bench.metrics import parse_slos
 from goodserve.bench.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
 from goodserve.bench.workloads import AZURE_FILES, load_azure, random_lengths
@@ -54,6 +55,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--random-input-len", type=int, default=1024)
     w.add_argument("--random-output-len", type=int, default=128)
     w.add_argument("--random-range-ratio", type=float, default=0.0)
+    w.add_argument("--max-input-len", type=int, default=None, help="clip prompts to this many tokens")
+    w.add_argument("--max-output-len", type=int, default=None, help="clip outputs to this many tokens")
+    w.add_argument("--trace-start", type=int, default=0, help="first row of an Azure trace")
     w.add_argument("--seed", type=int, default=0, help="seed of arrivals and random lengths")
     w.add_argument("--max-tokens", default="exact", choices=MAX_TOKENS_POLICIES,
                    help="max_tokens each client asks for: exact (the output length, an oracle), pow2 (next power "
@@ -139,16 +143,18 @@ def parse_rates(text: str) -> list[float]:
 
 
 def build_workload(args: argparse.Namespace, rate: float, max_model_len: int) -> list[SimRequest]:
-    """The requests of one run: the dataset's lengths with Poisson arrivals at ``rate`` (or the trace's).
+    """The requests of one run: the dataset's lengths, clipped as ``goodserve bench`` clips them, with Poisson
+    arrivals at ``rate`` (or the trace's). The same flags and seed give ``goodserve bench serve``'s workload.
 
     Raises:
-        ValueError: ``trace`` arrivals asked of the random dataset.
+        ValueError: ``trace`` arrivals asked of the random dataset, or a bad clipping limit.
     """
     if args.dataset == "random":
         specs = random_lengths(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, seed=args.seed)
     else:
-        specs = load_azure(args.dataset, args.num_prompts, max_model_len)
+        specs = load_azure(args.dataset, args.num_prompts, max_model_len, args.trace_start)
+    specs = clip_specs(specs, max_model_len, args.max_input_len, args.max_output_len)
     if math.isnan(rate):
         if args.dataset == "random":
             raise ValueError("--request-rate trace needs an Azure dataset")
@@ -157,11 +163,9 @@ def build_workload(args: argparse.Namespace, rate: float, max_model_len: int) ->
         arrivals = poisson_arrivals(len(specs), rate, seed=args.seed)
     requests = []
     for i, (s, t) in enumerate(zip(specs, arrivals)):
-        output_len = max(1, min(s.output_len, max_model_len // 2))  # clipped as load_azure does
-        prompt_len = max(1, min(s.prompt_len, max_model_len - output_len))
-        cap = {"exact": output_len, "pow2": 1 << (output_len - 1).bit_length(),
-               "max": max_model_len - prompt_len}[args.max_tokens]
-        requests.append(SimRequest(f"req-{i}", t, prompt_len, output_len, min(cap, max_model_len - prompt_len)))
+        cap = {"exact": s.output_len, "pow2": 1 << (s.output_len - 1).bit_length(),
+               "max": max_model_len - s.prompt_len}[args.max_tokens]
+        requests.append(SimRequest(f"req-{i}", t, s.prompt_len, s.output_len, min(cap, max_model_len - s.prompt_len)))
     return requests
 
 

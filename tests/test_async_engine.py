@@ -1,0 +1,98 @@
+"""The engine thread of the server: the engine is built on it, build errors reach the caller, and the step
+trace records every step's shape (read back by ``goodserve profile --from-step-trace``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from goodserve.engine.args import EngineArgs
+from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.engine import Engine
+from goodserve.engine.step_trace import read_step_trace
+from goodserve.sampling_params import SamplingParams
+from tiny_models import make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama"))
+
+
+def _args(model: str, **kw) -> EngineArgs:
+    return EngineArgs(model=model, dtype="float32", num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                      enable_prefix_caching=False, log_stats_interval=0, **kw)
+
+
+def test_engine_is_built_and_stepped_on_the_engine_thread(tiny_model):
+    """All torch work on one thread: a second thread's OpenMP pool made CPU steps ~1.8x slower."""
+    threads = []
+
+    def build() -> Engine:
+        threads.append(threading.current_thread().name)
+        return Engine(_args(tiny_model))
+
+    eng = AsyncEngine(build=build)
+    try:
+        assert threads == ["goodserve-engine"]
+        assert eng.max_model_len == eng.engine.max_model_len and eng.tokenizer is eng.engine.tokenizer
+        assert eng.call(lambda e: threading.current_thread().name) == "goodserve-engine"
+    finally:
+        eng.shutdown()
+
+
+def test_build_error_reaches_the_caller(tiny_model):
+    with pytest.raises(FileNotFoundError):
+        AsyncEngine.from_engine_args(EngineArgs(model=str(tiny_model) + "-missing"))
+    with pytest.raises(ValueError, match="not both or neither"):
+        AsyncEngine()
+
+
+def test_step_trace_records_every_step(tiny_model, tmp_path):
+    """A 10-token prompt with a budget of 8 tokens and 3 output tokens: chunks of 8 and 2 (the second
+    samples), then 2 decodes; the trace has exactly those 4 steps."""
+    path = tmp_path / "trace.jsonl"
+    eng = AsyncEngine.from_engine_args(_args(tiny_model), step_trace=str(path))
+
+    async def run() -> list:
+        outs = []
+        async for out in eng.generate(list(range(100, 110)), SamplingParams(max_tokens=3, ignore_eos=True)):
+            outs.append(out)
+        return outs
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        eng.shutdown()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    steps = read_step_trace(path)
+    shapes = [(s.shape.num_tokens, s.shape.num_sampled, s.shape.attention_pairs, s.shape.kv_tokens_read)
+              for s in steps]
+    # pairs: n*c + n(n+1)/2 -> 36, 2*8+3 = 19, 11, 12; KV read: c + n
+    assert shapes == [(8, 0, 36, 8), (2, 1, 19, 10), (1, 1, 11, 11), (1, 1, 12, 12)]
+    assert all(s.cycle_s >= s.step_s > 0 for s in steps)
+    assert steps[0].after_idle and not any(s.after_idle for s in steps[1:])
+    assert [s.t for s in steps] == sorted(s.t for s in steps)
+
+
+@pytest.mark.parametrize("field, value", [("block_size", 0), ("num_blocks", 0), ("max_num_seqs", -1),
+                                          ("max_num_batched_tokens", 1.5), ("kv_cache_memory", 0),
+                                          ("max_model_len", 0), ("log_stats_interval", -1.0)])
+def test_engine_args_reject_bad_sizes(field, value):
+    """Caught before the model loads, with the flag's name (a block size of 0 used to divide by zero)."""
+    with pytest.raises(ValueError, match=field):
+        EngineArgs(**{field: value})
+
+
+def test_read_step_trace_names_the_bad_line(tmp_path):
+    good = {"t": 0.0, "cycle_s": 0.02, "step_s": 0.019, "after_idle": False, "tokens": 1, "sampled": 1,
+            "attention_pairs": 5, "kv_tokens_read": 5, "seqs": 1}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "tokens": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: not a step-trace line"):
+        read_step_trace(path)
+    with pytest.raises(ValueError, match="cannot read step trace"):
+        read_step_trace(tmp_path / "missing.jsonl")
