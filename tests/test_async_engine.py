@@ -4,7 +4,10 @@ trace records every step's shape (read back by ``goodserve profile --from-step-t
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import platform
+import sys
 import threading
 
 import pytest
@@ -12,6 +15,7 @@ import pytest
 from goodserve.engine.args import EngineArgs
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.engine import Engine
+from goodserve.engine.host import freeze_startup_objects, retain_freed_memory
 from goodserve.engine.step_trace import read_step_trace
 from goodserve.sampling_params import SamplingParams
 from tiny_models import make_tiny_hf_model
@@ -96,3 +100,14 @@ def test_read_step_trace_names_the_bad_line(tmp_path):
         read_step_trace(path)
     with pytest.raises(ValueError, match="cannot read step trace"):
         read_step_trace(tmp_path / "missing.jsonl")
+
+
+def test_serving_process_settings():
+    """glibc keeps freed memory (no page faults per step) and startup objects leave the GC's view."""
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert retain_freed_memory() is True
+    try:
+        frozen = freeze_startup_objects()
+        assert frozen == gc.get_freeze_count() > 10_000  # modules, torch, the test session
+    finally:
+        gc.unfreeze()

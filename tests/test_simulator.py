@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 import goodserve.sim
 from goodserve.cli import build_parser
 from goodserve.config import SCHEDULING_MODES, CacheConfig, SchedulerConfig
+from goodserve.engine.step_trace import TracedStep
 from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -23,7 +25,7 @@ from goodserve.sim.hardware import get_hardware
 from goodserve.sim.planner import decode_step
 from goodserve.sim.presets import load_arch
 from goodserve.sim.profile import fit_linear
-from goodserve.engine.step_trace import TracedStep
+from goodserve.sim.replay import load_bench_runs
 from goodserve.sim.simulate_cli import build_workload, parse_disaggregate, parse_rates
 from goodserve.sim.simulator import ClusterConfig, Disaggregation, SimRequest, Simulator
 
@@ -278,6 +280,35 @@ def test_simulate_clips_lengths_and_draws_arrivals_as_the_benchmark_does():
     assert [(r.prompt_len, r.output_len) for r in sim] == [(b.prompt_len, b.output_len) for b in bench]
     assert max(r.prompt_len for r in sim) == 512 and max(r.output_len for r in sim) == 128
     assert [r.arrival for r in sim] == gamma_arrivals(30, 2.0, 1.0, seed=3)
+
+
+def test_replay_simulates_the_measured_requests_and_reports_errors(tmp_path, capsys):
+    """Two measured requests (sent at 0 and 0.5 s, 4 prompt and 3 output tokens) replayed with 100 ms steps:
+    simulated TTFT 100 ms and TPOT 100 ms exactly, against measured 125 ms and 80 ms."""
+    from goodserve.bench.metrics import RequestRecord, summarize
+    from goodserve.bench.report import RunResult, save_json
+
+    records = [RequestRecord(arrival=t, ttft=0.125, itls=[0.08, 0.08], e2e=0.285, prompt_tokens=4, output_tokens=3,
+                             success=True, expected_output_tokens=3) for t in (0.0, 0.5)]
+    bench = tmp_path / "bench.json"
+    save_json(str(bench), [RunResult("server", 2.0, summarize(records, 0.785, {"ttft": 0.2}), records)])
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"coefficients": {"overhead_s": STEP, "per_token_s": 0, "per_sampled_s": 0,
+                                                "per_pair_s": 0}}))
+    args = build_parser().parse_args(["simulate", "--model", "SmolLM2-135M", "--hardware", "cpu-local",
+                                      "--cost-model", str(fit), "--replay", str(bench), "--num-blocks", "64",
+                                      "--save-result", str(tmp_path / "sim.json")])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "chunked (measured: server) @ 2 req/s" in out
+    assert re.search(r"p50 TTFT\s+125\.0\s+100\.0\s+-20\.0%", out)
+    assert re.search(r"p90 TPOT\s+80\.0\s+100\.0\s+\+25\.0%", out)
+    assert "largest |error| on p50/p90 TTFT and TPOT: 25.0%" in out
+    run = json.loads((tmp_path / "sim.json").read_text())["runs"][0]
+    assert [r["arrival"] for r in run["requests"]] == [0.0, 0.5]
+    assert run["summary"]["slos"] == {"ttft": 0.2} and run["summary"]["attainment"] == 1.0
+    with pytest.raises(ValueError, match="not a readable"):
+        load_bench_runs(fit)
 
 
 def test_linear_cost_model_loads_a_profile(tmp_path):

@@ -38,6 +38,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.host import freeze_startup_objects, retain_freed_memory
     from goodserve.server.app import build_app
 
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
@@ -46,7 +47,9 @@ def run_serve(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+    retain_freed_memory()
     engine = AsyncEngine.from_engine_args(EngineArgs.from_cli_args(args), step_trace=args.step_trace)
+    logger.debug("froze %d startup objects out of the garbage collector", freeze_startup_objects())
     app = build_app(engine, served_model_name=args.served_model_name,
                     max_waiting_requests=args.max_waiting_requests, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
     logger.info("serving %s on http://%s:%d/v1", app.state.served_model_name, args.host, args.port)

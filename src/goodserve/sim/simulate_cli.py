@@ -26,6 +26,7 @@ from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostMod
 from goodserve.sim.hardware import HARDWARE, get_hardware
 from goodserve.sim.planner import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
+from goodserve.sim.replay import compare, format_comparison, load_bench_runs
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--max-tokens", default="exact", choices=MAX_TOKENS_POLICIES,
                    help="max_tokens each client asks for: exact (the output length, an oracle), pow2 (next power "
                         "of two) or max (what the context leaves); matters to --scheduler reserve")
+    w.add_argument("--replay", default=None, metavar="BENCH_JSON",
+                   help="simulate the requests of a `goodserve bench` result (each run's send times and lengths) "
+                        "and print simulated against measured latencies; replaces the workload flags")
     w.add_argument("--sweep", default=None, help="comma-separated request rates; reports the highest rate "
                                                  "with >= 90%% SLO attainment")
     w.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
@@ -206,10 +210,11 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str) -> Cluste
 
 
 def simulate_once(args: argparse.Namespace, arch: ArchSpec, mode: str, rate: float,
-                  slos: dict[str, float]) -> RunResult:
-    """One simulated run of the workload at ``rate`` with scheduler mode ``mode``."""
+                  slos: dict[str, float], requests: Optional[list[SimRequest]] = None) -> RunResult:
+    """One simulated run with scheduler mode ``mode``: of ``requests``, or of the flags' workload at ``rate``."""
     cluster = build_cluster(args, arch, mode)
-    requests = build_workload(args, rate, cluster.scheduler.max_model_len)
+    if requests is None:
+        requests = build_workload(args, rate, cluster.scheduler.max_model_len)
     result = Simulator(cluster, build_cost_model(args, arch), requests, slos).run()
     config = {"mode": mode, "instances": result.instances, "num_instances": cluster.num_instances,
               "num_blocks": cluster.cache.num_blocks, "num_preemptions": result.num_preemptions,
@@ -243,19 +248,24 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         bad = [m for m in modes if m not in SCHEDULING_MODES]
         if bad:
             raise ValueError(f"unknown scheduler mode(s) {bad}; choose from {SCHEDULING_MODES}")
-        rates = parse_rates(args.sweep or args.request_rate)
         slos = parse_slos(args.goodput)
+        if args.replay:
+            measured = load_bench_runs(args.replay)
+            workloads = [(run.rate, run.requests) for run in measured]
+            slos = slos or {k: float(v) for k, v in measured[0].summary.get("slos", {}).items()}
+        else:
+            workloads = [(rate, None) for rate in parse_rates(args.sweep or args.request_rate)]
         results = []
         for mode in modes:
-            for rate in rates:
+            for rate, requests in workloads:
                 t0 = time.perf_counter()
-                results.append(simulate_once(args, arch, mode, rate, slos))
+                results.append(simulate_once(args, arch, mode, rate, slos, requests))
                 logger.info("simulated %s at rate %s in %.1f s", mode, rate_str(rate), time.perf_counter() - t0)
     except ValueError as exc:
         print(f"goodserve simulate: error: {exc}", file=sys.stderr)
         return 2
     hw = "fitted " + args.cost_model if args.cost_model else args.hardware
-    title = f"{arch.name} on {hw} x{results[0].config['num_instances']}, {args.dataset}"
+    title = f"{arch.name} on {hw} x{results[0].config['num_instances']}, {args.replay or args.dataset}"
     if len(results) == 1:
         print(format_summary(results[0].summary, title), file=out)
     else:
@@ -275,8 +285,13 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
             if best is not None:
                 print(f"{label}: goodput {best:g} req/s at >= 90% attainment = {best / n:g} req/s per instance",
                       file=out)
+    if args.replay:
+        for i, r in enumerate(results):
+            run = measured[i % len(measured)]
+            print(format_comparison(f"{r.label} (measured: {run.label})", run.rate,
+                                    compare(run.summary, r.summary.to_dict())), file=out)
     meta = {"model": arch.name, "hardware": args.hardware, "cost_model": args.cost_model, "dtype": args.dtype,
-            "tp": args.tp, "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
+            "tp": args.tp, "dataset": args.dataset, "replay": args.replay, "num_prompts": args.num_prompts, "seed": args.seed,
             "slos": slos, "argv": sys.argv[1:]}
     if args.save_result:
         save_json(args.save_result, results, meta)
