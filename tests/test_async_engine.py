@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from goodserve.engine.args import EngineArgs
-from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.async_engine import AsyncEngine, EngineDeadError
 from goodserve.engine.engine import Engine
 from goodserve.engine.host import freeze_startup_objects, retain_freed_memory
 from goodserve.engine.step_trace import read_step_trace
@@ -55,20 +55,41 @@ def test_build_error_reaches_the_caller(tiny_model):
         AsyncEngine()
 
 
+def test_shutdown_before_start_never_hangs(tiny_model, tmp_path):
+    eng = AsyncEngine(build=lambda: Engine(_args(tiny_model)), start=False, step_trace=str(tmp_path / "t.jsonl"))
+    eng.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down before it was built"):
+        eng.start()
+    assert eng._trace._file.closed
+
+
+def test_a_failing_step_trace_does_not_stop_serving(tiny_model, tmp_path):
+    eng = AsyncEngine.from_engine_args(_args(tiny_model), step_trace=str(tmp_path / "trace.jsonl"))
+
+    def broken(step) -> None:
+        raise OSError(28, "No space left on device")
+
+    eng._trace.write = broken
+    try:
+        out = eng.call(lambda e: None)  # the loop is alive
+        outs = asyncio.run(_collect(eng, SamplingParams(max_tokens=3, ignore_eos=True)))
+        assert out is None and outs[-1].finished and eng.is_healthy() and eng._trace is None
+    finally:
+        eng.shutdown()
+
+
+async def _collect(eng: AsyncEngine, params: SamplingParams) -> list:
+    return [out async for out in eng.generate(list(range(100, 110)), params)]
+
+
 def test_step_trace_records_every_step(tiny_model, tmp_path):
     """A 10-token prompt with a budget of 8 tokens and 3 output tokens: chunks of 8 and 2 (the second
     samples), then 2 decodes; the trace has exactly those 4 steps."""
     path = tmp_path / "trace.jsonl"
     eng = AsyncEngine.from_engine_args(_args(tiny_model), step_trace=str(path))
 
-    async def run() -> list:
-        outs = []
-        async for out in eng.generate(list(range(100, 110)), SamplingParams(max_tokens=3, ignore_eos=True)):
-            outs.append(out)
-        return outs
-
     try:
-        outs = asyncio.run(run())
+        outs = asyncio.run(_collect(eng, SamplingParams(max_tokens=3, ignore_eos=True)))
     finally:
         eng.shutdown()
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
@@ -78,6 +99,9 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
     # pairs: n*c + n(n+1)/2 -> 36, 2*8+3 = 19, 11, 12; KV read: c + n
     assert shapes == [(8, 0, 36, 8), (2, 1, 19, 10), (1, 1, 11, 11), (1, 1, 12, 12)]
     assert all(s.cycle_s >= s.step_s > 0 for s in steps)
+    # back-to-back cycles tile the time line: each starts where the previous one ended
+    for a, b in zip(steps[1:], steps[2:]):
+        assert b.t == pytest.approx(a.t + a.cycle_s, abs=2e-6)
     assert steps[0].after_idle and not any(s.after_idle for s in steps[1:])
     assert [s.t for s in steps] == sorted(s.t for s in steps)
 

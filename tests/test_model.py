@@ -114,3 +114,34 @@ def test_decode_groups_bound_padding():
     assert group_decodes([]) == []
     with pytest.raises(ValueError, match="sorted"):
         group_decodes([3, 1])
+
+
+def test_padded_rows_change_nothing_and_never_touch_the_cache(monkeypatch):
+    """A 131-token prefill runs on 144 GEMM rows; logits equal HF's and the KV cache holds exactly the 131
+    prompt tokens (the 13 padding rows skip attention, so no slot beyond them is written)."""
+    from goodserve.models import llama
+
+    assert [llama.padded_num_tokens(n) for n in (1, 128, 129, 131, 144, 145, 1000)] == [1, 128, 144, 144, 144,
+                                                                                     160, 1008]
+    hf, ours, cfg = _tiny("llama")
+    torch.manual_seed(3)
+    ids = torch.randint(0, 97, (131,))
+    table = list(range(33))  # 132 slots
+    seen = []
+    real_forward = llama.DecoderLayer.forward
+
+    def spy(self, x, *args):
+        seen.append(x.shape[0])
+        return real_forward(self, x, *args)
+
+    monkeypatch.setattr(llama.DecoderLayer, "forward", spy)
+    caches = _caches(cfg, num_blocks=34)
+    meta = AttentionMetadata.build(BLOCK, [], [], [(0, 131, table)], torch.tensor(_slots(table, 0, 131)),
+                                   torch.device("cpu"))
+    with torch.no_grad():
+        logits = ours.compute_logits(ours(ids, torch.arange(131), caches, meta, TorchAttentionBackend()))
+        ref = hf(ids[None]).logits[0]
+    assert seen == [144, 144] and logits.shape == (131, 97)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    k_cache = caches[0][0].view(-1, cfg.num_key_value_heads, cfg.head_dim)
+    assert k_cache[:131].abs().sum(dim=(1, 2)).gt(0).all() and k_cache[131:].abs().sum() == 0

@@ -307,8 +307,28 @@ def test_replay_simulates_the_measured_requests_and_reports_errors(tmp_path, cap
     run = json.loads((tmp_path / "sim.json").read_text())["runs"][0]
     assert [r["arrival"] for r in run["requests"]] == [0.0, 0.5]
     assert run["summary"]["slos"] == {"ttft": 0.2} and run["summary"]["attainment"] == 1.0
-    with pytest.raises(ValueError, match="not a readable"):
+    with pytest.raises(ValueError, match="not a replayable"):
         load_bench_runs(fit)
+    sweep = build_parser().parse_args(["simulate", "--model", "SmolLM2-135M", "--replay", str(bench), "--sweep", "1,2"])
+    assert sweep.func(sweep) == 2
+    assert "drop --sweep" in capsys.readouterr().err
+
+
+def test_replay_leaves_out_failed_requests_and_refuses_closed_loop_runs(tmp_path):
+    from goodserve.bench.metrics import RequestRecord, summarize
+    from goodserve.bench.report import RunResult, save_json
+
+    ok = RequestRecord(arrival=0.0, ttft=0.1, itls=[0.1], e2e=0.2, prompt_tokens=4, output_tokens=2, success=True,
+                       expected_output_tokens=2)
+    failed = RequestRecord(arrival=0.2, prompt_tokens=4, success=False, error="HTTP 429")
+    path = tmp_path / "bench.json"
+    save_json(str(path), [RunResult("server", 1.0, summarize([ok, failed], 1.0), [ok, failed])])
+    (run,) = load_bench_runs(path)
+    assert [(r.arrival, r.prompt_len, r.output_len) for r in run.requests] == [(0.0, 4, 2)]
+    assert run.num_failed == 1
+    save_json(str(path), [RunResult("server", 1.0, summarize([ok], 1.0), [ok], {"max_concurrency": 4})])
+    with pytest.raises(ValueError, match="closed-loop"):
+        load_bench_runs(path)
 
 
 def test_linear_cost_model_loads_a_profile(tmp_path):

@@ -49,10 +49,12 @@ def load_azure(dataset: str = "azure-conv", num_prompts: int = 256, max_model_le
         start: Row to start at.
 
     Raises:
-        ValueError: for an unknown dataset or a trace shorter than asked.
+        ValueError: for an unknown dataset, a negative ``start`` or a trace shorter than asked.
     """
     if dataset not in AZURE_FILES:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {sorted(AZURE_FILES)}")
+    if start < 0:
+        raise ValueError(f"the first row of a trace must be >= 0, got {start}")
     path = resources.files("goodserve.bench") / "data" / "azure-llm-2023" / AZURE_FILES[dataset]
     with path.open() as f:
         rows = list(csv.DictReader(f))[start:start + num_prompts]

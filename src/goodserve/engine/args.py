@@ -19,9 +19,6 @@ _GIB = 1 << 30
 class EngineArgs:
     """User-facing engine knobs; ``None`` means "pick a sensible default".
 
-    Raises:
-        ValueError: on an unknown dtype, device, policy or mode, a size below 1, or a negative interval.
-
     Attributes:
         model: GGUF file or HF model directory; ``None`` is the default model (SmolLM2-135M-Instruct).
         dtype: ``"bfloat16"`` (default: faster on this class of CPU and on GPUs) or ``"float32"``.
@@ -40,6 +37,9 @@ class EngineArgs:
         enable_prefix_caching: Reuse cached blocks of shared prompt prefixes.
         seed: Seed of the generator used by unseeded sampled requests.
         log_stats_interval: Seconds between engine stats log lines; ``0`` disables them.
+
+    Raises:
+        ValueError: on an unknown dtype, device, policy or mode, a size below 1, or a negative interval.
     """
 
     model: Optional[str] = None

@@ -124,6 +124,7 @@ class AsyncEngine:
         chat_template: The model's chat template (or ``None``: the tokenizer's).
         max_model_len: Longest prompt + output in tokens.
         model_path: Where the model came from.
+        (With ``build``, these are ``None`` until the engine is built.)
 
     Raises:
         ValueError: if both or neither of ``engine`` and ``build`` are given; whatever ``build`` raises.
@@ -135,6 +136,10 @@ class AsyncEngine:
         if (engine is None) == (build is None):
             raise ValueError("give AsyncEngine a built engine or a build function, not both or neither")
         self.engine = engine
+        self.tokenizer: Any = None
+        self.chat_template: Optional[str] = None
+        self.max_model_len: Optional[int] = None
+        self.model_path: Optional[str] = None
         self._build = build
         self._built: concurrent.futures.Future = concurrent.futures.Future()
         if engine is not None:
@@ -180,18 +185,26 @@ class AsyncEngine:
         """Start the engine thread (once); with a ``build`` function, wait until the engine is built.
 
         Raises:
+            EngineDeadError: if the engine was shut down before it was built.
             Exception: whatever building the engine raised.
         """
-        if not self._thread.is_alive() and not self._stopped:
+        with self._cond:
+            stopped = self._stopped
+        if self._thread.ident is None and not stopped:
             self._thread.start()
         if self._build is not None:
+            if self._thread.ident is None:
+                raise EngineDeadError("the engine was shut down before it was built")
             self._built.result()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; open streams end with :class:`EngineDeadError`."""
+        """Stop the engine thread; open streams end with :class:`EngineDeadError`. A model still loading
+        finishes loading first (``start`` then raises :class:`EngineDeadError`)."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+        if self._thread.ident is None and self._trace is not None:
+            self._trace.close()  # the thread that would have closed it never ran
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -304,16 +317,18 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
-        trace_start = time.perf_counter()
         try:
             if self._build is not None:
                 try:
                     self._adopt(self._build())
+                    if self._stopped:
+                        raise EngineDeadError("the engine was shut down while it was being built")
                 except BaseException as e:  # noqa: BLE001 - handed to start()
                     self._built.set_exception(e)
                     raise
                 self._built.set_result(None)
             engine = self.engine
+            trace_start = cycle_end = time.perf_counter()
             while True:
                 with self._cond:
                     idle = False
@@ -326,7 +341,9 @@ class AsyncEngine:
                     commands = list(self._commands)
                     self._commands.clear()
                     paused = self._paused
-                cycle_start = time.perf_counter()
+                # A cycle runs from the end of the previous one (lock and GIL waits included), or from the
+                # wake-up after the engine slept for lack of work.
+                cycle_start = time.perf_counter() if idle else cycle_end
                 if commands:
                     self._apply(commands)
                 if not paused and engine.has_unfinished_requests():
@@ -335,10 +352,12 @@ class AsyncEngine:
                     step_s = time.perf_counter() - step_start
                     self._refresh_snapshot()  # before the outputs, so a client never sees older state
                     self._dispatch(outputs)
+                    cycle_end = time.perf_counter()
                     if self._trace is not None and engine.last_schedule is not None:
-                        now = time.perf_counter()
-                        self._trace.write(TracedStep(cycle_start - trace_start, now - cycle_start, step_s, idle,
-                                                     StepShape.of(engine.last_schedule)))
+                        self._write_trace(TracedStep(cycle_start - trace_start, cycle_end - cycle_start, step_s,
+                                                     idle, StepShape.of(engine.last_schedule)))
+                else:
+                    cycle_end = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - any failure kills the loop; report it to every stream
             if self._built.done() and self._built.exception() is e:
                 logger.debug("building the engine failed: %s", e)  # re-raised by start()
@@ -359,6 +378,15 @@ class AsyncEngine:
             self._streams.clear()
             if self._trace is not None:
                 self._trace.close()
+
+    def _write_trace(self, step: TracedStep) -> None:
+        """Append a trace line; a failing trace (disk full...) is dropped with a warning, serving goes on."""
+        try:
+            self._trace.write(step)
+        except OSError as e:
+            logger.warning("step trace stopped: %s", e)
+            self._trace.close()
+            self._trace = None
 
     def _apply(self, commands: list[tuple[str, Any]]) -> None:
         """Apply queued commands in order (engine thread)."""

@@ -187,6 +187,7 @@ class Engine:
             RuntimeError: if requests are pending but nothing could be scheduled (a broken invariant).
         """
         t0 = time.monotonic()
+        self.last_schedule = None
         sched = self.scheduler.schedule(t0)
         if sched.is_empty:
             if self.scheduler.has_unfinished_requests():

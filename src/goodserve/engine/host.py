@@ -51,7 +51,7 @@ def freeze_startup_objects() -> int:
     in the middle of a step). ``gc.freeze`` (Python 3.7+) leaves them out of later collections.
 
     Returns:
-        The number of objects frozen.
+        The number of objects the collector now leaves out (this freeze and any before it).
     """
     gc.collect()
     gc.freeze()

@@ -5,12 +5,14 @@ simulator's cost model to it. Each line holds the step's :class:`~goodserve.sche
 and two durations in seconds:
 
 * ``step_s``: ``Engine.step()`` alone (schedule, model, sampling, detokenisation);
-* ``cycle_s``: the whole loop iteration around it (queued adds and aborts applied, the step, outputs handed
-  to the event loop). Under ``serve`` the engine thread shares the CPU and the GIL with the HTTP server,
-  so ``cycle_s`` is what a simulated step must last for the simulator to keep pace with the real server.
+* ``cycle_s``: the whole loop iteration around it, from the end of the previous iteration (or from waking
+  up, after the engine slept): waits for the lock and the GIL, queued adds and aborts applied, the step,
+  outputs handed to the event loop. Under ``serve`` the engine thread shares the CPU and the GIL with the
+  HTTP server, so ``cycle_s`` is what a simulated step must last for the simulator to keep pace with the
+  real server.
 
-``t`` is seconds since the trace opened and ``after_idle`` is true when the engine had slept for lack of
-work just before the step.
+``t`` is when the cycle began, in seconds since the engine loop started (after the model was loaded), and
+``after_idle`` is true when the engine had slept just before the step (no work, or paused).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def read_step_trace(path: Union[str, Path]) -> list[TracedStep]:
     """Read a step trace.
 
     Raises:
-        ValueError: on an unreadable file or a malformed line (with its line number).
+        ValueError: on an unreadable file or a malformed line (with its line number), e.g. a duration <= 0.
     """
     steps = []
     try:
@@ -72,8 +74,11 @@ def read_step_trace(path: Union[str, Path]) -> list[TracedStep]:
             continue
         try:
             d = json.loads(line)
-            steps.append(TracedStep(float(d["t"]), float(d["cycle_s"]), float(d["step_s"]), bool(d["after_idle"]),
-                                    StepShape.from_dict(d)))
+            step = TracedStep(float(d["t"]), float(d["cycle_s"]), float(d["step_s"]), bool(d["after_idle"]),
+                              StepShape.from_dict(d))
+            if not step.cycle_s > 0 or not step.step_s > 0:
+                raise ValueError("durations must be > 0")
+            steps.append(step)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{i}: not a step-trace line ({exc!r})") from None
     return steps

@@ -79,6 +79,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+PAD_MULTIPLE = 16
+PAD_MIN_TOKENS = 128
+
+
+def padded_num_tokens(num_tokens: int) -> int:
+    """Rows the GEMMs run on for a step of ``num_tokens`` tokens.
+
+    CPU GEMM kernels (oneDNN, bf16) are markedly slower on row counts that are not a multiple of 16: on the
+    default model the four projections of a layer take 7.4 ms at 517 rows and 4.6 ms at 512 (5.4 ms at
+    528). Steps above ``PAD_MIN_TOKENS`` tokens, typically a prefill chunk plus the running decodes, are
+    padded up to a multiple of ``PAD_MULTIPLE`` rows; smaller steps are weight-bound and gain nothing.
+    Padding rows hold token 0 at position 0, skip attention (so they never touch the KV cache) and are
+    dropped after the last layer.
+    """
+    if num_tokens <= PAD_MIN_TOKENS:
+        return num_tokens
+    return -(-num_tokens // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU block; q/k/v and gate/up projections fused into one matmul each."""
 
@@ -99,15 +118,18 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         # Submodules are called through their weights (F.linear, _rms_norm): at batch 1 the per-call
         # overhead of nn.Module is a visible share of a decode step on CPU.
-        n = x.shape[0]
+        n = x.shape[0]  # rows, possibly padded past the step's tokens (see LlamaForCausalLM.forward)
         h = _rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = _rotate(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k at once
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [n, num_heads | num_kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        o = attn(q, k, v, kv_cache[0], kv_cache[1], meta)  # [n, num_heads, head_dim]
-        x = x + F.linear(o.reshape(n, self.q_size), self.o_proj.weight)
+        t = meta.slot_mapping.shape[0]  # the step's real tokens; padding rows skip attention
+        o = attn(q[:t], k[:t], v[:t], kv_cache[0], kv_cache[1], meta).reshape(t, self.q_size)
+        if t < n:
+            o = F.pad(o, (0, 0, 0, n - t))
+        x = x + F.linear(o, self.o_proj.weight)
         h = _rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         gate, up = F.linear(h, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_proj.weight)
@@ -186,13 +208,18 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[num_tokens, hidden_size]`` final hidden states (after the last norm).
         """
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        num_tokens = input_ids.shape[0]
+        padded = padded_num_tokens(num_tokens)
+        if padded > num_tokens:
+            input_ids = F.pad(input_ids, (0, padded - num_tokens))
+            positions = F.pad(positions, (0, padded - num_tokens))
+        x = self.embed_tokens(input_ids)  # [padded, hidden]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [padded, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, kv_cache, meta, attn)
-        return self.norm(x)
+        return self.norm(x[:num_tokens])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""

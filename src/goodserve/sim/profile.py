@@ -145,7 +145,9 @@ def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     fit = fit_linear(shapes, seconds)
     errors = sorted(abs(fit.predict(s) / t - 1) for s, t in samples)
     report = {
-        "kind": "linear", "machine": platform.machine(), "model": args.model or "default", "dtype": args.dtype,
+        "kind": "linear", "machine": platform.machine(),
+        "model": None if args.from_step_trace else args.model or "default",
+        "dtype": None if args.from_step_trace else args.dtype,
         "coefficients": fit.to_dict(),
         "fit": {"num_steps": len(samples), "median_abs_rel_error": errors[len(errors) // 2],
                 "p90_abs_rel_error": errors[int(0.9 * (len(errors) - 1))], "max_abs_rel_error": errors[-1],
@@ -157,7 +159,9 @@ def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))
     c = report["coefficients"]
-    print(f"{len(samples)} steps timed in {report['fit']['profile_wall_s']:.0f} s\n"
+    source = "read from step traces" if args.from_step_trace else \
+        f"timed in {report['fit']['profile_wall_s']:.0f} s"
+    print(f"{len(samples)} steps {source}\n"
           f"step_s = {c['overhead_s'] * 1e3:.3f} ms + {c['per_token_s'] * 1e6:.2f} us/token "
           f"+ {c['per_sampled_s'] * 1e6:.2f} us/sampled token + {c['per_pair_s'] * 1e9:.3f} ns/attention pair\n"
           f"relative error: median {report['fit']['median_abs_rel_error']:.1%}, "

@@ -26,7 +26,7 @@ from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostMod
 from goodserve.sim.hardware import HARDWARE, get_hardware
 from goodserve.sim.planner import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
-from goodserve.sim.replay import compare, format_comparison, load_bench_runs
+from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--random-range-ratio", type=float, default=0.0)
     w.add_argument("--max-input-len", type=int, default=None, help="clip prompts to this many tokens")
     w.add_argument("--max-output-len", type=int, default=None, help="clip outputs to this many tokens")
-    w.add_argument("--trace-start", type=int, default=0, help="first row of an Azure trace")
+    w.add_argument("--trace-start", type=int, default=0, help="first row of an Azure trace (>= 0)")
     w.add_argument("--seed", type=int, default=0, help="seed of arrivals and random lengths")
     w.add_argument("--max-tokens", default="exact", choices=MAX_TOKENS_POLICIES,
                    help="max_tokens each client asks for: exact (the output length, an oracle), pow2 (next power "
@@ -249,17 +249,28 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         if bad:
             raise ValueError(f"unknown scheduler mode(s) {bad}; choose from {SCHEDULING_MODES}")
         slos = parse_slos(args.goodput)
+        measured: list[Optional[MeasuredRun]] = [None]
         if args.replay:
-            measured = load_bench_runs(args.replay)
-            workloads = [(run.rate, run.requests) for run in measured]
+            if args.sweep:
+                raise ValueError("--replay takes its rates from the benchmark result; drop --sweep")
+            measured = list(load_bench_runs(args.replay))
             slos = slos or {k: float(v) for k, v in measured[0].summary.get("slos", {}).items()}
-        else:
-            workloads = [(rate, None) for rate in parse_rates(args.sweep or args.request_rate)]
+        rates = parse_rates(args.sweep or args.request_rate) if not args.replay else []
         results = []
         for mode in modes:
-            for rate, requests in workloads:
+            for run, rate in [(run, run.rate) for run in measured if run] or [(None, r) for r in rates]:
                 t0 = time.perf_counter()
-                results.append(simulate_once(args, arch, mode, rate, slos, requests))
+                result = simulate_once(args, arch, mode, rate, slos, run.requests if run else None)
+                if run is not None:
+                    if len({m.label for m in measured}) > 1:
+                        result.label = f"{mode}/{run.label}"
+                    rows = compare(run.summary, result.summary.to_dict())
+                    result.config["replay"] = {"measured_label": run.label, "num_failed_not_replayed": run.num_failed,
+                                               "comparison": [{"figure": n, "measured_s": m, "simulated_s": sv,
+                                                               "relative_error": e} for n, m, sv, e in rows]}
+                    result.config["comparison_text"] = format_comparison(
+                        f"{result.label} (measured: {run.label})", run.rate, rows)
+                results.append(result)
                 logger.info("simulated %s at rate %s in %.1f s", mode, rate_str(rate), time.perf_counter() - t0)
     except ValueError as exc:
         print(f"goodserve simulate: error: {exc}", file=sys.stderr)
@@ -278,20 +289,19 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
               f"{max(i['max_running'] for i in c['instances'])}"
               + (f", mean KV transfer {c['mean_kv_transfer_s'] * 1e3:.2f} ms" if c["mean_kv_transfer_s"] else ""),
               file=out)
-    if args.sweep and slos:
+    if slos and len({r.rate for r in results if math.isfinite(r.rate)}) > 1:
         for label in dict.fromkeys(r.label for r in results):
             best = max_rate_meeting(results, label)
             n = next(r.config["num_instances"] for r in results if r.label == label)
             if best is not None:
                 print(f"{label}: goodput {best:g} req/s at >= 90% attainment = {best / n:g} req/s per instance",
                       file=out)
-    if args.replay:
-        for i, r in enumerate(results):
-            run = measured[i % len(measured)]
-            print(format_comparison(f"{r.label} (measured: {run.label})", run.rate,
-                                    compare(run.summary, r.summary.to_dict())), file=out)
+    for r in results:
+        if "comparison_text" in r.config:
+            print(r.config.pop("comparison_text"), file=out)
     meta = {"model": arch.name, "hardware": args.hardware, "cost_model": args.cost_model, "dtype": args.dtype,
-            "tp": args.tp, "dataset": args.dataset, "replay": args.replay, "num_prompts": args.num_prompts, "seed": args.seed,
+            "tp": args.tp, "replay": args.replay, "dataset": None if args.replay else args.dataset,
+            "num_prompts": None if args.replay else args.num_prompts, "seed": None if args.replay else args.seed,
             "slos": slos, "argv": sys.argv[1:]}
     if args.save_result:
         save_json(args.save_result, results, meta)
