@@ -108,7 +108,8 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("field, value", [("block_size", 0), ("num_blocks", 0), ("max_num_seqs", -1),
                                           ("max_num_batched_tokens", 1.5), ("kv_cache_memory", 0),
-                                          ("max_model_len", 0), ("log_stats_interval", -1.0)])
+                                          ("max_model_len", 0), ("num_threads", 0),
+                                          ("log_stats_interval", -1.0)])
 def test_engine_args_reject_bad_sizes(field, value):
     """Caught before the model loads, with the flag's name (a block size of 0 used to divide by zero)."""
     with pytest.raises(ValueError, match=field):

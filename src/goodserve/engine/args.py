@@ -36,6 +36,9 @@ class EngineArgs:
             prefill-first, unchunked). See :mod:`goodserve.scheduler.scheduler`.
         enable_prefix_caching: Reuse cached blocks of shared prompt prefixes.
         seed: Seed of the generator used by unseeded sampled requests.
+        num_threads: CPU threads of torch's intra-op pool (``torch.set_num_threads`` on the thread that builds
+            the engine); ``None`` keeps torch's default, one per core. On a small machine shared with a
+            server and clients, fewer threads than cores avoids steps stalling on a descheduled thread.
         log_stats_interval: Seconds between engine stats log lines; ``0`` disables them.
 
     Raises:
@@ -55,6 +58,7 @@ class EngineArgs:
     scheduler: str = "chunked"
     enable_prefix_caching: bool = True
     seed: int = 0
+    num_threads: Optional[int] = None
     log_stats_interval: float = 10.0
 
     def __post_init__(self) -> None:
@@ -68,7 +72,7 @@ class EngineArgs:
         if self.scheduler not in SCHEDULING_MODES:
             raise ValueError(f"scheduler must be one of {SCHEDULING_MODES}, got {self.scheduler!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "kv_cache_memory",
-                     "max_model_len"):
+                     "max_model_len", "num_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -94,6 +98,8 @@ class EngineArgs:
                             "(request-level), reserve (reserve max length), paged (prefill-first, unchunked)")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--num-threads", type=int, default=None,
+                       help="CPU threads for torch ops (default: one per core)")
         g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds; 0 disables")
 
     @classmethod

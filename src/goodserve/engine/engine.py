@@ -74,6 +74,8 @@ class Engine:
 
     def __init__(self, args: Optional[EngineArgs] = None) -> None:
         args = args or EngineArgs()
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = args.model or default_model_path()
         t0 = time.perf_counter()

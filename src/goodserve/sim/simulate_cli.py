@@ -249,27 +249,29 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         if bad:
             raise ValueError(f"unknown scheduler mode(s) {bad}; choose from {SCHEDULING_MODES}")
         slos = parse_slos(args.goodput)
-        measured: list[Optional[MeasuredRun]] = [None]
+        jobs: list[tuple[float, Optional[MeasuredRun]]]
         if args.replay:
             if args.sweep:
                 raise ValueError("--replay takes its rates from the benchmark result; drop --sweep")
-            measured = list(load_bench_runs(args.replay))
+            measured = load_bench_runs(args.replay)
+            jobs = [(run.rate, run) for run in measured]
             slos = slos or {k: float(v) for k, v in measured[0].summary.get("slos", {}).items()}
-        rates = parse_rates(args.sweep or args.request_rate) if not args.replay else []
-        results = []
+            several_labels = len({run.label for run in measured}) > 1
+        else:
+            jobs = [(rate, None) for rate in parse_rates(args.sweep or args.request_rate)]
+        results, comparisons = [], []
         for mode in modes:
-            for run, rate in [(run, run.rate) for run in measured if run] or [(None, r) for r in rates]:
+            for rate, run in jobs:
                 t0 = time.perf_counter()
                 result = simulate_once(args, arch, mode, rate, slos, run.requests if run else None)
                 if run is not None:
-                    if len({m.label for m in measured}) > 1:
-                        result.label = f"{mode}/{run.label}"
+                    result.label = f"{mode}/{run.label}" if several_labels else mode
                     rows = compare(run.summary, result.summary.to_dict())
-                    result.config["replay"] = {"measured_label": run.label, "num_failed_not_replayed": run.num_failed,
-                                               "comparison": [{"figure": n, "measured_s": m, "simulated_s": sv,
-                                                               "relative_error": e} for n, m, sv, e in rows]}
-                    result.config["comparison_text"] = format_comparison(
-                        f"{result.label} (measured: {run.label})", run.rate, rows)
+                    result.config["replay"] = {
+                        "measured_label": run.label, "num_failed_not_replayed": run.num_failed,
+                        "comparison": [{"figure": name, "measured_s": m, "simulated_s": sim, "relative_error": err}
+                                       for name, m, sim, err in rows]}
+                    comparisons.append(format_comparison(f"{result.label} (measured: {run.label})", rate, rows))
                 results.append(result)
                 logger.info("simulated %s at rate %s in %.1f s", mode, rate_str(rate), time.perf_counter() - t0)
     except ValueError as exc:
@@ -296,9 +298,8 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
             if best is not None:
                 print(f"{label}: goodput {best:g} req/s at >= 90% attainment = {best / n:g} req/s per instance",
                       file=out)
-    for r in results:
-        if "comparison_text" in r.config:
-            print(r.config.pop("comparison_text"), file=out)
+    for text in comparisons:
+        print(text, file=out)
     meta = {"model": arch.name, "hardware": args.hardware, "cost_model": args.cost_model, "dtype": args.dtype,
             "tp": args.tp, "replay": args.replay, "dataset": None if args.replay else args.dataset,
             "num_prompts": None if args.replay else args.num_prompts, "seed": None if args.replay else args.seed,
