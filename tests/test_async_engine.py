@@ -32,7 +32,7 @@ def _args(model: str, **kw) -> EngineArgs:
 
 
 def test_engine_is_built_and_stepped_on_the_engine_thread(tiny_model):
-    """All torch work on one thread: a second thread's OpenMP pool made CPU steps ~1.8x slower."""
+    """All torch work on one thread: a second thread's OpenMP pool made CPU steps ~1.7x slower."""
     threads = []
 
     def build() -> Engine:

@@ -111,7 +111,7 @@ class AsyncEngine:
     server uses ``build`` (see :meth:`from_engine_args`) so that every torch operation, loading included,
     runs on the one engine thread: each thread that runs parallel torch ops on CPU gets its own OpenMP
     worker pool, and with two pools on the machine's cores OpenMP stops spinning between parallel regions,
-    which made every step of a small model about 1.8x slower on 2 cores.
+    which made every step of a small model about 1.7x slower on 2 cores.
 
     Args:
         engine: A built engine; from now on only the engine thread may touch it.
