@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 attn: AttentionBackend) -> torch.Tensor:
-        """Run the decoder over a flat batch.
+        """Run the decoder over a flat batch (on :func:`padded_num_tokens` rows inside).
 
         Args:
             input_ids: ``[num_tokens]`` int64.
@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
             positions = F.pad(positions, (0, padded - num_tokens))
         x = self.embed_tokens(input_ids)  # [padded, hidden]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [padded, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [padded, 1, head_dim]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, kv_cache, meta, attn)
