@@ -1,6 +1,6 @@
 """``goodserve simulate``: serve a workload on simulated hardware with the engine's real scheduler.
 
-``goodserve profile`` (in :mod:`goodserve.sim.profile`) measures this machine's step times and fits the
+``goodserve profile`` (in :mod:`goodserve.sim.profile_cli`) measures this machine's step times and fits the
 cost model that ``simulate --hardware cpu-local --cost-model FILE`` uses.
 
 The output is the serving benchmark's (:mod:`goodserve.bench.report`): the same summary table, sweep table,
@@ -97,7 +97,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``profile`` subcommand (see :mod:`goodserve.sim.profile`)."""
-    from goodserve.sim.profile import add_profile_arguments, run_profile
+    from goodserve.sim.profile_cli import add_profile_arguments, run_profile
 
     p = subparsers.add_parser(
         "profile", help="measure this machine's step times and fit the simulator's cpu-local cost model",
