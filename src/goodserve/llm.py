@@ -11,6 +11,7 @@ from goodserve.engine.args import EngineArgs
 from goodserve.engine.engine import Engine, PromptType
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
+from goodserve.validation import check_text
 
 Message = dict[str, str]
 
@@ -101,8 +102,12 @@ class LLM:
         """Token ids of a conversation with the generation prompt appended.
 
         Raises:
-            ValueError: if the model has no chat template.
+            ValueError: if the model has no chat template, or a message holds text that is not valid Unicode.
         """
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                if isinstance(value, str):
+                    check_text(value, f"messages[{i}].{key}")
         tok = self.engine.tokenizer
         if not (self.engine.chat_template or getattr(tok, "chat_template", None)):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")

@@ -70,7 +70,7 @@ class CompletionOutput:
         index: Position among the request's sequences.
         text: Detokenised output (stop string excluded; held back while it may still become one).
         token_ids: Generated token ids (a matching stop token id is included).
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``None`` while running.
         stop_reason: The stop string or stop token id that ended it, if any.
         logprobs: Per generated token, the sampled token's logprob (when asked for).
         top_logprobs: Per generated token, the most likely ``(token_id, logprob)`` (when asked for).
@@ -96,6 +96,8 @@ class RequestOutput:
         outputs: Its generated sequence(s).
         finished: Whether it is done.
         metrics: Timestamps and latencies.
+        error: Why the request failed, when its own processing raised (``finish_reason`` is then
+            ``"error"``); ``None`` otherwise.
     """
 
     request_id: str
@@ -104,6 +106,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
+    error: Optional[str] = None
 
     @property
     def text(self) -> str:

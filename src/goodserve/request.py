@@ -24,15 +24,16 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its own processing raised (our fault); the engine serves on without it
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """OpenAI's ``finish_reason`` (``stop`` | ``length`` | ``abort``), ``None`` while unfinished."""
+        """``stop`` | ``length`` (OpenAI's), ``abort`` | ``error`` (ours), ``None`` while unfinished."""
         return self.value if self.is_finished else None
 
 

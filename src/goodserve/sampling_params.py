@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from goodserve.validation import check_text
+
 
 @dataclass
 class SamplingParams:
@@ -95,9 +97,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise bad("seed", self.seed, "an integer or None")
-        for s in self.stop:
+        for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise bad("stop", self.stop, "a list of non-empty strings")
+            check_text(s, f"stop[{i}]")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")

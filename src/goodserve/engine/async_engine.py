@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from goodserve.engine.args import EngineArgs
 from goodserve.engine.engine import Engine, PromptType
@@ -40,6 +40,51 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (it raised, or the engine was shut down)."""
+
+
+class EngineShutdownError(EngineDeadError):
+    """The engine was shut down on purpose (the server is stopping); its requests were aborted."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request's own processing raised inside the engine (our fault, not the client's); the engine serves
+    on without it."""
+
+
+class InjectedStepFault(RuntimeError):
+    """Raised by an engine step chosen with ``inject_step_fault`` (fault-injection tests and soaks)."""
+
+
+@dataclass
+class AddCommand:
+    """Queue a request (see :meth:`AsyncEngine.add_request`); ``future`` gets ``None`` or the error."""
+
+    prompt: PromptType
+    params: SamplingParams
+    request_id: str
+    priority: int
+    cache_salt: Optional[str]
+    arrival_time: float
+    stream: "RequestStream"
+    future: concurrent.futures.Future
+
+
+@dataclass
+class AbortCommand:
+    """Abort requests by id (unknown or finished ids are ignored)."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class CallCommand:
+    """Run ``fn(engine)`` between steps; ``future`` gets its result or its exception."""
+
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future
+
+
+Command = Union[AddCommand, AbortCommand, CallCommand]
 
 
 @dataclass(frozen=True)
@@ -72,8 +117,9 @@ _END = object()  # put into a stream's queue when its request was aborted withou
 class RequestStream:
     """The outputs of one request, as an async iterator of cumulative :class:`RequestOutput`\\ s.
 
-    Iteration ends after the finished output, or silently when the request is aborted. If the engine loop
-    dies, iteration raises :class:`EngineDeadError`.
+    Iteration ends after the finished output, or silently when the request is aborted. If the request's own
+    processing failed, iteration raises :class:`RequestFailedError`; if the engine loop dies,
+    :class:`EngineDeadError`.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -101,6 +147,8 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+            if item.error is not None:
+                raise RequestFailedError(item.error)
         return item
 
 
@@ -118,6 +166,10 @@ class AsyncEngine:
         start: Start the engine thread at once (with ``build``: and wait until the engine is built).
         step_trace: Write a line per step to this file (see :mod:`goodserve.engine.step_trace`).
         build: Builds the engine on the engine thread, instead of ``engine``.
+        on_dead: Called once, on the engine thread, with the exception if the engine loop dies (not on a
+            normal :meth:`shutdown`); the server uses it to exit so that a supervisor restarts the process.
+        inject_step_fault: Make engine step number ``N`` (1-based, counted over the engine's life) raise
+            :class:`InjectedStepFault`: a test-only hook for fault-injection tests and soaks.
 
     Attributes:
         tokenizer: The engine's tokenizer (safe for encode/decode from the event loop).
@@ -132,7 +184,9 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Optional[Engine] = None, start: bool = True, step_trace: Optional[str] = None,
-                 build: Optional[Callable[[], Engine]] = None) -> None:
+                 build: Optional[Callable[[], Engine]] = None,
+                 on_dead: Optional[Callable[[BaseException], None]] = None,
+                 inject_step_fault: Optional[int] = None) -> None:
         if (engine is None) == (build is None):
             raise ValueError("give AsyncEngine a built engine or a build function, not both or neither")
         self.engine = engine
@@ -144,8 +198,12 @@ class AsyncEngine:
         self._built: concurrent.futures.Future = concurrent.futures.Future()
         if engine is not None:
             self._adopt(engine)
+            self._built.set_result(None)
+        self._on_dead = on_dead
+        self._inject_step_fault = inject_step_fault
         self._cond = threading.Condition()
-        self._commands: deque[tuple[str, Any]] = deque()  # guarded by _cond
+        self._commands: deque[Command] = deque()  # guarded by _cond
+        self._applying: list[Command] = []  # taken off the queue, being applied (engine thread)
         self._num_pending_adds = 0  # add commands queued, not yet applied; guarded by _cond
         self._streams: dict[str, RequestStream] = {}  # only the engine thread touches it
         self._snapshot = EngineSnapshot()
@@ -165,14 +223,14 @@ class AsyncEngine:
         self.model_path = engine.config.model_path
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, step_trace: Optional[str] = None) -> "AsyncEngine":
+    def from_engine_args(cls, args: EngineArgs, step_trace: Optional[str] = None, **kwargs: Any) -> "AsyncEngine":
         """Start the engine thread, load the model on it and return once it is ready.
 
         Raises:
             ValueError, FileNotFoundError: as :class:`Engine`.
             OSError: if ``step_trace`` cannot be opened.
         """
-        return cls(build=lambda: Engine(args), step_trace=step_trace)
+        return cls(build=lambda: Engine(args), step_trace=step_trace, **kwargs)
 
     @property
     def model_name(self) -> str:
@@ -198,8 +256,13 @@ class AsyncEngine:
             self._built.result()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; open streams end with :class:`EngineDeadError`. A model still loading
-        finishes loading first (``start`` then raises :class:`EngineDeadError`)."""
+        """Stop the engine thread after its current step: unfinished requests are aborted (their KV blocks
+        freed) and open streams end with :class:`EngineShutdownError`. A model still loading finishes
+        loading first (``start`` then raises :class:`EngineDeadError`).
+
+        Args:
+            timeout: Seconds to wait for the thread to end (``0``: do not wait, e.g. from an event loop).
+        """
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
@@ -218,6 +281,15 @@ class AsyncEngine:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What killed the engine loop, or ``None`` while it runs or after a normal shutdown."""
+        return self._error
+
+    def is_running(self) -> bool:
+        """Whether the engine thread is still alive (it may be finishing its last step after a shutdown)."""
+        return self._thread.is_alive()
 
     def is_healthy(self) -> bool:
         """Whether the engine loop is alive and has not failed."""
@@ -257,8 +329,8 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = RequestStream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit("add", (prompt, params or SamplingParams(), request_id, priority, cache_salt,
-                             time.monotonic(), stream, future), is_add=True)
+        self._submit(AddCommand(prompt, params or SamplingParams(), request_id, priority, cache_salt,
+                                time.monotonic(), stream, future))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller went away while the engine was accepting it
@@ -288,7 +360,7 @@ class AsyncEngine:
         """Abort requests from any thread; never blocks on a step. Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if ids and not self._stopped:
-            self._submit("abort", ids)
+            self._submit(AbortCommand(ids))
 
     def call(self, fn: Callable[[Engine], Any], timeout: Optional[float] = 30.0) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (blocking).
@@ -297,21 +369,21 @@ class AsyncEngine:
         Must not be called from the engine thread.
         """
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit("call", (fn, future))
+        self._submit(CallCommand(fn, future))
         return future.result(timeout)
 
     async def call_async(self, fn: Callable[[Engine], Any]) -> Any:
         """Like :meth:`call`, awaited from the event loop."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit("call", (fn, future))
+        self._submit(CallCommand(fn, future))
         return await asyncio.wrap_future(future)
 
-    def _submit(self, kind: str, payload: Any, is_add: bool = False) -> None:
+    def _submit(self, command: Command) -> None:
         with self._cond:
             if self._error is not None or self._stopped:
                 raise EngineDeadError(f"the engine loop is not running: {self._error or 'shut down'}")
-            self._commands.append((kind, payload))
-            if is_add:
+            self._commands.append(command)
+            if isinstance(command, AddCommand):
                 self._num_pending_adds += 1
             self._cond.notify_all()
 
@@ -327,37 +399,7 @@ class AsyncEngine:
                     self._built.set_exception(e)
                     raise
                 self._built.set_result(None)
-            engine = self.engine
-            trace_start = cycle_end = time.perf_counter()
-            while True:
-                with self._cond:
-                    idle = False
-                    while not self._stopped and not self._commands and \
-                            (self._paused or not engine.has_unfinished_requests()):
-                        idle = True
-                        self._cond.wait()
-                    if self._stopped:
-                        break
-                    commands = list(self._commands)
-                    self._commands.clear()
-                    paused = self._paused
-                # A cycle runs from the end of the previous one (lock and GIL waits included), or from the
-                # wake-up after the engine slept for lack of work.
-                cycle_start = time.perf_counter() if idle else cycle_end
-                if commands:
-                    self._apply(commands)
-                if not paused and engine.has_unfinished_requests():
-                    step_start = time.perf_counter()
-                    outputs = engine.step()
-                    step_s = time.perf_counter() - step_start
-                    self._refresh_snapshot()  # before the outputs, so a client never sees older state
-                    self._dispatch(outputs)
-                    cycle_end = time.perf_counter()
-                    if self._trace is not None and engine.last_schedule is not None:
-                        self._write_trace(TracedStep(cycle_start - trace_start, cycle_end - cycle_start, step_s,
-                                                     idle, StepShape.of(engine.last_schedule)))
-                else:
-                    cycle_end = time.perf_counter()
+            self._loop()
         except BaseException as e:  # noqa: BLE001 - any failure kills the loop; report it to every stream
             if self._built.done() and self._built.exception() is e:
                 logger.debug("building the engine failed: %s", e)  # re-raised by start()
@@ -365,19 +407,75 @@ class AsyncEngine:
                 logger.exception("engine loop died")
             self._error = e
         finally:
+            self._fail_everything()
+        if self._error is not None and self._on_dead is not None and self._built.exception() is None:
+            self._on_dead(self._error)
+
+    def _loop(self) -> None:
+        """Apply commands and step until shut down; whatever escapes here is a fault of the engine."""
+        engine = self.engine
+        trace_start = cycle_end = time.perf_counter()
+        num_steps = 0
+        while True:
             with self._cond:
-                self._stopped = True
-                pending = list(self._commands)
+                idle = False
+                while not self._stopped and not self._commands and \
+                        (self._paused or not engine.has_unfinished_requests()):
+                    idle = True
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                self._applying = list(self._commands)
                 self._commands.clear()
-            err = EngineDeadError(f"the engine loop stopped: {self._error or 'shut down'}")
-            for kind, payload in pending:
-                if kind in ("add", "call") and payload[-1].set_running_or_notify_cancel():
-                    payload[-1].set_exception(err)
-            for stream in list(self._streams.values()):
-                self._post(stream, err)
-            self._streams.clear()
-            if self._trace is not None:
-                self._trace.close()
+                paused = self._paused
+            # A cycle runs from the end of the previous one (lock and GIL waits included), or from the
+            # wake-up after the engine slept for lack of work.
+            cycle_start = time.perf_counter() if idle else cycle_end
+            if self._applying:
+                self._apply(self._applying)
+                self._applying = []
+            if not paused and engine.has_unfinished_requests():
+                num_steps += 1
+                if num_steps == self._inject_step_fault:
+                    raise InjectedStepFault(f"fault injected into engine step {num_steps}")
+                step_start = time.perf_counter()
+                outputs = engine.step()
+                step_s = time.perf_counter() - step_start
+                self._refresh_snapshot()  # before the outputs, so a client never sees older state
+                self._dispatch(outputs)
+                cycle_end = time.perf_counter()
+                if self._trace is not None and engine.last_schedule is not None:
+                    self._write_trace(TracedStep(cycle_start - trace_start, cycle_end - cycle_start, step_s,
+                                                 idle, StepShape.of(engine.last_schedule)))
+            else:
+                cycle_end = time.perf_counter()
+
+    def _fail_everything(self) -> None:
+        """The loop has ended: fail every command not yet answered and end every open stream (engine thread)."""
+        with self._cond:
+            self._stopped = True
+            pending = self._applying + list(self._commands)
+            self._applying = []
+            self._commands.clear()
+        if self._error is None:
+            err: EngineDeadError = EngineShutdownError("the engine was shut down: the server is stopping")
+            try:  # free every request's blocks, so a stopped engine holds none
+                if self.engine is not None:
+                    self.engine.abort(self.engine.scheduler.unfinished_request_ids())
+            except Exception:  # noqa: BLE001 - the streams must still be ended below
+                logger.exception("aborting the requests of a stopped engine failed")
+        else:
+            err = EngineDeadError(f"the engine loop stopped: {self._error}")
+        for command in pending:
+            future = getattr(command, "future", None)
+            if future is not None and not future.done() and \
+                    (future.running() or future.set_running_or_notify_cancel()):
+                future.set_exception(err)
+        for stream in list(self._streams.values()):
+            self._post(stream, err)
+        self._streams.clear()
+        if self._trace is not None:
+            self._trace.close()
 
     def _write_trace(self, step: TracedStep) -> None:
         """Append a trace line; a failing trace (disk full...) is dropped with a warning, serving goes on."""
@@ -388,39 +486,41 @@ class AsyncEngine:
             self._trace.close()
             self._trace = None
 
-    def _apply(self, commands: list[tuple[str, Any]]) -> None:
-        """Apply queued commands in order (engine thread)."""
-        engine = self.engine
+    def _apply(self, commands: list[Command]) -> None:
+        """Apply queued commands in order (engine thread). A command that raises fails alone: its caller gets
+        the exception (a ``ValueError`` is the client's fault, anything else ours) and the loop goes on."""
         num_adds = 0
-        for kind, payload in commands:
-            if kind == "add":
+        for command in commands:
+            if isinstance(command, AddCommand):
                 num_adds += 1
-                prompt, params, rid, priority, salt, arrival, stream, future = payload
-                if not future.set_running_or_notify_cancel():
-                    continue  # the caller gave up before the engine saw it
-                try:
-                    engine.add_request(prompt, params, request_id=rid, arrival_time=arrival, priority=priority,
-                                       cache_salt=salt)
-                except ValueError as e:
-                    future.set_exception(e)
-                    continue
-                self._streams[rid] = stream
-                future.set_result(None)
-            elif kind == "abort":
-                engine.abort(payload)
-                for rid in payload:
+                self._apply_add(command)
+            elif isinstance(command, AbortCommand):
+                self.engine.abort(command.request_ids)
+                for rid in command.request_ids:
                     stream = self._streams.pop(rid, None)
                     if stream is not None:
                         self._post(stream, _END)
-            elif kind == "call":
-                fn, future = payload
-                if not future.set_running_or_notify_cancel():
-                    continue
+            elif command.future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(engine))
+                    command.future.set_result(command.fn(self.engine))
                 except Exception as e:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(e)
+                    command.future.set_exception(e)
         self._refresh_snapshot(num_adds)
+
+    def _apply_add(self, command: AddCommand) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return  # the caller gave up before the engine saw it
+        try:
+            self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
+                                    arrival_time=command.arrival_time, priority=command.priority,
+                                    cache_salt=command.cache_salt)
+        except Exception as e:  # noqa: BLE001 - this request alone fails (C19)
+            if not isinstance(e, ValueError):
+                logger.exception("adding request %s failed", command.request_id)
+            command.future.set_exception(e)
+            return
+        self._streams[command.request_id] = command.stream
+        command.future.set_result(None)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one ``call_soon_threadsafe`` per event loop."""

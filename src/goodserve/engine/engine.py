@@ -20,10 +20,11 @@ from goodserve.engine.stats import EngineStats
 from goodserve.models.loader import default_model_path, load_model
 from goodserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from goodserve.request import Request, RequestStatus
-from goodserve.runner.model_runner import DTYPES, ModelRunner
+from goodserve.runner.model_runner import DTYPES, ModelRunner, SampledToken
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
+from goodserve.validation import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,11 @@ class Engine:
         """Token ids of a text prompt (with the tokenizer's special tokens) or validated ids as given.
 
         Raises:
-            ValueError: on an empty prompt or a token id outside the vocabulary.
+            ValueError: on an empty prompt, text that is not valid Unicode (C19) or a token id outside the
+                vocabulary.
         """
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
@@ -141,8 +144,10 @@ class Engine:
             The queued request.
 
         Raises:
-            ValueError: on bad parameters, an empty prompt, or a request that can never fit (its prompt
-                plus ``max_tokens`` exceeds the maximum context length or the KV pool).
+            ValueError: on bad parameters, an empty or invalid prompt, or a request that can never fit (its
+                prompt plus ``max_tokens`` exceeds the maximum context length or the KV pool).
+            Exception: whatever else the tokenizer or detokenizer raise on this input (our fault, not the
+                user's). Nothing is queued when it raises.
         """
         params = params or SamplingParams()
         params.validate()
@@ -161,9 +166,10 @@ class Engine:
         request = Request(request_id, ids, params, arrival_time or time.monotonic(), priority=priority,
                           eos_token_ids=eos, max_tokens=max_tokens,
                           prompt=prompt if isinstance(prompt, str) else None, cache_salt=cache_salt)
+        detokenizer = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params.stop,
+                                             params.skip_special_tokens)
         self.scheduler.add_request(request)
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer.backend_tokenizer, ids, params.stop, params.skip_special_tokens)
+        self._detokenizers[request_id] = detokenizer
         if params.logprobs is not None:
             self._logprobs[request_id] = ([], [])
         return request
@@ -197,33 +203,60 @@ class Engine:
             return []
         sampled = self.runner.execute(sched)
         now = time.monotonic()
-        self.scheduler.update_from_output(sched, {rid: s.token_id for rid, s in sampled.items()}, now)
-        outputs = []
+        outputs = [self._fail(self.scheduler.get_request(rid), s.error, now)
+                   for rid, s in sampled.items() if s.error is not None]
+        self.scheduler.update_from_output(
+            sched, {rid: s.token_id for rid, s in sampled.items() if s.error is None}, now)
         for s in sched.scheduled:
             req = s.request
             token = sampled.get(req.request_id)
-            if token is None:
+            if token is None or token.error is not None:
                 continue
-            detok = self._detokenizers[req.request_id]
-            params = req.sampling_params
-            if req.request_id in self._logprobs:
-                lp, top = self._logprobs[req.request_id]
-                lp.append(token.logprob)
-                top.append(token.top_logprobs or [])
-            stop = detok.add_token(token.token_id, check_stop=req.num_output_tokens >= params.min_tokens)
-            if stop is not None:
-                req.stop_reason = stop
-                if req.is_finished:  # finished on length/EOS in the same token: the stop string wins
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, now)
-            outputs.append(self._make_output(req))
-            if req.is_finished:
-                self._detokenizers.pop(req.request_id, None)
-                self._logprobs.pop(req.request_id, None)
+            try:
+                outputs.append(self._process_token(req, token, now))
+            except Exception as e:  # noqa: BLE001 - this request alone fails; the engine serves on (C19)
+                logger.exception("processing the output of request %s failed", req.request_id)
+                outputs.append(self._fail(req, f"processing its output failed: {type(e).__name__}: {e}", now))
         self.stats.record_step(sched, now - t0, self.scheduler)
         self.last_schedule = sched
         return outputs
+
+    def _process_token(self, req: Request, token: SampledToken, now: float) -> RequestOutput:
+        """Detokenise a request's new token, record its logprobs, apply stop strings; build its output."""
+        detok = self._detokenizers[req.request_id]
+        params = req.sampling_params
+        if req.request_id in self._logprobs:
+            lp, top = self._logprobs[req.request_id]
+            lp.append(token.logprob)
+            top.append(token.top_logprobs or [])
+        stop = detok.add_token(token.token_id, check_stop=req.num_output_tokens >= params.min_tokens)
+        if stop is not None:
+            req.stop_reason = stop
+            if req.is_finished:  # finished on length/EOS in the same token: the stop string wins
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, now)
+        output = self._make_output(req)
+        if req.is_finished:
+            self._detokenizers.pop(req.request_id, None)
+            self._logprobs.pop(req.request_id, None)
+        return output
+
+    def _fail(self, req: Request, error: str, now: float) -> RequestOutput:
+        """End one request whose own processing raised: free its blocks and return its failed output.
+
+        Args:
+            req: The request (it may already have finished on length or EOS in this step).
+            error: What went wrong (for the client's error message).
+            now: Current time in seconds.
+        """
+        rid = req.request_id
+        self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR, now)
+        self._detokenizers.pop(rid, None)
+        self._logprobs.pop(rid, None)
+        completion = CompletionOutput(index=0, text="", token_ids=list(req.output_token_ids), finish_reason="error")
+        return RequestOutput(rid, req.prompt, req.prompt_token_ids, [completion], True,
+                             RequestMetrics.from_request(req), error=f"request {rid}: {error}")
 
     def _make_output(self, req: Request) -> RequestOutput:
         detok = self._detokenizers[req.request_id]

@@ -16,7 +16,7 @@ import torch
 from goodserve.config import EngineConfig
 from goodserve.models.llama import LlamaForCausalLM
 from goodserve.runner.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from goodserve.runner.sampler import Sampler, SamplingMetadata, SamplingRow
+from goodserve.runner.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -29,14 +29,16 @@ class SampledToken:
     """One request's sampled token of a step.
 
     Attributes:
-        token_id: The token.
+        token_id: The token (``-1`` when ``error`` is set).
         logprob: Its log-probability, or ``None`` when not asked for.
         top_logprobs: ``(token_id, logprob)`` of the most likely tokens when ``logprobs`` was asked for.
+        error: Why this request's row could not be sampled (its own processing raised), else ``None``.
     """
 
     token_id: int
     logprob: Optional[float] = None
     top_logprobs: Optional[list[tuple[int, float]]] = None
+    error: Optional[str] = None
 
 
 class ModelRunner:
@@ -86,7 +88,11 @@ class ModelRunner:
             scheduler_output: The step to compute.
 
         Returns:
-            The sampled token of every request whose ``sample`` flag is set, by request id.
+            The sampled token of every request whose ``sample`` flag is set, by request id. A request whose
+            own sampling raised gets a ``SampledToken`` with ``error`` set instead (see :meth:`_sample`).
+
+        Raises:
+            Exception: whatever the forward pass raises (a fault of the engine, not of one request).
         """
         if scheduler_output.is_empty:
             return {}
@@ -135,12 +141,40 @@ class ModelRunner:
         rows = [SamplingRow(params=s.request.sampling_params, prompt_token_ids=s.request.prompt_token_ids,
                             output_token_ids=s.request.output_token_ids, eos_token_ids=s.request.eos_token_ids)
                 for s in sampling]
-        out = self.sampler(logits, SamplingMetadata.from_requests(rows, logits.shape[-1], dev))
+        return self._sample(logits, rows, [s.request_id for s in sampling])
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+                request_ids: list[str]) -> dict[str, SampledToken]:
+        """Sample every row in one batch; if that raises, sample row by row so that only the rows that raise
+        fail (one request's processing must never fail its batch neighbours, case C19).
+
+        Args:
+            logits: ``[num_sampled, vocab_size]``.
+            rows: One per logits row.
+            request_ids: The request of each row.
+
+        Returns:
+            A ``SampledToken`` per request; those whose row raised have ``error`` set.
+        """
+        vocab, dev = logits.shape[-1], logits.device
+        try:
+            return self._tokens(self.sampler(logits, SamplingMetadata.from_requests(rows, vocab, dev)), request_ids)
+        except Exception:  # noqa: BLE001 - find the rows at fault below
+            logger.exception("sampling a batch of %d rows failed; sampling them one by one", len(rows))
         result = {}
-        for i, s in enumerate(sampling):
-            result[s.request_id] = SampledToken(
-                token_id=out.token_ids[i],
-                logprob=out.logprobs[i] if out.logprobs is not None else None,
-                top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None,
-            )
+        for i, (row, rid) in enumerate(zip(rows, request_ids)):
+            try:
+                out = self.sampler(logits[i:i + 1], SamplingMetadata.from_requests([row], vocab, dev))
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                logger.exception("sampling request %s failed", rid)
+                result[rid] = SampledToken(token_id=-1, error=f"sampling failed: {type(e).__name__}: {e}")
+                continue
+            result.update(self._tokens(out, [rid]))
         return result
+
+    @staticmethod
+    def _tokens(out: SamplerOutput, request_ids: list[str]) -> dict[str, SampledToken]:
+        return {rid: SampledToken(token_id=out.token_ids[i],
+                                  logprob=out.logprobs[i] if out.logprobs is not None else None,
+                                  top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None)
+                for i, rid in enumerate(request_ids)}

@@ -82,6 +82,10 @@ class Scheduler:
         """Whether any request is waiting or running."""
         return bool(self.running) or len(self.waiting) > 0
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids of every waiting or running request."""
+        return list(self._requests)
+
     def get_request(self, request_id: str) -> Optional[Request]:
         """The unfinished request with this id, or ``None``."""
         return self._requests.get(request_id)

@@ -1,61 +1,41 @@
 """The OpenAI-compatible HTTP routes around an :class:`AsyncEngine` (routes only: schemas live in
-:mod:`goodserve.server.protocol`, metrics in :mod:`goodserve.server.metrics`).
+:mod:`goodserve.server.protocol`, errors in :mod:`goodserve.server.errors`, streams in
+:mod:`goodserve.server.streaming`, metrics in :mod:`goodserve.server.metrics`).
 
 Every request is validated and accepted by the engine *before* a response starts, so a bad parameter or a
-prompt over the context length is an HTTP 400 with an OpenAI error body even when ``stream=true`` (C09).
-A choice of ``n`` (and each prompt of a batch) is an independent engine request; with a ``seed``, choice
-``i`` uses ``seed + i``. Streamed deltas are differences of the engine's cumulative texts, which are whole
-UTF-8 characters and never include a prefix of a stop string that might still match (C05, C10). A client
-that goes away, streaming or not, has its requests aborted at once, which frees their KV blocks (C12).
+prompt over the context length is an HTTP 400 with an OpenAI error body even when ``stream=true`` (C09);
+text that is not valid Unicode is refused before any tokenizer sees it (C19). A choice of ``n`` (and each
+prompt of a batch) is an independent engine request; with a ``seed``, choice ``i`` uses ``seed + i``.
+Streamed deltas are differences of the engine's cumulative texts, which are whole UTF-8 characters and never
+include a prefix of a stop string that might still match (C05, C10). A client that goes away, streaming or
+not, has its requests aborted at once, which frees their KV blocks (C12). One request whose processing
+fails gets a 500 (or an error event in its stream) and the engine serves on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from goodserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from goodserve.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
 from goodserve.server import protocol as P
+from goodserve.server.errors import APIError, install_error_handlers
 from goodserve.server.metrics import RequestTracker, ServerMetrics
+from goodserve.server.openapi import install_schema, responses
+from goodserve.server.streaming import EventStreamResponse, sse
 
-logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An error answered with an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, type_: str, param: Optional[str] = None,
-                 code: Optional[Union[int, str]] = None, headers: Optional[dict[str, str]] = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-
-def _error_response(status: int, message: str, type_: str, param: Optional[str] = None,
-                    code: Optional[Union[int, str]] = None, headers: Optional[dict[str, str]] = None) -> JSONResponse:
-    body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=type_, param=param,
-                                             code=code if code is not None else status))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
-
-
-def _bad_request(e: ValueError) -> JSONResponse:
-    msg = str(e)
-    m = re.match(r"(\w+) must", msg)
-    return _error_response(400, msg, "BadRequestError", param=m.group(1) if m else None)
+COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+API_ENDPOINTS = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE, "/v1/models")
 
 
 @dataclass
@@ -87,7 +67,11 @@ def _usage(subs: list[_Sub]) -> P.UsageInfo:
 
 
 async def _iterate(subs: list[_Sub]) -> AsyncIterator[_Sub]:
-    """Outputs of all sub-requests as they come; each yields the ``_Sub`` with ``last`` updated."""
+    """Outputs of all sub-requests as they come; each yields the ``_Sub`` with ``last`` updated.
+
+    Raises:
+        RequestFailedError, EngineDeadError: as the sub-requests' streams do.
+    """
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(sub: _Sub) -> None:
@@ -108,6 +92,8 @@ async def _iterate(subs: list[_Sub]) -> AsyncIterator[_Sub]:
                 remaining -= 1
                 continue
             if isinstance(item, BaseException):
+                if isinstance(item, RequestFailedError):
+                    sub.tracker.ended("error")
                 raise item
             sub.tracker.observe(item)
             sub.last = item
@@ -147,44 +133,26 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
     app.state.engine, app.state.metrics, app.state.served_model_name = engine, metrics, model_name
     tokenizer = engine.tokenizer
 
-    # ------------------------------------------------------------------------------------------- errors
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+    def endpoint_of(request: Request) -> str:
+        path = request.url.path
+        return path if path in API_ENDPOINTS else "other"
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return _error_response(400, f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")),
-                               "BadRequestError", param=loc or None)
-
-    @app.exception_handler(ValueError)
-    async def _value_error(_: Request, e: ValueError) -> JSONResponse:
-        return _bad_request(e)
-
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
-        return _error_response(503, str(e), "ServiceUnavailableError")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error_response(e.status_code, str(e.detail), "NotFoundError" if e.status_code == 404 else
-                               "BadRequestError", headers=getattr(e, "headers", None))
+    install_error_handlers(app, lambda request, err: metrics.count_error(endpoint_of(request), err.status, err.reason),
+                           lambda request: metrics.count_aborted(endpoint_of(request)))
+    install_schema(app)
 
     # ------------------------------------------------------------------------------------------ helpers
     def check_model(name: Optional[str]) -> None:
         if name and name != model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.",
-                           "NotFoundError", param="model", code="model_not_found")
+                           param="model", code="model_not_found")
 
     async def start(prompts: list[Union[str, list[int]]], params: list[SamplingParams], request_id: str,
                     priority: int, cache_salt: Optional[str] = None) -> list[_Sub]:
         """Add ``len(prompts) * len(params)`` engine requests; all accepted, or none (error raised)."""
         if max_waiting_requests is not None and engine.num_waiting_total() >= max_waiting_requests:
             raise APIError(429, f"The server is busy: {max_waiting_requests} requests are already waiting. "
-                           "Retry later.", "RateLimitError", headers={"Retry-After": "1"})
+                           "Retry later.", code="queue_full", headers={"Retry-After": "1"})
         jobs = []
         for p, prompt in enumerate(prompts):
             for j, sp in enumerate(params):
@@ -205,7 +173,7 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         for s in subs:
             if not s.tracker.done:
                 ids.append(s.stream.request_id)
-                s.tracker.aborted()
+                s.tracker.ended("abort")
         if ids:
             engine.abort(ids)
 
@@ -228,6 +196,48 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
             for t in (task, watcher):
                 t.cancel()
             finish(subs)
+
+    async def answer(request: Request, subs: list[_Sub], build: Callable[[], Any]) -> Response:
+        """A non-streamed answer: wait for every choice, then ``build()`` the body (499 if the client left)."""
+        endpoint = endpoint_of(request)
+        if await collect(request, subs) is None:
+            metrics.count_aborted(endpoint)
+            return Response(status_code=499)
+        body = build()
+        metrics.count_finished(endpoint)
+        return JSONResponse(body.model_dump())
+
+    def stream(request: Request, subs: list[_Sub], head: list[str],
+               chunk: Callable[[_Sub, RequestOutput, str], str], usage: Optional[Callable[[], str]]) -> Response:
+        """A streamed answer: ``head`` events, then a ``chunk(sub, output, new_text)`` per new piece of text
+        (or finish) of any choice, then the ``usage`` event if asked for."""
+        endpoint = endpoint_of(request)
+
+        async def events() -> AsyncIterator[str]:
+            for event in head:
+                yield event
+            async with contextlib.aclosing(_iterate(subs)) as it:
+                async for s in it:
+                    out = s.last
+                    delta = out.text[len(s.sent_text):]
+                    if not delta and not out.finished:
+                        continue
+                    event = chunk(s, out, delta)
+                    s.sent_text, s.sent_tokens = out.text, len(out.token_ids)
+                    yield event
+            if usage is not None:
+                yield usage()
+
+        def on_close(outcome: Optional[APIError | str]) -> None:
+            finish(subs)
+            if outcome is None:
+                metrics.count_finished(endpoint)
+            elif isinstance(outcome, APIError):
+                metrics.count_error(endpoint, outcome.status, outcome.reason)
+            else:
+                metrics.count_aborted(endpoint)
+
+        return EventStreamResponse(events(), on_close)
 
     def token_str(token_id: int) -> str:
         return tokenizer.decode([token_id])
@@ -274,29 +284,28 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
             out = out["input_ids"]
         return list(out)
 
-    def sse(obj: Any) -> str:
-        return f"data: {obj.model_dump_json()}\n\n"
-
-    def stream_error(e: BaseException) -> str:
-        body = P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="InternalServerError", code=500))
-        return f"data: {body.model_dump_json()}\n\n"
-
     # ------------------------------------------------------------------------------------------- routes
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The engine loop is running (empty body)."},
+        503: {"model": P.ErrorResponse, "description": "The engine loop is not running."}})
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_healthy() else 503)
+        if engine.is_healthy():
+            return Response(status_code=200)
+        return APIError(503, "the engine loop is not running", code="engine_dead").response()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=P.ModelList)
     async def models() -> P.ModelList:
         return P.ModelList(data=[P.ModelCard(id=model_name, root=engine.model_path,
                                              max_model_len=engine.max_model_len)])
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition format.",
+        "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    async def tokenize(body: P.TokenizeRequest) -> dict:
+    @app.post(TOKENIZE, response_model=P.TokenizeResponse, responses=responses(errors=(400, 404, 500)))
+    async def tokenize(body: P.TokenizeRequest) -> P.TokenizeResponse:
         check_model(body.model)
         if body.messages is not None:
             conv = P.ChatCompletionRequest(messages=body.messages).conversation()
@@ -305,18 +314,21 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
             tokens = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         else:
             raise ValueError("give either 'prompt' or 'messages'")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+        metrics.count_finished(TOKENIZE)
+        return P.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
 
-    @app.post("/detokenize")
-    async def detokenize(body: P.DetokenizeRequest) -> dict:
+    @app.post(DETOKENIZE, response_model=P.DetokenizeResponse, responses=responses(errors=(400, 404, 500)))
+    async def detokenize(body: P.DetokenizeRequest) -> P.DetokenizeResponse:
         check_model(body.model)
         vocab = len(tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"tokens must be integers in [0, {vocab}), got {bad[:5]}")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        text = tokenizer.decode(body.tokens)
+        metrics.count_finished(DETOKENIZE)
+        return P.DetokenizeResponse(prompt=text)
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS, response_class=Response, responses=responses(P.CompletionResponse, stream=True))
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompts = body.prompts()
@@ -330,51 +342,31 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
             for p, prompt in enumerate(prompts):
                 echo[p] = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
+        def chunk(choices: list[P.CompletionChoice], usage: Optional[P.UsageInfo] = None) -> str:
+            return sse(P.CompletionChunk(id=rid, created=created, model=model_name, choices=choices, usage=usage))
+
         if not body.stream:
-            if await collect(request, subs) is None:
-                return Response(status_code=499)
-            choices = []
-            for s in subs:
-                out = s.last
-                text = out.text if out else ""
-                choices.append(P.CompletionChoice(
-                    index=s.index, text=echo.get(s.prompt_index, "") + text,
-                    logprobs=completion_logprobs(s, out, 0, 0) if out else None,
-                    finish_reason=(out.finish_reason if out else None) or "abort",
-                    stop_reason=out.outputs[0].stop_reason if out else None))
-            return JSONResponse(P.CompletionResponse(id=rid, created=created, model=model_name, choices=choices,
-                                                     usage=_usage(subs)).model_dump())
-
-        async def events() -> AsyncIterator[str]:
-            try:
+            def build() -> P.CompletionResponse:
+                choices = []
                 for s in subs:
-                    if s.prompt_index in echo:
-                        yield sse(P.CompletionChunk(id=rid, created=created, model=model_name, choices=[
-                            P.CompletionChoice(index=s.index, text=echo[s.prompt_index])]))
-                async with contextlib.aclosing(_iterate(subs)) as it:
-                    async for s in it:
-                        out = s.last
-                        delta = out.text[len(s.sent_text):]
-                        if not delta and not out.finished:
-                            continue
-                        lp = completion_logprobs(s, out, s.sent_tokens, s.text_offset)
-                        s.sent_text, s.sent_tokens = out.text, len(out.token_ids)
-                        yield sse(P.CompletionChunk(id=rid, created=created, model=model_name, choices=[
-                            P.CompletionChoice(index=s.index, text=delta, logprobs=lp,
-                                               finish_reason=out.finish_reason,
-                                               stop_reason=out.outputs[0].stop_reason)]))
-                if body.include_usage:
-                    yield sse(P.CompletionChunk(id=rid, created=created, model=model_name, choices=[],
-                                                usage=_usage(subs)))
-                yield "data: [DONE]\n\n"
-            except EngineDeadError as e:
-                yield stream_error(e)
-            finally:
-                finish(subs)
+                    out = s.last
+                    choices.append(P.CompletionChoice(
+                        index=s.index, text=echo.get(s.prompt_index, "") + (out.text if out else ""),
+                        logprobs=completion_logprobs(s, out, 0, 0) if out else None,
+                        finish_reason=(out.finish_reason if out else None) or "abort",
+                        stop_reason=out.outputs[0].stop_reason if out else None))
+                return P.CompletionResponse(id=rid, created=created, model=model_name, choices=choices,
+                                            usage=_usage(subs))
+            return await answer(request, subs, build)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        head = [chunk([P.CompletionChoice(index=s.index, text=echo[s.prompt_index])]) for s in subs
+                if s.prompt_index in echo]
+        return stream(request, subs, head, lambda s, out, delta: chunk([P.CompletionChoice(
+            index=s.index, text=delta, logprobs=completion_logprobs(s, out, s.sent_tokens, s.text_offset),
+            finish_reason=out.finish_reason, stop_reason=out.outputs[0].stop_reason)]),
+            (lambda: chunk([], _usage(subs))) if body.include_usage else None)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT, response_class=Response, responses=responses(P.ChatCompletionResponse, stream=True))
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check_n()
@@ -385,47 +377,29 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         created = int(time.time())
         subs = await start([prompt_ids], params, rid, body.priority, body.cache_salt)
 
-        if not body.stream:
-            if await collect(request, subs) is None:
-                return Response(status_code=499)
-            choices = []
-            for s in subs:
-                out = s.last
-                choices.append(P.ChatChoice(
-                    index=s.index, message=P.ChatMessage(content=out.text if out else ""),
-                    logprobs=chat_logprobs(out, 0) if out else None,
-                    finish_reason=(out.finish_reason if out else None) or "abort",
-                    stop_reason=out.outputs[0].stop_reason if out else None))
-            return JSONResponse(P.ChatCompletionResponse(id=rid, created=created, model=model_name,
-                                                         choices=choices, usage=_usage(subs)).model_dump())
-
         def chunk(choices: list[P.ChatStreamChoice], usage: Optional[P.UsageInfo] = None) -> str:
             return sse(P.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=choices,
                                              usage=usage))
 
-        async def events() -> AsyncIterator[str]:
-            try:
+        if not body.stream:
+            def build() -> P.ChatCompletionResponse:
+                choices = []
                 for s in subs:
-                    yield chunk([P.ChatStreamChoice(index=s.index, delta=P.DeltaMessage(role="assistant",
-                                                                                        content=""))])
-                async with contextlib.aclosing(_iterate(subs)) as it:
-                    async for s in it:
-                        out = s.last
-                        delta = out.text[len(s.sent_text):]
-                        if not delta and not out.finished:
-                            continue
-                        lp = chat_logprobs(out, s.sent_tokens)
-                        s.sent_text, s.sent_tokens = out.text, len(out.token_ids)
-                        yield chunk([P.ChatStreamChoice(index=s.index, delta=P.DeltaMessage(content=delta or None),
-                                                        logprobs=lp, finish_reason=out.finish_reason)])
-                if body.include_usage:
-                    yield chunk([], _usage(subs))
-                yield "data: [DONE]\n\n"
-            except EngineDeadError as e:
-                yield stream_error(e)
-            finally:
-                finish(subs)
+                    out = s.last
+                    choices.append(P.ChatChoice(
+                        index=s.index, message=P.ChatMessage(content=out.text if out else ""),
+                        logprobs=chat_logprobs(out, 0) if out else None,
+                        finish_reason=(out.finish_reason if out else None) or "abort",
+                        stop_reason=out.outputs[0].stop_reason if out else None))
+                return P.ChatCompletionResponse(id=rid, created=created, model=model_name, choices=choices,
+                                                usage=_usage(subs))
+            return await answer(request, subs, build)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        head = [chunk([P.ChatStreamChoice(index=s.index, delta=P.DeltaMessage(role="assistant", content=""))])
+                for s in subs]
+        return stream(request, subs, head, lambda s, out, delta: chunk([P.ChatStreamChoice(
+            index=s.index, delta=P.DeltaMessage(content=delta or None), logprobs=chat_logprobs(out, s.sent_tokens),
+            finish_reason=out.finish_reason)]),
+            (lambda: chunk([], _usage(subs))) if body.include_usage else None)
 
     return app

@@ -13,10 +13,17 @@ queue = first scheduled - arrival; prefill = first token - first scheduled; deco
 Goodput (Zhong et al., DistServe, OSDI 2024, §2): with ``slo_ttft`` and/or ``slo_tpot`` set, every request
 that finishes (stop or length) counts in ``request_slo_attained_total`` when it met all the SLOs set, else
 in ``request_slo_missed_total``.
+
+Every HTTP call to an API endpoint ends in exactly one of four counters, so a load test can account for all
+it sent: ``api_requests_finished_total`` (answered in full), ``api_requests_rejected_total`` (429, by
+reason), ``api_requests_aborted_total`` (the client went away first) and ``api_requests_failed_total`` (an
+error body, 4xx or 5xx, by status code and reason; a stream that ends in an error event counts here with
+the event's code). The ``request_*`` metrics above count engine requests (one per choice and prompt).
 """
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from typing import Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -103,8 +110,37 @@ class ServerMetrics:
         self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self.req_generation_tokens = hist("request_generation_tokens", "Generated tokens per finished request.",
                                           TOKEN_BUCKETS)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(finished_reason=reason)
+        self.api_finished = Counter(PREFIX + "api_requests_finished", "API calls answered in full.", ["endpoint"],
+                                    registry=r)
+        self.api_rejected = Counter(PREFIX + "api_requests_rejected", "API calls refused with 429 (admission).",
+                                    ["endpoint", "reason"], registry=r)
+        self.api_aborted = Counter(PREFIX + "api_requests_aborted", "API calls the client left before the end.",
+                                   ["endpoint"], registry=r)
+        self.api_failed = Counter(PREFIX + "api_requests_failed",
+                                  "API calls answered with an error body (4xx, 5xx or an error event in a stream).",
+                                  ["endpoint", "status_code", "reason"], registry=r)
+        self.outcomes: Tally = Tally()  # the same four outcomes, summed over labels (for the exit log)
+
+    def count_finished(self, endpoint: str) -> None:
+        """An API call was answered in full."""
+        self.api_finished.labels(endpoint=endpoint).inc()
+        self.outcomes["finished"] += 1
+
+    def count_aborted(self, endpoint: str) -> None:
+        """The client of an API call went away before its answer was complete."""
+        self.api_aborted.labels(endpoint=endpoint).inc()
+        self.outcomes["aborted"] += 1
+
+    def count_error(self, endpoint: str, status: int, reason: str) -> None:
+        """An API call ended in an error body: a 429 is a rejection, anything else a failure."""
+        if status == 429:
+            self.api_rejected.labels(endpoint=endpoint, reason=reason).inc()
+            self.outcomes["rejected"] += 1
+        else:
+            self.api_failed.labels(endpoint=endpoint, status_code=str(status), reason=reason).inc()
+            self.outcomes["failed"] += 1
 
     def tracker(self) -> "RequestTracker":
         """A tracker for one new engine request."""
@@ -163,8 +199,8 @@ class RequestTracker:
             if out.finish_reason in ("stop", "length") and (m.slo_ttft is not None or m.slo_tpot is not None):
                 (m.slo_attained if m.slo_met(met.ttft, met.tpot) else m.slo_missed).inc()
 
-    def aborted(self) -> None:
-        """The request was aborted before it finished (client gone)."""
+    def ended(self, reason: str) -> None:
+        """The request ended without a finished output: ``"abort"`` (client gone) or ``"error"`` (failed)."""
         if not self.done:
             self.done = True
-            self.m.request_success.labels(finished_reason="abort").inc()
+            self.m.request_success.labels(finished_reason=reason).inc()

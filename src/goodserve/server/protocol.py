@@ -11,17 +11,42 @@ from :meth:`SamplingParams.validate` or the engine and become HTTP 400.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from goodserve.sampling_params import SamplingParams
+from goodserve.validation import find_invalid_text
 
 MAX_N = 128  # most choices per request (n times the number of prompts)
+MAX_LOGPROBS = 20  # most top logprobs per token
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequest(OpenAIModel):
+    """A request body, validated strictly (``true`` is not an integer, ``"1"`` not a number) and with the
+    ranges written into the schema, so ``/openapi.json`` says what the server accepts. Every string in it,
+    at any depth and in fields we ignore too, must be valid Unicode (no lone surrogates): otherwise a 400
+    naming the field, before any tokenizer or template sees it (C19)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        found = find_invalid_text(data)
+        if found is not None:
+            path, message = found
+            raise PydanticCustomError("invalid_unicode", "{message}",
+                                      {"message": message, "param": path or None, "code": "invalid_unicode"})
+        return data
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -41,23 +66,23 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(OpenAIRequest):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: Optional[str] = None
-    n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    stop: Optional[Union[NonEmptyStr, list[NonEmptyStr]]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -99,10 +124,12 @@ class SamplingRequest(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``. ``max_tokens`` defaults to 16 as in OpenAI; ``null`` means unset."""
 
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    prompt: Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[NonEmptyStr], Field(min_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+    max_tokens: Optional[int] = Field(16, ge=1)
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -124,11 +151,11 @@ class CompletionRequest(SamplingRequest):
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the legacy ``max_tokens``."""
 
-    messages: list[dict[str, Any]]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def resolved_max_tokens(self) -> Optional[int]:
@@ -174,7 +201,7 @@ class ChatCompletionRequest(SamplingRequest):
         return out
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIRequest):
     """``POST /tokenize``: either ``prompt`` or ``messages``."""
 
     model: Optional[str] = None
@@ -183,9 +210,19 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(OpenAIRequest):
     model: Optional[str] = None
+    tokens: list[TokenId]
+
+
+class TokenizeResponse(OpenAIModel):
     tokens: list[int]
+    count: int
+    max_model_len: Optional[int] = None
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
 
 
 # -------------------------------------------------------------------------------------------- responses

@@ -1,0 +1,167 @@
+"""Errors of the OpenAI-compatible server: every failure becomes an OpenAI-style error body, and is counted.
+
+Whose fault decides the status: what the client sent is a 400 (``ValueError`` from validation, a body that
+is not JSON or not valid Unicode), an unknown model or route a 404, a full queue a 429; a fault of ours is a
+500 (``InternalServerError``: a request whose own processing raised, or a bug in a route), and a dead
+engine a 503. :func:`to_api_error` is the one mapping from exceptions to statuses; the server installs it as
+the handler of every exception type, so no response ever leaves without an error body.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Callable, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from goodserve.engine.async_engine import EngineDeadError, EngineShutdownError, RequestFailedError
+from goodserve.server import protocol as P
+from goodserve.validation import safe_text
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               415: "UnsupportedMediaTypeError", 429: "RateLimitError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error body.
+
+    Args:
+        status: HTTP status code.
+        message: What went wrong, for the client.
+        type_: OpenAI error type (default: by status, e.g. ``BadRequestError``).
+        param: The request field at fault, if any.
+        code: A machine-readable code (default: the status).
+        headers: Extra response headers (e.g. ``Retry-After``).
+    """
+
+    def __init__(self, status: int, message: str, type_: Optional[str] = None, param: Optional[str] = None,
+                 code: Optional[Union[int, str]] = None, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+        self.code = code if code is not None else status
+        self.headers = headers
+
+    @property
+    def reason(self) -> str:
+        """A short label for metrics: the string ``code`` if there is one, else the error type."""
+        return self.code if isinstance(self.code, str) else self.type
+
+    def body(self) -> P.ErrorResponse:
+        """The OpenAI error body (any lone surrogate quoted from the input is escaped)."""
+        return P.ErrorResponse(error=P.ErrorInfo(message=safe_text(self.message), type=self.type,
+                                                 param=safe_text(self.param) if self.param else None, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str:
+    """A pydantic error location as a field path, e.g. ``messages[0].content``: without the leading
+    ``body`` and without the union-branch tags pydantic inserts (``constrained-str``, ``list[int]``)."""
+    out = ""
+    for x in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif isinstance(x, str) and x.isidentifier() and x not in _TYPE_TAGS:
+            out += f".{x}" if out else x
+    return out
+
+
+def _validation_error(e: RequestValidationError) -> APIError:
+    errors = e.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    ctx = first.get("ctx") or {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {ctx.get('error', first.get('msg'))}",
+                        code="invalid_json")
+    if "param" in ctx:  # raised by our own validators, which name the field
+        return APIError(400, str(first.get("msg")), param=ctx["param"], code=ctx.get("code"))
+    loc = _param(first.get("loc", ()))
+    return APIError(400, f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), param=loc or None)
+
+
+def to_api_error(e: BaseException) -> APIError:
+    """Map any exception to the error the client gets (see the module docstring)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, RequestValidationError):
+        return _validation_error(e)
+    if isinstance(e, ValueError):
+        msg = str(e)
+        m = re.match(r"(\w+) must", msg)
+        return APIError(400, msg, param=m.group(1) if m else None)
+    if isinstance(e, EngineShutdownError):
+        return APIError(503, str(e), code="shutting_down")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, f"the server failed while processing this request: {e}", code="request_failed")
+    if isinstance(e, StarletteHTTPException):
+        return APIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+    return APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error")
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError], None],
+                           on_abort: Callable[[Request], None]) -> None:
+    """Answer every exception raised by a route with an OpenAI error body; ``on_error`` counts it. A client
+    that left before its body was read is no error: ``on_abort`` counts it and the answer is a bare 499.
+
+    Known exception types go through FastAPI's exception handlers; anything else (a bug of ours) is caught
+    by a middleware, logged with its traceback and answered with a 500, instead of Starlette's plain-text
+    500 and a dropped connection.
+    """
+    def answer(request: Request, e: BaseException) -> Response:
+        if isinstance(e, ClientDisconnect) or isinstance(e.__cause__, ClientDisconnect):
+            on_abort(request)
+            return Response(status_code=499)
+        err = to_api_error(e)
+        if err.status >= 500 and not isinstance(e, (APIError, EngineDeadError, RequestFailedError)):
+            logger.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        on_error(request, err)
+        return err.response()
+
+    async def handle(request: Request, e: Exception) -> Response:
+        return answer(request, e)
+
+    for exc in (APIError, RequestValidationError, ValueError, EngineDeadError, RequestFailedError,
+                StarletteHTTPException):
+        app.add_exception_handler(exc, handle)
+
+    class CatchAll:
+        def __init__(self, inner: ASGIApp) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await self.inner(scope, receive, send)
+                return
+            started = False
+
+            async def watch(message: Message) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+            try:
+                await self.inner(scope, receive, watch)
+            except Exception as e:  # noqa: BLE001 - a bug of ours: a 500 with a body, the server serves on
+                if started:
+                    logger.error("%s %s failed after its response started", scope.get("method"),
+                                 scope.get("path"), exc_info=e)
+                    return
+                await answer(Request(scope), e)(scope, receive, send)
+
+    app.add_middleware(CatchAll)

@@ -1,0 +1,136 @@
+"""``goodserve serve`` as a real process: it exits non-zero when its engine dies (so a supervisor restarts it)
+and shuts down within ``--shutdown-timeout`` on SIGTERM under load, with every API call accounted for."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from server_fixtures import free_port
+from tiny_models import make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+class ServeProcess:
+    """``goodserve serve`` on the tiny model in a subprocess; stderr (the log) is kept for assertions."""
+
+    def __init__(self, model: str, *flags: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "goodserve.cli", "serve", "--model", model, "--port", str(self.port),
+               "--dtype", "float32", "--num-blocks", "512", "--block-size", "4", "--max-model-len", "1024",
+               "--log-stats-interval", "0", "--served-model-name", "tiny", *flags]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        """Wait for the process to exit; return its status and its whole log."""
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            pytest.fail(f"server did not exit within {timeout} s:\n{err[-3000:]}")
+        return self.proc.returncode, err
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def _accounting(log: str) -> dict[str, int]:
+    m = re.search(r"API calls: finished (\d+), aborted (\d+), rejected (\d+), failed (\d+)", log)
+    assert m, log[-3000:]
+    return dict(zip(("finished", "aborted", "rejected", "failed"), map(int, m.groups())))
+
+
+def test_engine_death_exits_nonzero_within_seconds(tiny_model):
+    """A bug inside a step: the in-flight request gets an error at once and the process exits with status 1."""
+    srv = ServeProcess(tiny_model, "--inject-step-fault", "3", "--shutdown-timeout", "2")
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
+        r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=30)
+        t_fault = time.monotonic()
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(events[-2])["error"]["type"] == "ServiceUnavailableError" and events[-1] == "[DONE]"
+        rc, log = srv.wait(timeout=15)
+        assert rc == 1 and time.monotonic() - t_fault < 10
+        assert "engine loop died" in log
+        assert _accounting(log) == {"finished": 0, "aborted": 0, "rejected": 0, "failed": 1}
+    finally:
+        srv.close()
+
+
+def test_sigterm_under_load_exits_in_time_with_every_call_accounted(tiny_model):
+    """SIGTERM while requests stream: no new connection is admitted, in-flight calls get the shutdown
+    timeout, then the rest are aborted and answered with a 503 (an error event when streamed); the exit
+    log accounts for every call, and the KV cache is intact with no block in use."""
+    timeout = 1.5
+    srv = ServeProcess(tiny_model, "--shutdown-timeout", str(timeout))
+    results: list[str] = []
+
+    async def one(c: httpx.AsyncClient, i: int) -> None:
+        body = {"model": "tiny", "prompt": f"Request {i}", "max_tokens": 900, "ignore_eos": True,
+                "stream": i % 2 == 0}
+        try:
+            if body["stream"]:
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    text = "".join([chunk async for chunk in r.aiter_text()])
+                if '"shutting_down"' in text and text.rstrip().endswith("[DONE]"):
+                    results.append("shutting_down")
+                else:
+                    results.append("finished" if text.rstrip().endswith("[DONE]") else "cut")
+            else:
+                r = await c.post("/v1/completions", json=body)
+                results.append("finished" if r.status_code == 200 else r.json()["error"]["code"])
+        except httpx.HTTPError:
+            results.append("cut")
+
+    async def load() -> float:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as c:
+            tasks = [asyncio.create_task(one(c, i)) for i in range(8)]
+            while (await c.get("/metrics")).text.count("goodserve:num_requests_running 8") == 0:
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            await asyncio.gather(*tasks)
+            return t0
+
+    try:
+        t0 = asyncio.run(load())
+        rc, log = srv.wait(timeout=timeout + 15)
+        elapsed = time.monotonic() - t0
+        assert rc == 0 and elapsed < timeout + 8, (rc, elapsed)
+        counts = _accounting(log)
+        assert len(results) == 8 and set(results) <= {"finished", "shutting_down"}, results
+        assert counts == {"finished": results.count("finished"), "aborted": 0, "rejected": 0,
+                          "failed": results.count("shutting_down")}
+        assert "KV cache: integrity ok, 0.0% of blocks in use" in log
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(srv.base_url + "/health", timeout=2)
+    finally:
+        srv.close()
