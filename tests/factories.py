@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
-from goodserve.scheduler.output import SchedulerOutput
+from goodserve.scheduler.output import SampledToken, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
 
 EOS = 2
@@ -20,8 +20,8 @@ def create_scheduler(block_size: int = 4, num_blocks: int = 64, max_num_batched_
     """A scheduler over a small pool."""
     return Scheduler(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                      max_model_len=max_model_len, policy=policy, mode=mode),
-                     CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                     enable_prefix_caching=enable_prefix_caching)
+                     CacheConfig(num_blocks=num_blocks, block_size=block_size,
+                                 enable_prefix_caching=enable_prefix_caching))
 
 
 def create_requests(num_requests: int, prompt_len: int = 8, max_tokens: int = 4, *,
@@ -48,11 +48,20 @@ def create_requests(num_requests: int, prompt_len: int = 8, max_tokens: int = 4,
 
 
 def fake_step(scheduler: Scheduler, now: float,
-              token: int = FAKE_TOKEN) -> tuple[SchedulerOutput, list[Request]]:
-    """One engine step with a fake model that samples ``token`` for every request that samples."""
+              token: int = FAKE_TOKEN) -> tuple[SchedulerOutput, list[str]]:
+    """One engine step with a fake model that samples ``token`` for every request that samples.
+
+    Returns:
+        The step, and the ids of the requests it finished.
+    """
     out = scheduler.schedule(now)
-    sampled = {s.request_id: token for s in out.scheduled if s.sample}
-    return out, scheduler.update_from_output(out, sampled, now)
+    results = scheduler.update_from_output(out, sampled_tokens(out, token), now)
+    return out, [r.request_id for r in results if r.finished]
+
+
+def sampled_tokens(out: SchedulerOutput, token: int = FAKE_TOKEN) -> dict[str, SampledToken]:
+    """The fake model's answer: ``token`` for every request of ``out`` that samples."""
+    return {s.request_id: SampledToken(token) for s in out.sampling()}
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000, check: bool = True

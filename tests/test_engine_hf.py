@@ -75,8 +75,8 @@ def test_greedy_batch_equals_hf(llm_fp32, prompts, hf_reference):
     outs = llm_fp32.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_reference
     assert all(o.finish_reason in ("length", "stop") for o in outs)
-    llm_fp32.engine.scheduler.kv_cache_manager.check_integrity()
-    assert llm_fp32.engine.scheduler.kv_cache_manager.usage == 0
+    llm_fp32.engine.core.scheduler.kv_cache_manager.check_integrity()
+    assert llm_fp32.engine.core.scheduler.kv_cache_manager.usage == 0
 
 
 @pytest.mark.parametrize("budget", [16, 37, 4096])
@@ -85,7 +85,7 @@ def test_chunked_prefill_equals_hf(prompts, hf_reference, budget):
     llm = LLM(dtype="float32", num_blocks=512, max_num_batched_tokens=budget, log_stats_interval=0)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_reference
-    llm.engine.scheduler.kv_cache_manager.check_integrity()
+    llm.engine.core.scheduler.kv_cache_manager.check_integrity()
 
 
 def test_preemption_equals_hf(prompts, hf_reference):
@@ -96,9 +96,9 @@ def test_preemption_equals_hf(prompts, hf_reference):
               enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_reference
-    assert llm.engine.scheduler.num_preemptions_total > 0
-    assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions_total
-    kv = llm.engine.scheduler.kv_cache_manager
+    assert llm.engine.core.scheduler.num_preemptions_total > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.core.scheduler.num_preemptions_total
+    kv = llm.engine.core.scheduler.kv_cache_manager
     kv.check_integrity()
     assert kv.usage == 0
 

@@ -36,11 +36,11 @@ def test_tiny_hf_dir_matches_hf(tmp_path, arch):
                   max_num_batched_tokens=budget, log_stats_interval=0)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.token_ids for o in outs] == refs, (arch, budget, num_blocks)
-        kv = llm.engine.scheduler.kv_cache_manager
+        kv = llm.engine.core.scheduler.kv_cache_manager
         kv.check_integrity()
         assert kv.usage == 0
         if num_blocks == 16:  # 4 requests of up to 60 tokens in 64 slots: C03, preemption happened
-            assert llm.engine.scheduler.num_preemptions_total > 0
+            assert llm.engine.core.scheduler.num_preemptions_total > 0
 
 
 def test_tiny_gguf_matches_its_weights(tmp_path):

@@ -49,7 +49,7 @@ OTHER = ("The mitochondrion is an organelle found in most eukaryotic cells. It p
 
 
 def kv(llm: LLM):
-    return llm.engine.scheduler.kv_cache_manager
+    return llm.engine.core.scheduler.kv_cache_manager
 
 
 def check_pool(llm: LLM) -> None:
@@ -174,7 +174,7 @@ def test_preemption_with_prefix_caching(llm_tiny, llm_off, sharing_prompts):
     ref = [o.token_ids for o in llm_off.generate(prompts[:len(sharing_prompts)], params, use_tqdm=False)] * 2
     outs = llm_tiny.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == ref
-    assert llm_tiny.engine.scheduler.num_preemptions_total > 0
+    assert llm_tiny.engine.core.scheduler.num_preemptions_total > 0
     check_pool(llm_tiny)
 
 
@@ -286,6 +286,6 @@ def test_server_cached_tokens_and_salt(server):
         chat1, c1, _ = post("/v1/chat/completions", chat)
         chat2, c2, _ = post("/v1/chat/completions", dict(chat, cache_salt="tenant-y"))
         assert c0 == 0 and c1 > 0 and c2 == 0 and chat0 == chat1 == chat2
-    idle, usage = engine.call(lambda e: (not e.has_unfinished_requests(), e.scheduler.kv_cache_manager.usage))
+    idle, usage = engine.call(lambda e: (not e.has_unfinished_requests(), e.core.scheduler.kv_cache_manager.usage))
     assert idle and usage == 0.0
-    engine.call(lambda e: e.scheduler.kv_cache_manager.check_integrity())
+    engine.call(lambda e: e.core.scheduler.kv_cache_manager.check_integrity())

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from factories import EOS, FAKE_TOKEN, create_requests, create_scheduler, fake_step, run_to_completion
+from factories import EOS, FAKE_TOKEN, create_requests, create_scheduler, fake_step, run_to_completion, sampled_tokens
 from goodserve.request import Request, RequestStatus
 from goodserve.sampling_params import SamplingParams
 
@@ -56,9 +56,10 @@ def test_block_table_covers_scheduled_tokens():
     sched = create_scheduler(block_size=4, num_blocks=64, max_num_batched_tokens=6)
     sched.add_request(create_requests(1, prompt_len=13, max_tokens=1)[0])
     out, _ = fake_step(sched, 0.0)
-    assert out.scheduled[0].block_ids == [0, 1]
+    assert out.scheduled[0].new_block_ids == [0, 1]  # first scheduled: the whole table
     out, _ = fake_step(sched, 1.0)
-    assert out.scheduled[0].block_ids == [0, 1, 2]
+    assert out.scheduled[0].new_block_ids == [2]  # then only what the step added
+    assert sched.kv_cache_manager.get_block_ids("r0") == [0, 1, 2]
     assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (6, 6)
 
 
@@ -99,7 +100,7 @@ def test_waiting_head_blocks_admission_without_preemption():
     add_all(sched, [big, mid, tiny])
     out = sched.schedule(0.0)
     assert [s.request_id for s in out.scheduled] == ["r0"]  # r1 needs 4 blocks, 3 free: r2 waits too
-    assert out.preempted_request_ids == [] and sched.num_waiting == 2
+    assert out.preempted_req_ids == [] and sched.num_waiting == 2
 
 
 # ----------------------------------------------------------------------------------------- preemption
@@ -114,7 +115,7 @@ def preemption_scenario(policy, priorities=None, enable_prefix_caching=False):
 def test_preemption_fcfs_newest_first_and_all_finish():
     """C03: the newest running request is preempted, recomputed from 0, and every request finishes."""
     sched, reqs, outs = preemption_scenario("fcfs")
-    preempted = [(i, rid) for i, o in enumerate(outs) for rid in o.preempted_request_ids]
+    preempted = [(i, rid) for i, o in enumerate(outs) for rid in o.preempted_req_ids]
     assert preempted[0] == (5, "r2")  # step 5: r0 needs a third block and the pool (6 blocks) is full
     assert [s.request_id for s in outs[5].scheduled] == ["r0", "r1"]  # no admission in that step
     resumed = next(s for o in outs[6:] for s in o.scheduled if s.request_id == "r2")
@@ -130,8 +131,8 @@ def test_preemption_fcfs_newest_first_and_all_finish():
 
 def test_preemption_priority_evicts_lowest_priority_first():
     sched, reqs, outs = preemption_scenario("priority", priorities=[2, 0, 1])
-    first = next(o for o in outs if o.preempted_request_ids)
-    assert first.preempted_request_ids == ["r0"]  # oldest, but lowest priority (largest value)
+    first = next(o for o in outs if o.preempted_req_ids)
+    assert first.preempted_req_ids == ["r0"]  # oldest, but lowest priority (largest value)
     assert all(r.num_output_tokens == 8 for r in reqs)
 
 
@@ -159,11 +160,11 @@ def test_self_preemption_never_leaves_an_empty_step():
         sched.add_request(req)
         sched.waiting.remove(req)
         assert kv.allocate_slots(req, computed) is not None
-        req.num_computed_tokens, req.status, req.times.first_scheduled = computed, RequestStatus.RUNNING, 0.0
+        req.num_computed_tokens, req.status, req.first_scheduled_time = computed, RequestStatus.RUNNING, 0.0
         sched.running.append(req)
     d.append_output_token(FAKE_TOKEN)  # d decodes next and needs a third block; the pool is full
     out = sched.schedule(1.0)
-    assert out.preempted_request_ids == ["d0"]
+    assert out.preempted_req_ids == ["d0"]
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("p0", 1)]
     sched.update_from_output(out, {}, 1.0)
     run_to_completion(sched)
@@ -223,8 +224,8 @@ def drive(sched, rid, tokens):
     for i, tok in enumerate(tokens):
         out = sched.schedule(float(i))
         assert any(s.request_id == rid and s.sample for s in out.scheduled)
-        finished.append(sched.update_from_output(out, {s.request_id: tok for s in out.scheduled if s.sample},
-                                                 float(i)))
+        results = sched.update_from_output(out, sampled_tokens(out, tok), float(i))
+        finished.append([r.request_id for r in results if r.finished])
     return finished
 
 
@@ -233,7 +234,7 @@ def test_stop_token_respects_min_tokens():
     (req,) = create_requests(1, max_tokens=10, stop_token_ids=[9], min_tokens=2)
     sched.add_request(req)
     finished = drive(sched, "r0", [9, 9])
-    assert finished == [[], [req]]
+    assert finished == [[], ["r0"]]
     assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == 9
     assert req.output_token_ids == [9, 9]
 
@@ -249,14 +250,16 @@ def test_eos(ignore_eos, expected):
     assert sched.kv_cache_manager.usage == 0.0
 
 
-def test_times_are_recorded():
+def test_results_carry_tokens_finish_and_timestamps():
     sched = create_scheduler(max_num_batched_tokens=4)
     (req,) = create_requests(1, prompt_len=6, max_tokens=2)
     sched.add_request(req)
+    results = []
     for t in (1.0, 2.0, 3.0):
-        fake_step(sched, t)
-    assert (req.times.first_scheduled, req.times.first_token, req.times.last_token, req.times.finished) == (
-        1.0, 2.0, 3.0, 3.0)
+        out = sched.schedule(t)
+        results += sched.update_from_output(out, sampled_tokens(out), t)
+    assert [(r.request_id, r.new_token_ids, r.timestamp, r.first_scheduled_time, r.finish_reason)
+            for r in results] == [("r0", [FAKE_TOKEN], 2.0, 1.0, None), ("r0", [FAKE_TOKEN], 3.0, 1.0, "length")]
 
 
 def test_finish_requests_waiting_running_unknown():
@@ -265,14 +268,14 @@ def test_finish_requests_waiting_running_unknown():
     add_all(sched, [a, b])
     fake_step(sched, 0.0)
     assert a.status == RequestStatus.RUNNING and b.status == RequestStatus.WAITING
-    done = sched.finish_requests(["r1", "nope"], RequestStatus.FINISHED_ABORTED, 1.0)
-    assert done == [b] and b.status == RequestStatus.FINISHED_ABORTED and b.times.finished == 1.0
-    assert sched.finish_requests("r0", RequestStatus.FINISHED_ABORTED, 2.0) == [a]
-    assert sched.finish_requests("r0", RequestStatus.FINISHED_STOPPED, 3.0) == []
+    done = sched.finish_requests(["r1", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert done == ["r1"] and b.status == RequestStatus.FINISHED_ABORTED
+    assert sched.finish_requests("r0", RequestStatus.FINISHED_ABORTED) == ["r0"]
+    assert sched.finish_requests("r0", RequestStatus.FINISHED_STOPPED) == []
     assert not sched.has_unfinished_requests() and sched.kv_cache_manager.usage == 0.0
     sched.kv_cache_manager.check_integrity()
     with pytest.raises(ValueError):
-        sched.finish_requests("r0", RequestStatus.RUNNING, 0.0)
+        sched.finish_requests("r0", RequestStatus.RUNNING)
 
 
 def test_abort_between_schedule_and_update_drops_unwritten_cache_entries():
@@ -280,8 +283,8 @@ def test_abort_between_schedule_and_update_drops_unwritten_cache_entries():
     (a,) = create_requests(1, prompt_len=9, max_tokens=3)
     sched.add_request(a)
     out = sched.schedule(0.0)
-    sched.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED, 0.5)
-    assert sched.update_from_output(out, {"r0": FAKE_TOKEN}, 1.0) == []
+    sched.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
+    assert sched.update_from_output(out, sampled_tokens(out), 1.0) == []
     assert a.num_output_tokens == 0
     (b,) = create_requests(1, prompt_len=9, max_tokens=3)
     sched.add_request(b)
@@ -311,7 +314,7 @@ def test_prefix_hit_within_one_step():
     add_all(sched, create_requests(2, prompt_len=10, max_tokens=2, same_prompt=True))
     out = sched.schedule(0.0)
     assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [(0, 10), (8, 2)]
-    assert out.scheduled[1].block_ids[:2] == out.scheduled[0].block_ids[:2]
+    assert out.scheduled[1].new_block_ids[:2] == out.scheduled[0].new_block_ids[:2]
 
 
 def test_different_salts_never_share_in_scheduler():
@@ -361,6 +364,8 @@ def test_random_workloads_finish_without_leaks(specs, block_size, budget, max_nu
                                      cache_salt=salt)))
     kv = sched.kv_cache_manager
     slots: dict[int, tuple] = {}  # slot -> (salt, prefix tokens) whose K/V the slot holds
+    tables: dict[str, list[int]] = {}  # the runner's block tables, kept from the diffs
+    by_id = {r.request_id: r for _, r in reqs}
     for step in range(5000):
         for arrive, r in reqs:
             if arrive == step:
@@ -376,21 +381,28 @@ def test_random_workloads_finish_without_leaks(specs, block_size, budget, max_nu
         assert sched.num_running <= max_num_seqs
         ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids))
-        for s in out.scheduled:  # the "runner": write this step's K/V, then read the context
-            r, end = s.request, s.num_computed_tokens + s.num_new_tokens
-            assert len(s.block_ids) * block_size >= end and end <= r.num_tokens
+        for rid in out.finished_req_ids:
+            tables.pop(rid)
+        for s in out.scheduled:  # the "runner": its block tables come from the message's diffs alone
+            if s.resumed_from_preemption or s.request_id not in tables:
+                tables[s.request_id] = list(s.new_block_ids)
+            else:
+                tables[s.request_id] += s.new_block_ids
+            assert tables[s.request_id] == kv.get_block_ids(s.request_id)
+        for s in out.scheduled:  # write this step's K/V, then read the context
+            r, end, table = by_id[s.request_id], s.num_computed_tokens + s.num_new_tokens, tables[s.request_id]
+            assert len(table) * block_size >= end and end <= r.num_tokens
             assert s.sample == (end == r.num_tokens)
             for pos in range(s.num_computed_tokens, end):
-                block = s.block_ids[pos // block_size]  # shared only with same-step hits (same content)
+                block = table[pos // block_size]  # shared only with same-step hits (same content)
                 slot = block * block_size + pos % block_size
                 slots[slot] = (r.cache_salt, tuple(r.all_token_ids[:pos + 1]))
         for s in out.scheduled:
-            r = s.request
+            r, table = by_id[s.request_id], tables[s.request_id]
             for pos in range(s.num_computed_tokens):
-                slot = s.block_ids[pos // block_size] * block_size + pos % block_size
+                slot = table[pos // block_size] * block_size + pos % block_size
                 assert slots.get(slot) == (r.cache_salt, tuple(r.all_token_ids[:pos + 1])), "stale K/V"
-        sched.update_from_output(out, {s.request_id: FAKE_TOKEN for s in out.scheduled if s.sample},
-                                 float(step))
+        sched.update_from_output(out, sampled_tokens(out), float(step))
         kv.check_integrity()
     else:
         raise AssertionError("workload did not finish")

@@ -21,7 +21,7 @@ def _max_running(sched, steps_budget: int = 10_000) -> int:
 
 
 def test_modes_are_known_to_the_config():
-    assert {"chunked", "static", "reserve", "paged"} <= set(SCHEDULING_MODES)
+    assert {"chunked", "static", "reserve", "prefill-first"} <= set(SCHEDULING_MODES)
     with pytest.raises(ValueError, match="mode must be one of"):
         SchedulerConfig(mode="orca")
 
@@ -84,7 +84,7 @@ def test_reserve_admission_waits_for_the_full_reservation():
 # ------------------------------------------------------------------------------------------------ paged
 def test_paged_never_mixes_prefills_and_decodes_and_never_chunks():
     sched = create_scheduler(block_size=4, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=8,
-                             mode="paged", enable_prefix_caching=False)
+                             mode="prefill-first", enable_prefix_caching=False)
     reqs = create_requests(6, prompt_len=10, max_tokens=4)
     for r in reqs[:3]:
         sched.add_request(r)
@@ -106,7 +106,7 @@ def test_paged_never_mixes_prefills_and_decodes_and_never_chunks():
 
 
 def test_paged_runs_a_prompt_longer_than_the_budget_whole_and_alone():
-    sched = create_scheduler(block_size=4, num_blocks=64, max_num_batched_tokens=16, mode="paged")
+    sched = create_scheduler(block_size=4, num_blocks=64, max_num_batched_tokens=16, mode="prefill-first")
     long_, short = create_requests(2, prompt_len=40, max_tokens=2)
     short.prompt_token_ids = short.prompt_token_ids[:4]
     short.all_token_ids = list(short.prompt_token_ids)
@@ -122,7 +122,7 @@ def test_paged_runs_a_prompt_longer_than_the_budget_whole_and_alone():
 
 def test_paged_admits_a_preempted_request_back_as_one_whole_recompute():
     sched = create_scheduler(block_size=4, num_blocks=6, max_num_batched_tokens=64, max_num_seqs=4,
-                             mode="paged", enable_prefix_caching=False)
+                             mode="prefill-first", enable_prefix_caching=False)
     reqs = create_requests(2, prompt_len=8, max_tokens=8)  # 16 slots = 4 blocks each at the end
     for r in reqs:
         sched.add_request(r)

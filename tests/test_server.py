@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from goodserve.engine.args import EngineArgs
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.engine import Engine
+from goodserve.scheduler.output import SchedulerStats
 from goodserve.server.app import build_app
 from server_fixtures import ServerThread
 
@@ -72,13 +73,13 @@ def wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         idle, usage = engine.call(lambda e: (not e.has_unfinished_requests(),
-                                             e.scheduler.kv_cache_manager.usage))
+                                             e.core.scheduler.kv_cache_manager.usage))
         if idle:
             break
         assert time.monotonic() < deadline, "engine did not become idle"
         time.sleep(0.05)
     assert usage == 0.0
-    engine.call(lambda e: e.scheduler.kv_cache_manager.check_integrity())
+    engine.call(lambda e: e.core.scheduler.kv_cache_manager.check_integrity())
 
 
 def metric_samples(http: httpx.Client) -> dict:
@@ -263,7 +264,7 @@ def test_disconnect_aborts_and_frees_C12(server, http, engine):
             next(r.iter_lines())
     closed = time.monotonic()
     deadline = closed + 10
-    while engine.snapshot.num_running or engine.snapshot.num_waiting:
+    while engine.stats.num_running or engine.stats.num_waiting:
         assert time.monotonic() < deadline, "request was not aborted"
         time.sleep(0.02)
     wait_idle(engine)
@@ -404,9 +405,6 @@ class _BrokenEngine:
     """Just enough of an Engine for AsyncEngine; every step raises."""
 
     def __init__(self, tokenizer) -> None:
-        kv = SimpleNamespace(usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0)
-        self.scheduler = SimpleNamespace(waiting=[], running=[], num_running=0, num_waiting=0,
-                                         num_preemptions_total=0, kv_cache_manager=kv)
         self.tokenizer, self.chat_template, self.max_model_len = tokenizer, None, 64
         self.config = SimpleNamespace(model_path="/models/broken.gguf")
         self._pending = False
@@ -422,6 +420,9 @@ class _BrokenEngine:
 
     def abort(self, ids) -> None:
         pass
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats()
 
 
 def test_engine_death_health_503(engine):

@@ -89,13 +89,13 @@ def assert_healthy_and_idle(http: httpx.Client, engine: AsyncEngine, timeout: fl
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + timeout
     while True:
-        idle, usage = engine.call(lambda e: (not e.has_unfinished_requests(), e.scheduler.kv_cache_manager.usage))
+        idle, usage = engine.call(lambda e: (not e.has_unfinished_requests(), e.core.scheduler.kv_cache_manager.usage))
         if idle:
             break
         assert time.monotonic() < deadline, "engine did not become idle"
         time.sleep(0.02)
     assert usage == 0.0
-    engine.call(lambda e: e.scheduler.kv_cache_manager.check_integrity())
+    engine.call(lambda e: e.core.scheduler.kv_cache_manager.check_integrity())
 
 
 # ------------------------------------------------------------------------------------ C19: bad text
@@ -215,7 +215,7 @@ def _concurrently(base_url: str, bodies: list[dict]) -> list[httpx.Response]:
 def test_detokenizer_fault_fails_one_request_not_its_batch(http, engine, server, monkeypatch):
     """A detokenizer that raises mid-generation fails its request (500, or an error event when streamed);
     requests in the same batches produce exactly the tokens they produce alone."""
-    from goodserve.engine import engine as engine_mod
+    from goodserve.engine import output_processor as engine_mod
 
     alone = [_solo(http, p) for p in NEIGHBOURS]
     real = engine_mod.IncrementalDetokenizer
@@ -309,7 +309,7 @@ def test_client_disconnect_at_each_point_aborts_and_frees(http, engine, server, 
     restore = None
     if point == "while_engine_accepts":  # the engine thread is busy: the add command waits in its queue
         threading.Thread(target=lambda: engine.call(lambda e: release.wait(10)), daemon=True).start()
-        _wait(lambda: not engine._commands)
+        _wait(lambda: not engine._engine_thread._commands)
     elif point == "while_queued":
         engine.pause()
     else:
@@ -320,14 +320,14 @@ def test_client_disconnect_at_each_point_aborts_and_frees(http, engine, server, 
     sock = _raw_post(server.port, endpoint, body)
     try:
         if point == "while_engine_accepts":
-            _wait(lambda: len(engine._commands) > 0)
+            _wait(lambda: len(engine._engine_thread._commands) > 0)
         elif point == "while_queued":
-            _wait(lambda: engine.snapshot.num_waiting == 1)
+            _wait(lambda: engine.stats.num_waiting == 1)
         elif point == "mid_prefill":
-            _wait(lambda: engine.snapshot.num_running == 1)
-            assert engine.snapshot.num_tokens_waiting > 0  # still prefilling
+            _wait(lambda: engine.stats.num_running == 1)
+            assert engine.stats.num_tokens_waiting > 0  # still prefilling
         else:
-            _wait(lambda: engine.snapshot.num_running == 1 and engine.snapshot.num_tokens_waiting == 0)
+            _wait(lambda: engine.stats.num_running == 1 and engine.stats.num_tokens_waiting == 0)
     finally:
         sock.close()  # the client goes away
         release.set()
@@ -346,7 +346,7 @@ def test_a_command_that_kills_the_loop_never_leaves_a_caller_hanging(tiny_model)
     try:
         gate = threading.Event()
         threading.Thread(target=lambda: eng.call(lambda e: gate.wait(10)), daemon=True).start()
-        _wait(lambda: not eng._commands)
+        _wait(lambda: not eng._engine_thread._commands)
         eng.engine.abort = lambda ids: (_ for _ in ()).throw(RuntimeError("abort bug"))
         eng.abort("nobody")  # queued behind the busy call, with the add below
 

@@ -15,8 +15,6 @@ import goodserve.sim
 from goodserve.cli import build_parser
 from goodserve.config import SCHEDULING_MODES, CacheConfig, SchedulerConfig
 from goodserve.engine.step_trace import TracedStep
-from goodserve.request import Request
-from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.sim import simulator as simulator_module
@@ -111,12 +109,12 @@ def test_runs_are_deterministic_for_a_seed(tmp_path):
             "simulate", "--model", "SmolLM2-135M", "--hardware", "h100", "--dataset", "random",
             "--num-prompts", "30", "--random-input-len", "200", "--random-output-len", "20",
             "--random-range-ratio", "0.5", "--request-rate", "50", "--seed", "3", "--num-blocks", "200",
-            "--scheduler", "chunked,paged", "--goodput", "ttft:50", "tpot:5", "--save-result", str(path)])
+            "--scheduler", "chunked,prefill-first", "--goodput", "ttft:50", "tpot:5", "--save-result", str(path)])
         assert args.func(args) == 0
         paths.append(path)
     assert paths[0].read_bytes() == paths[1].read_bytes()
     runs = json.loads(paths[0].read_text())["runs"]
-    assert [r["label"] for r in runs] == ["chunked", "paged"]
+    assert [r["label"] for r in runs] == ["chunked", "prefill-first"]
     assert all(len(r["requests"]) == 30 for r in runs)
 
 
@@ -155,7 +153,7 @@ def test_a_larger_max_tokens_cap_only_shrinks_reserves_batch():
 
 def test_paged_never_mixes_prefills_and_decodes_in_a_step():
     reqs = mixed_workload()
-    paged, _ = simulate(cluster("paged", num_blocks=64, budget=48), reqs)
+    paged, _ = simulate(cluster("prefill-first", num_blocks=64, budget=48), reqs)
     chunked, _ = simulate(cluster("chunked", num_blocks=64, budget=48), reqs)
     assert paged.instances[0].num_mixed_steps == 0
     assert chunked.instances[0].num_mixed_steps > 0
@@ -213,8 +211,7 @@ def test_cluster_config_rejects_reserve_with_disaggregation():
 def _step(*shapes: tuple[int, int, bool]) -> SchedulerOutput:
     out = SchedulerOutput()
     for i, (computed, new, sample) in enumerate(shapes):
-        req = Request(f"s{i}", [1] * (computed + new), SamplingParams(max_tokens=4), 0.0)
-        out.scheduled.append(ScheduledRequest(req, computed, new, [], sample))
+        out.scheduled.append(ScheduledRequest(f"s{i}", computed, new, sample))
     return out
 
 

@@ -15,8 +15,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # How batches form: "chunked" is continuous batching with chunked prefill (Sarathi-Serve); "static" is
 # request-level batching, where a batch runs to completion before the next is admitted (pre-Orca);
 # "reserve" is continuous batching that reserves KV for prompt + max_tokens at admission (Orca's memory
-# policy, never preempts); "paged" is prefill-first, unchunked continuous batching over paged KV (vLLM v0).
-SCHEDULING_MODES = ("chunked", "static", "reserve", "paged")
+# policy, never preempts); "prefill-first" is unchunked continuous batching that runs admitted prompts
+# before decodes (vLLM v0). Every mode runs over the paged KV cache.
+SCHEDULING_MODES = ("chunked", "static", "reserve", "prefill-first")
 
 
 @dataclass(frozen=True)
@@ -66,25 +67,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing.
+    """The paged KV cache, resolved (the engine sizes the pool from ``EngineArgs`` first).
 
     Attributes:
+        num_blocks: Blocks in the pool.
         block_size: Tokens per KV block.
-        num_blocks: Blocks in the pool. Resolved by the engine from ``kv_cache_memory`` when ``None``.
-        kv_cache_memory: Bytes to give the pool; ``None`` means a share of free RAM (see the engine).
+        enable_prefix_caching: Register full blocks by content hash and reuse them across requests.
     """
 
+    num_blocks: int
     block_size: int = 16
-    num_blocks: Optional[int] = None
-    kv_cache_memory: Optional[int] = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
+        if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ class EngineConfig:
     Attributes:
         model_path: Path of the GGUF file or HF model directory.
         model: The architecture.
-        cache: KV pool sizing (``num_blocks`` resolved).
+        cache: The KV pool.
         scheduler: Step limits (``max_model_len`` resolved).
         dtype: ``"float32"`` or ``"bfloat16"``.
         device: ``"cpu"`` or ``"cuda"``.

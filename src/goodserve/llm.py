@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Optional, Sequence, Union
 
@@ -10,8 +11,7 @@ from tqdm.auto import tqdm
 from goodserve.engine.args import EngineArgs
 from goodserve.engine.engine import Engine, PromptType
 from goodserve.outputs import RequestOutput
-from goodserve.sampling_params import SamplingParams
-from goodserve.validation import check_text
+from goodserve.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, str]
 
@@ -75,9 +75,9 @@ class LLM:
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                req = self.engine.add_request(prompt, params, priority=priority[i] if priority else 0,
-                                              cache_salt=salts[i])
-                ids.append(req.request_id)
+                final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(self.engine.add_request(prompt, final_only, priority=priority[i] if priority else 0,
+                                                   cache_salt=salts[i]))
         except ValueError:
             self.engine.abort(ids)
             raise
@@ -102,20 +102,10 @@ class LLM:
         """Token ids of a conversation with the generation prompt appended.
 
         Raises:
-            ValueError: if the model has no chat template, or a message holds text that is not valid Unicode.
+            ValueError: if the model has no chat template, a message holds text that is not valid Unicode, or
+                the template rejects the conversation.
         """
-        for i, m in enumerate(messages):
-            for key, value in m.items():
-                if isinstance(value, str):
-                    check_text(value, f"messages[{i}].{key}")
-        tok = self.engine.tokenizer
-        if not (self.engine.chat_template or getattr(tok, "chat_template", None)):
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        out = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                      chat_template=self.engine.chat_template)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        return self.engine.apply_chat_template(messages)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

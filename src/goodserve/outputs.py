@@ -1,16 +1,21 @@
-"""What the engine hands back for a request: text, tokens, finish reason and latency metrics."""
+"""What the engine hands back for a request: text, tokens, finish reason and latency metrics.
+
+Outputs are deltas by default (``SamplingParams.output_kind``): each holds the text, token ids and logprobs
+that are new since the request's previous output; ``CUMULATIVE`` outputs hold everything so far, and
+``FINAL_ONLY`` requests get one output, when they finish.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from goodserve.request import Request
 
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (seconds, engine monotonic clock) and the latencies derived from them.
+    """The one record of a request's timestamps (seconds, engine monotonic clock) and the latencies derived
+    from them, kept by the output processor.
 
     Attributes:
         arrival_time: When the request was added.
@@ -19,16 +24,17 @@ class RequestMetrics:
         last_token_time: When its latest output token was sampled.
         finished_time: When it finished, or ``None`` while it runs.
         num_preemptions: How many times it was preempted and recomputed.
+        num_output_tokens: Tokens generated so far.
         num_cached_tokens: Prompt tokens served from the prefix cache.
     """
 
     arrival_time: float
-    first_scheduled_time: Optional[float]
-    first_token_time: Optional[float]
-    last_token_time: Optional[float]
-    finished_time: Optional[float]
-    num_preemptions: int
-    num_output_tokens: int
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+    num_output_tokens: int = 0
     num_cached_tokens: int = 0
 
     @property
@@ -55,12 +61,6 @@ class RequestMetrics:
         """``first_scheduled_time - arrival_time`` (seconds)."""
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
-    @classmethod
-    def from_request(cls, request: Request) -> "RequestMetrics":
-        t = request.times
-        return cls(t.arrival, t.first_scheduled, t.first_token, t.last_token, t.finished,
-                   request.num_preemptions, request.num_output_tokens, request.num_cached_tokens)
-
 
 @dataclass
 class CompletionOutput:
@@ -68,12 +68,13 @@ class CompletionOutput:
 
     Attributes:
         index: Position among the request's sequences.
-        text: Detokenised output (stop string excluded; held back while it may still become one).
-        token_ids: Generated token ids (a matching stop token id is included).
+        text: Detokenised output, new since the previous output unless the request asked for cumulative or
+            final-only outputs (stop string excluded; text that may still become one is held back).
+        token_ids: Generated token ids, new or all likewise (a matching stop token id is included).
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or ``None`` while running.
         stop_reason: The stop string or stop token id that ended it, if any.
-        logprobs: Per generated token, the sampled token's logprob (when asked for).
-        top_logprobs: Per generated token, the most likely ``(token_id, logprob)`` (when asked for).
+        logprobs: Per token of ``token_ids``, the sampled token's logprob (when asked for).
+        top_logprobs: Per token of ``token_ids``, the most likely ``(token_id, logprob)`` (when asked for).
     """
 
     index: int
@@ -87,7 +88,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step (``finished`` once it is done).
+    """One request's output after a step (``finished`` once it is done).
 
     Attributes:
         request_id: Its id.
@@ -110,7 +111,7 @@ class RequestOutput:
 
     @property
     def text(self) -> str:
-        """The first sequence's text."""
+        """The first sequence's text (new text for a delta output)."""
         return self.outputs[0].text
 
     @property

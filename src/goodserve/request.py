@@ -1,4 +1,4 @@
-"""A request's state inside the engine: its tokens, its progress and its timestamps.
+"""A request's state inside the scheduler: its tokens and its progress. The scheduler is its only writer.
 
 There are no phases. A request holds ``num_tokens`` tokens (prompt + generated so far) of which the first
 ``num_computed_tokens`` have their K/V in the paged cache. Prefill, chunked prefill, a prefix-cache hit and
@@ -9,7 +9,6 @@ with ``num_tokens``; when it does, the step samples one more token.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Optional
 
 from goodserve.sampling_params import SamplingParams
@@ -37,25 +36,6 @@ class RequestStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
-@dataclass
-class RequestTimes:
-    """Wall-clock timestamps of one request, in seconds (``time.monotonic()`` of the engine).
-
-    Attributes:
-        arrival: When the request was added.
-        first_scheduled: When a step first scheduled any of its tokens.
-        first_token: When its first output token was sampled.
-        last_token: When its latest output token was sampled.
-        finished: When it finished (stop, length or abort).
-    """
-
-    arrival: float
-    first_scheduled: Optional[float] = None
-    first_token: Optional[float] = None
-    last_token: Optional[float] = None
-    finished: Optional[float] = None
-
-
 class Request:
     """One generation request.
 
@@ -68,7 +48,6 @@ class Request:
         eos_token_ids: Token ids that end generation unless ``ignore_eos``.
         max_tokens: Resolved output limit in tokens (``sampling_params.max_tokens`` or what the context
             leaves).
-        prompt: The prompt text, if the request came as text.
         cache_salt: Isolates prefix-cache entries: only requests with the same salt share KV blocks.
 
     Raises:
@@ -77,12 +56,10 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
-                 max_tokens: Optional[int] = None, prompt: Optional[str] = None,
-                 cache_salt: Optional[str] = None) -> None:
+                 max_tokens: Optional[int] = None, cache_salt: Optional[str] = None) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt must contain at least one token")
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -94,8 +71,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
-        self.times = RequestTimes(arrival=arrival_time)
-        self.stop_reason: Optional[int | str] = None  # the stop token id or stop string that matched
+        self.arrival_time = arrival_time  # seconds, monotonic: orders the waiting queue
+        self.first_scheduled_time: Optional[float] = None  # when a step first scheduled it
+        self.stop_reason: Optional[int] = None  # the stop token id that ended it
         self.cache_salt = cache_salt  # mixed into every block hash (kv_cache.hashing)
 
     @property

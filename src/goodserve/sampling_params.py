@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from goodserve.validation import check_text
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (as in vLLM)."""
+
+    DELTA = "delta"  # what is new since the previous output (the default; what a stream sends)
+    CUMULATIVE = "cumulative"  # everything so far
+    FINAL_ONLY = "final_only"  # one output, when the request finishes (``LLM.generate``)
 
 
 @dataclass
@@ -31,6 +40,8 @@ class SamplingParams:
             positive logits are divided by it, negative ones multiplied; ``1`` disables it.
         logprobs: Number of top log-probabilities to return per generated token (``None``: none).
         skip_special_tokens: Drop special tokens from the detokenised text.
+        output_kind: What each output holds: the delta since the previous one (default), everything so
+            far, or one final output.
     """
 
     temperature: float = 1.0
@@ -48,6 +59,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,3 +118,5 @@ class SamplingParams:
                 raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", self.logprobs, "an integer in [0, 20] or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind")

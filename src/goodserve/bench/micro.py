@@ -67,7 +67,7 @@ def run_micro(args: argparse.Namespace) -> int:
     dtype = DTYPES[eargs.dtype]
     llm = LLM(**vars(eargs))
     engine = llm.engine
-    model = engine.runner.model
+    model = engine.core.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                        if not (name == "embed_tokens.weight" and model.lm_head is not None))
     linear_params = sum(p.numel() for name, p in model.named_parameters() if name.endswith("proj.weight"))
@@ -84,14 +84,14 @@ def run_micro(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
         for i in range(batch):
             engine.add_request([256 + (i * 7 + j) % (vocab - 256) for j in range(args.decode_context)], params)
-        while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        while engine.make_stats().num_tokens_waiting:  # until every prompt is in and sampled its first token
             engine.step()
         times = []
         for _ in range(args.steps):
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
-        engine.abort([r.request_id for r in list(engine.scheduler.running)])
+        engine.abort_all()
         step = sorted(times)[len(times) // 2]
         result["decode"].append({"batch": batch, "step_ms": step * 1e3, "bound_ms": bound * 1e3,
                                  "ratio_to_bound": step / bound, "tok_s": batch / step})
@@ -107,7 +107,7 @@ def run_micro(args: argparse.Namespace) -> int:
         while engine.has_unfinished_requests():
             engine.step()
         times.append(time.perf_counter() - t)
-        engine.scheduler.kv_cache_manager.reset_prefix_cache()
+        engine.reset_prefix_cache()
     t = min(times)
     c = engine.config.model
     attn_flops = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2

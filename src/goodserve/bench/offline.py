@@ -62,7 +62,7 @@ def run_offline(args: argparse.Namespace) -> int:
     assert sum(len(o.token_ids) for o in outs) == output_tokens
     result = {"engine": {"elapsed_s": elapsed, "requests": len(specs), "output_tok_s": output_tokens / elapsed,
                          "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
-                         "preemptions": engine.scheduler.num_preemptions_total,
+                         "preemptions": engine.make_stats().num_preemptions_total,
                          "dtype": eargs.dtype, "max_num_batched_tokens": eargs.max_num_batched_tokens,
                          "max_num_seqs": eargs.max_num_seqs}}
     rows = [("goodserve", len(specs), elapsed, output_tokens / elapsed, (prompt_tokens + output_tokens) / elapsed)]

@@ -172,9 +172,9 @@ class RunResult:
 
 
 def _params(n: int):
-    from goodserve.sampling_params import SamplingParams
+    from goodserve.sampling_params import RequestOutputKind, SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def run_open_loop(engine, subs: list[Submission], tag: str) -> RunResult:
@@ -237,7 +237,7 @@ def _warm_up(engine, vocab: int) -> None:
         engine.add_request(_random_ids(rng, n, vocab), _params(4))
         while engine.has_unfinished_requests():
             engine.step()
-    engine.scheduler.kv_cache_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
 
 
 def run_prefix(args: argparse.Namespace) -> int:
@@ -259,7 +259,7 @@ def run_prefix(args: argparse.Namespace) -> int:
         vocab = engine.config.model.vocab_size
         _warm_up(engine, vocab)
         for w in workloads:
-            engine.scheduler.kv_cache_manager.reset_prefix_cache()  # every workload starts cold
+            engine.reset_prefix_cache()  # every workload starts cold
             if w == "shared-system":
                 res = run_open_loop(engine, shared_system_workload(args, vocab), f"sys-{mode}")
             elif w == "multi-turn":

@@ -32,8 +32,8 @@ class EngineArgs:
         scheduling_policy: ``"fcfs"`` or ``"priority"``.
         scheduler: Batching mode, one of ``SCHEDULING_MODES``: ``"chunked"`` (continuous batching with
             chunked prefill, the default), or a baseline: ``"static"`` (request-level batches, pre-Orca),
-            ``"reserve"`` (continuous, reserving prompt + max_tokens at admission), ``"paged"`` (vLLM-v0-style
-            prefill-first, unchunked). See :mod:`goodserve.scheduler.scheduler`.
+            ``"reserve"`` (continuous, reserving prompt + max_tokens at admission), ``"prefill-first"``
+            (vLLM-v0-style: unchunked, admitted prompts run before decodes). See :mod:`goodserve.scheduler.scheduler`.
         enable_prefix_caching: Reuse cached blocks of shared prompt prefixes.
         seed: Seed of the generator used by unseeded sampled requests.
         num_threads: CPU threads of torch's intra-op pool (``torch.set_num_threads`` on the thread that builds
@@ -95,7 +95,8 @@ class EngineArgs:
         g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
         g.add_argument("--scheduler", default="chunked", choices=list(SCHEDULING_MODES),
                        help="batching mode: chunked (default: continuous, chunked prefill); baselines: static "
-                            "(request-level), reserve (reserve max length), paged (prefill-first, unchunked)")
+                            "(request-level), reserve (reserve max length), prefill-first (vLLM v0: unchunked, "
+                            "prompts before decodes)")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--num-threads", type=int, default=None,

@@ -1,29 +1,32 @@
 """The engine: requests in, one scheduled step at a time, outputs out.
 
-``step()`` reads as schedule -> run -> postprocess: the ``Scheduler`` decides which requests advance by how
-many tokens, the ``ModelRunner`` computes that ``SchedulerOutput`` on the real model and samples, and the
-engine detokenises, applies stop strings and builds ``RequestOutput``\\ s. Nothing here knows about HTTP.
+``step()`` reads as schedule -> run -> postprocess: the :class:`EngineCore` (scheduler + model runner) runs
+one step and hands back plain per-request results; the :class:`OutputProcessor` turns them into
+``RequestOutput``\\ s (detokenised text, stop strings, logprobs, metrics), delta outputs by default. The
+engine owns what sits either side of the core: the tokenizer and chat template in, the output processor
+out. Nothing here knows about HTTP.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from goodserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from goodserve.engine.args import EngineArgs, default_kv_cache_memory
-from goodserve.engine.detokenizer import IncrementalDetokenizer
+from goodserve.engine.chat import render_chat
+from goodserve.engine.core import EngineCore
+from goodserve.engine.output_processor import OutputProcessor
 from goodserve.engine.stats import EngineStats
 from goodserve.models.loader import default_model_path, load_model
-from goodserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from goodserve.outputs import RequestOutput
 from goodserve.request import Request, RequestStatus
-from goodserve.runner.model_runner import DTYPES, ModelRunner, SampledToken
+from goodserve.runner.model_runner import DTYPES
 from goodserve.sampling_params import SamplingParams
-from goodserve.scheduler.output import SchedulerOutput
-from goodserve.scheduler.scheduler import Scheduler
+from goodserve.scheduler.output import SchedulerOutput, SchedulerStats
 from goodserve.validation import check_text
 
 logger = logging.getLogger(__name__)
@@ -86,26 +89,28 @@ class Engine:
         self.config = EngineConfig(
             model_path=path,
             model=loaded.config,
-            cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
+            cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
+                              enable_prefix_caching=args.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                       policy=args.scheduling_policy, mode=args.scheduler),
             dtype=args.dtype, device=device, seed=args.seed, log_stats_interval=args.log_stats_interval)
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
-        self.runner = ModelRunner(self.config, loaded.weights)
+        self.core = EngineCore(self.config, loaded.weights)
         del loaded
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache,
-                                   enable_prefix_caching=args.enable_prefix_caching)
+        self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.stats = EngineStats(args.log_stats_interval)
-        self.last_schedule: Optional[SchedulerOutput] = None  # what the latest non-empty step computed
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]]]] = {}
         self._counter = 0
 
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
+
+    @property
+    def last_schedule(self) -> Optional[SchedulerOutput]:
+        """What the latest non-empty step computed (``None`` after an empty one)."""
+        return self.core.last_schedule
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         """Token ids of a text prompt (with the tokenizer's special tokens) or validated ids as given.
@@ -127,21 +132,25 @@ class Engine:
             raise ValueError("the prompt is empty: it must contain at least one token")
         return ids
 
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Token ids of a conversation with the generation prompt appended (see :func:`render_chat`)."""
+        return render_chat(self.tokenizer, self.chat_template, messages)
+
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, arrival_time: Optional[float] = None,
-                    priority: int = 0, cache_salt: Optional[str] = None) -> Request:
+                    priority: int = 0, cache_salt: Optional[str] = None) -> str:
         """Queue a request.
 
         Args:
             prompt: Text or token ids.
-            params: Sampling parameters (validated here).
+            params: Sampling parameters (validated here); ``output_kind`` says what its outputs hold.
             request_id: Unique id; generated when ``None``.
             arrival_time: Monotonic seconds; now when ``None``.
             priority: Lower runs first under the ``priority`` policy.
             cache_salt: Prefix-cache isolation key: only requests with the same salt share KV blocks.
 
         Returns:
-            The queued request.
+            The request id.
 
         Raises:
             ValueError: on bad parameters, an empty or invalid prompt, or a request that can never fit (its
@@ -163,109 +172,54 @@ class Engine:
         else:
             max_tokens = params.max_tokens
         eos = () if params.ignore_eos else self.config.model.eos_token_ids
-        request = Request(request_id, ids, params, arrival_time or time.monotonic(), priority=priority,
-                          eos_token_ids=eos, max_tokens=max_tokens,
-                          prompt=prompt if isinstance(prompt, str) else None, cache_salt=cache_salt)
-        detokenizer = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params.stop,
-                                             params.skip_special_tokens)
-        self.scheduler.add_request(request)
-        self._detokenizers[request_id] = detokenizer
-        if params.logprobs is not None:
-            self._logprobs[request_id] = ([], [])
-        return request
+        arrival_time = arrival_time or time.monotonic()
+        request = Request(request_id, ids, params, arrival_time, priority=priority, eos_token_ids=eos,
+                          max_tokens=max_tokens, cache_salt=cache_salt)
+        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+                                          arrival_time)
+        try:
+            self.core.add_request(request)
+        except BaseException:
+            self.output_processor.abort_requests([request_id])
+            raise
+        return request_id
 
     def abort(self, request_ids: Union[str, Sequence[str]]) -> None:
         """Abort requests (unknown or finished ids are ignored); their KV blocks are freed at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED, time.monotonic())
-        for rid in ids:
-            self._detokenizers.pop(rid, None)
-            self._logprobs.pop(rid, None)
+        self.core.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.output_processor.abort_requests(ids)
+
+    def abort_all(self) -> None:
+        """Abort every unfinished request (a stopping server frees all its blocks)."""
+        self.abort(self.core.scheduler.unfinished_request_ids())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, execute, postprocess.
 
         Returns:
-            A ``RequestOutput`` for every request that produced a token or finished this step.
+            An output for every request with something new to hand out (by its ``output_kind``).
 
         Raises:
             RuntimeError: if requests are pending but nothing could be scheduled (a broken invariant).
+            Exception: whatever the forward pass raises (a fault of the engine, not of one request).
         """
         t0 = time.monotonic()
-        self.last_schedule = None
-        sched = self.scheduler.schedule(t0)
-        if sched.is_empty:
-            if self.scheduler.has_unfinished_requests():
-                raise RuntimeError("requests are pending but the scheduler scheduled nothing")
-            return []
-        sampled = self.runner.execute(sched)
-        now = time.monotonic()
-        outputs = [self._fail(self.scheduler.get_request(rid), s.error, now)
-                   for rid, s in sampled.items() if s.error is not None]
-        self.scheduler.update_from_output(
-            sched, {rid: s.token_id for rid, s in sampled.items() if s.error is None}, now)
-        for s in sched.scheduled:
-            req = s.request
-            token = sampled.get(req.request_id)
-            if token is None or token.error is not None:
-                continue
-            try:
-                outputs.append(self._process_token(req, token, now))
-            except Exception as e:  # noqa: BLE001 - this request alone fails; the engine serves on (C19)
-                logger.exception("processing the output of request %s failed", req.request_id)
-                outputs.append(self._fail(req, f"processing its output failed: {type(e).__name__}: {e}", now))
-        self.stats.record_step(sched, now - t0, self.scheduler)
-        self.last_schedule = sched
-        return outputs
+        core_outputs = self.core.step()
+        processed = self.output_processor.process_outputs(core_outputs)
+        self.core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
+        self.core.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
+        if self.core.last_schedule is not None:
+            self.stats.record_step(self.core.last_schedule, time.monotonic() - t0, self.make_stats)
+        return processed.request_outputs
 
-    def _process_token(self, req: Request, token: SampledToken, now: float) -> RequestOutput:
-        """Detokenise a request's new token, record its logprobs, apply stop strings; build its output."""
-        detok = self._detokenizers[req.request_id]
-        params = req.sampling_params
-        if req.request_id in self._logprobs:
-            lp, top = self._logprobs[req.request_id]
-            lp.append(token.logprob)
-            top.append(token.top_logprobs or [])
-        stop = detok.add_token(token.token_id, check_stop=req.num_output_tokens >= params.min_tokens)
-        if stop is not None:
-            req.stop_reason = stop
-            if req.is_finished:  # finished on length/EOS in the same token: the stop string wins
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, now)
-        output = self._make_output(req)
-        if req.is_finished:
-            self._detokenizers.pop(req.request_id, None)
-            self._logprobs.pop(req.request_id, None)
-        return output
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's state: running, waiting, tokens waiting, KV usage, preemptions, prefix cache."""
+        return self.core.make_stats()
 
-    def _fail(self, req: Request, error: str, now: float) -> RequestOutput:
-        """End one request whose own processing raised: free its blocks and return its failed output.
-
-        Args:
-            req: The request (it may already have finished on length or EOS in this step).
-            error: What went wrong (for the client's error message).
-            now: Current time in seconds.
-        """
-        rid = req.request_id
-        self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR, now)
-        self._detokenizers.pop(rid, None)
-        self._logprobs.pop(rid, None)
-        completion = CompletionOutput(index=0, text="", token_ids=list(req.output_token_ids), finish_reason="error")
-        return RequestOutput(rid, req.prompt, req.prompt_token_ids, [completion], True,
-                             RequestMetrics.from_request(req), error=f"request {rid}: {error}")
-
-    def _make_output(self, req: Request) -> RequestOutput:
-        detok = self._detokenizers[req.request_id]
-        logprobs = self._logprobs.get(req.request_id)
-        text = detok.text if req.is_finished else detok.stable_text
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids),
-            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-            logprobs=list(logprobs[0]) if logprobs else None,
-            top_logprobs=list(logprobs[1]) if logprobs else None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             req.is_finished, RequestMetrics.from_request(req))
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash (benchmarks start each workload cold)."""
+        self.core.reset_prefix_cache()

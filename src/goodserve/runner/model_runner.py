@@ -1,14 +1,18 @@
 """Turns a ``SchedulerOutput`` into one forward pass of the real model and samples the next tokens.
 
-The runner owns the weights, the paged KV cache tensors and the sampler. It keeps no per-request state
-between steps: everything it needs arrives in the ``SchedulerOutput`` (token ids, positions, block tables),
-so preemption, chunking and prefix hits need no special handling here.
+The runner owns the weights, the paged KV cache tensors and the sampler, and keeps its own state of every
+request it is running (:class:`CachedRequestState`: prompt, sampled tokens, block table, sampling
+parameters), updated from the scheduler's message alone: a request's static data arrives once, then only
+per-step diffs (new block ids, computed tokens, resumed after preemption), and finished ids drop it. It
+never sees the scheduler's ``Request`` objects, so the scheduler and the runner could live in different
+processes. Preemption, chunking and prefix hits need no special handling here: each is a
+``num_computed_tokens`` and a block table.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -17,7 +21,8 @@ from goodserve.config import EngineConfig
 from goodserve.models.llama import LlamaForCausalLM
 from goodserve.runner.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from goodserve.runner.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
-from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from goodserve.sampling_params import SamplingParams
+from goodserve.scheduler.output import SampledToken, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -25,20 +30,31 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass
-class SampledToken:
-    """One request's sampled token of a step.
+class CachedRequestState:
+    """The runner's own record of a request it runs.
 
     Attributes:
-        token_id: The token (``-1`` when ``error`` is set).
-        logprob: Its log-probability, or ``None`` when not asked for.
-        top_logprobs: ``(token_id, logprob)`` of the most likely tokens when ``logprobs`` was asked for.
-        error: Why this request's row could not be sampled (its own processing raised), else ``None``.
+        prompt_token_ids: ``[num_prompt_tokens]``.
+        sampling_params: How it samples.
+        eos_token_ids: Blocked while below ``min_tokens``.
+        output_token_ids: Tokens this runner sampled for it so far.
+        block_ids: Its block table.
     """
 
-    token_id: int
-    logprob: Optional[float] = None
-    top_logprobs: Optional[list[tuple[int, float]]] = None
-    error: Optional[str] = None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
 class ModelRunner:
@@ -69,11 +85,32 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(m.num_hidden_layers)]
         self.sampler = Sampler(seed=config.seed)
+        self.requests: dict[str, CachedRequestState] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache tensors."""
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the message's diffs to the runner's per-request state.
+
+        Raises:
+            RuntimeError: if a scheduled request is unknown to the runner (a message was lost).
+        """
+        for rid in scheduler_output.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in scheduler_output.new_requests:
+            self.requests[new.request_id] = CachedRequestState(list(new.prompt_token_ids), new.sampling_params,
+                                                               tuple(new.eos_token_ids))
+        for s in scheduler_output.scheduled:
+            state = self.requests.get(s.request_id)
+            if state is None:
+                raise RuntimeError(f"request {s.request_id} was scheduled but the runner has no state for it")
+            if s.resumed_from_preemption:
+                state.block_ids = list(s.new_block_ids)
+            else:
+                state.block_ids.extend(s.new_block_ids)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -94,6 +131,7 @@ class ModelRunner:
         Raises:
             Exception: whatever the forward pass raises (a fault of the engine, not of one request).
         """
+        self.update_states(scheduler_output)
         if scheduler_output.is_empty:
             return {}
         # Decodes shortest context first, so decodes of similar length share one attention call.
@@ -101,27 +139,32 @@ class ModelRunner:
                          key=lambda s: s.num_computed_tokens)
         prefills = [s for s in scheduler_output.scheduled if not s.is_decode]
         ordered: list[ScheduledRequest] = decodes + prefills
+        states = [self.requests[s.request_id] for s in decodes]
 
-        token_ids: list[int] = [s.request.all_token_ids[s.num_computed_tokens] for s in decodes]
+        token_ids: list[int] = [st.token_ids(s.num_computed_tokens, s.num_computed_tokens + 1)[0]
+                                for s, st in zip(decodes, states)]
         positions: list[int] = [s.num_computed_tokens for s in decodes]
-        slots: list[int] = [s.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                            for s, p in zip(decodes, positions)]
+        slots: list[int] = [st.block_ids[p // self.block_size] * self.block_size + p % self.block_size
+                            for st, p in zip(states, positions)]
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         pos_parts = [torch.tensor(positions, dtype=torch.long)]
+        chunks = []
         for s in prefills:
+            state = self.requests[s.request_id]
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            token_ids.extend(s.request.all_token_ids[start:end])
+            token_ids.extend(state.token_ids(start, end))
             pos_parts.append(torch.arange(start, end))
-            slot_parts.append(self._slots(s.block_ids, start, end))
+            slot_parts.append(self._slots(state.block_ids, start, end))
+            chunks.append((s.num_computed_tokens, s.num_new_tokens, state.block_ids))
 
         dev = self.device
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         pos = torch.cat(pos_parts).to(dev)
         meta = AttentionMetadata.build(
             self.block_size,
-            decode_block_tables=[s.block_ids[: p // self.block_size + 1] for s, p in zip(decodes, positions)],
+            decode_block_tables=[st.block_ids[: p // self.block_size + 1] for st, p in zip(states, positions)],
             decode_seq_lens=[p + 1 for p in positions],
-            prefill_chunks=[(s.num_computed_tokens, s.num_new_tokens, s.block_ids) for s in prefills],
+            prefill_chunks=chunks,
             slot_mapping=torch.cat(slot_parts).to(dev),
             device=dev,
         )
@@ -133,29 +176,33 @@ class ModelRunner:
         for s in ordered:
             offset += s.num_new_tokens
             if s.sample:
-                sampling.append(s)
+                sampling.append(s.request_id)
                 last_index.append(offset - 1)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=dev)])  # [num_sampled, vocab]
-        rows = [SamplingRow(params=s.request.sampling_params, prompt_token_ids=s.request.prompt_token_ids,
-                            output_token_ids=s.request.output_token_ids, eos_token_ids=s.request.eos_token_ids)
-                for s in sampling]
-        return self._sample(logits, rows, [s.request_id for s in sampling])
+        result = self._sample(logits, sampling)
+        for rid, token in result.items():
+            if token.error is None:
+                self.requests[rid].output_token_ids.append(token.token_id)
+        return result
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow],
-                request_ids: list[str]) -> dict[str, SampledToken]:
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, SampledToken]:
         """Sample every row in one batch; if that raises, sample row by row so that only the rows that raise
         fail (one request's processing must never fail its batch neighbours, case C19).
 
         Args:
             logits: ``[num_sampled, vocab_size]``.
-            rows: One per logits row.
             request_ids: The request of each row.
 
         Returns:
             A ``SampledToken`` per request; those whose row raised have ``error`` set.
         """
+        rows = []
+        for rid in request_ids:
+            st = self.requests[rid]
+            rows.append(SamplingRow(params=st.sampling_params, prompt_token_ids=st.prompt_token_ids,
+                                    output_token_ids=st.output_token_ids, eos_token_ids=st.eos_token_ids))
         vocab, dev = logits.shape[-1], logits.device
         try:
             return self._tokens(self.sampler(logits, SamplingMetadata.from_requests(rows, vocab, dev)), request_ids)

@@ -1,11 +1,40 @@
-"""The scheduler's decision for one step: the only thing the model runner (or the simulator's cost model)
-receives; and its :class:`StepShape`, the few figures that decide what the step costs."""
+"""The scheduler's messages, all plain data (picklable, no live objects), so either side of them could run in
+another process:
+
+* :class:`SchedulerOutput`: the step it decided, the only thing the model runner (or the simulator's cost
+  model) receives. A request's static data (:class:`NewRequestData`) travels once, the first time it is
+  scheduled; after that only per-step diffs do (:class:`ScheduledRequest`: new block ids, computed tokens,
+  resumed-after-preemption). The runner keeps its own per-request state up to date from them (vLLM v1's
+  ``NewRequestData`` / ``CachedRequestData`` play the same part).
+* :class:`SampledToken`: the runner's answer for one request of the step.
+* :class:`EngineCoreOutput`: what the scheduler hands back per request after a step (new tokens, finish,
+  logprobs, timestamps), the only way results leave the engine core.
+* :class:`StepShape`: the few figures of a step that decide what it costs.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator, Optional
 
-from goodserve.request import Request
+from goodserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """What the runner must know about a request, sent once: in the step that first schedules it.
+
+    Attributes:
+        request_id: Its id.
+        prompt_token_ids: ``[num_prompt_tokens]`` token ids.
+        sampling_params: How it samples.
+        eos_token_ids: Token ids that end it (blocked by the sampler while below ``min_tokens``).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass
@@ -13,26 +42,25 @@ class ScheduledRequest:
     """One request's share of a step.
 
     Attributes:
-        request: The request (read-only downstream; the scheduler alone mutates it).
-        num_computed_tokens: Tokens whose K/V were already cached before this step; the first scheduled
-            token sits at this position.
-        num_new_tokens: Tokens computed this step:
-            ``request.all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]``.
-        block_ids: The request's block table after allocation, covering at least
-            ``num_computed_tokens + num_new_tokens`` slots.
-        sample: Whether this step reaches the request's last token, so the runner samples a new token
-            from the logits of that position (false for every prefill chunk but the last).
+        request_id: The request.
+        num_computed_tokens: Tokens whose K/V were cached before this step; the first scheduled token sits at
+            this position.
+        num_new_tokens: Tokens computed this step: positions ``[num_computed_tokens, + num_new_tokens)`` of
+            the request's prompt followed by its sampled tokens.
+        sample: Whether this step reaches the request's last token, so the runner samples a new token from
+            the logits of that position (false for every prefill chunk but the last).
+        new_block_ids: Block ids appended to the request's block table this step. For a request scheduled
+            for the first time or resumed after preemption, its whole table.
+        resumed_from_preemption: The request was preempted (its blocks freed) since it was last scheduled:
+            ``new_block_ids`` replaces the table instead of extending it.
     """
 
-    request: Request
+    request_id: str
     num_computed_tokens: int
     num_new_tokens: int
-    block_ids: list[int]
     sample: bool
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    new_block_ids: list[int] = field(default_factory=list)
+    resumed_from_preemption: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -46,14 +74,19 @@ class SchedulerOutput:
 
     Attributes:
         scheduled: Requests advanced this step, in batch order.
+        new_requests: Static data of the requests in ``scheduled`` that the runner has not seen before.
+        finished_req_ids: Requests that finished (or were aborted) since the previous step: the runner drops
+            their state.
+        preempted_req_ids: Requests preempted while building this step (their blocks were freed).
         total_num_scheduled_tokens: Sum of ``num_new_tokens``; never above ``max_num_batched_tokens``.
-        preempted_request_ids: Requests preempted while building this step (their blocks were freed).
         num_prefix_cached_tokens: Prompt tokens found in the prefix cache for requests admitted this step.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
-    preempted_request_ids: list[str] = field(default_factory=list)
     num_prefix_cached_tokens: int = 0
 
     @property
@@ -69,6 +102,92 @@ class SchedulerOutput:
     def num_decode_tokens(self) -> int:
         """Tokens of decode steps in this step."""
         return sum(1 for s in self.scheduled if s.is_decode)
+
+    def sampling(self) -> Iterator[ScheduledRequest]:
+        """The scheduled requests that sample a token this step, in batch order."""
+        return (s for s in self.scheduled if s.sample)
+
+
+@dataclass
+class SampledToken:
+    """The runner's result for one request that sampled in a step.
+
+    Attributes:
+        token_id: The token (``-1`` when ``error`` is set).
+        logprob: Its log-probability, or ``None`` when not asked for.
+        top_logprobs: ``(token_id, logprob)`` of the most likely tokens when ``logprobs`` was asked for.
+        error: Why this request's row could not be sampled (its own processing raised), else ``None``.
+    """
+
+    token_id: int
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list[tuple[int, float]]] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's result of one step, as the scheduler hands it back (plain data).
+
+    Attributes:
+        request_id: The request.
+        new_token_ids: Tokens sampled this step (one, or none for a request that failed).
+        timestamp: When the step ended (seconds, the engine's monotonic clock).
+        first_scheduled_time: When a step first scheduled the request (its queueing ended).
+        finish_reason: ``"stop"``, ``"length"`` or ``"error"`` if it finished this step, else ``None``.
+        stop_reason: The stop token id that ended it, if one did.
+        logprobs: Per new token, its logprob (when asked for).
+        top_logprobs: Per new token, the most likely ``(token_id, logprob)`` (when asked for).
+        num_cached_tokens: Prompt tokens served from the prefix cache at its first admission.
+        num_preemptions: Times it was preempted and recomputed so far.
+        error: Why it failed (``finish_reason == "error"``).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    timestamp: float
+    first_scheduled_time: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's state in one record (:meth:`Scheduler.make_stats`): the stats log line, ``/metrics``,
+    the simulator and the benchmarks all read this, nothing else.
+
+    Attributes:
+        num_running: Requests in the running batch.
+        num_waiting: Requests waiting for admission (new or preempted).
+        num_tokens_waiting: Prompt tokens not yet computed: all tokens of waiting requests plus the prompt
+            remainder of running requests still in (chunked) prefill. A saturation signal for autoscalers.
+        kv_cache_usage: Fraction of KV blocks in use, in ``[0, 1]``.
+        num_preemptions_total: Preemptions since start.
+        prefix_cache_queries: Prompt tokens looked up in the prefix cache since start.
+        prefix_cache_hits: Of which found (tokens).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_tokens_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """``prefix_cache_hits / prefix_cache_queries`` (0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass(frozen=True)

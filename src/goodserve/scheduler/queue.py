@@ -97,7 +97,7 @@ class PriorityQueue(RequestQueue):
         self._seq = itertools.count()
 
     def _insert(self, request: Request) -> None:
-        entry = (request.priority, request.times.arrival, next(self._seq), request)
+        entry = (request.priority, request.arrival_time, next(self._seq), request)
         bisect.insort(self._entries, entry, key=lambda e: e[:3])
 
     def add(self, request: Request) -> None:

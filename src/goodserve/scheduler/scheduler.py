@@ -9,7 +9,10 @@ chunked prefill and stall-free batching).
 There are no phases: a request only has ``num_computed_tokens`` catching up with ``num_tokens``. A prefix
 hit starts it further ahead; a preemption frees its blocks and sends it back to 0 (recompute).
 
-One step: ``schedule(now)`` -> the runner computes the :class:`SchedulerOutput` -> ``update_from_output``.
+One step: ``schedule(now)`` -> the runner computes the :class:`SchedulerOutput` -> ``update_from_output``,
+which returns an :class:`EngineCoreOutput` per request that sampled or finished. The scheduler is the only
+writer of a :class:`Request`; what it decides leaves it only as those plain messages and as
+:meth:`make_stats`.
 
 Baselines (``SchedulerConfig.mode``), for comparison in the simulator and the benchmarks:
 
@@ -17,8 +20,8 @@ Baselines (``SchedulerConfig.mode``), for comparison in the simulator and the be
 * ``reserve``: the ``chunked`` flow, but admission allocates blocks for prompt + ``max_tokens`` up front,
   as systems without paging reserve the maximum length (Orca's "Max" baseline in PagedAttention §6). It
   never preempts. Prefix caching is off: a reserved block would be registered before its K/V is written.
-* ``paged``: prefill-first and unchunked (vLLM v0): a waiting prompt is admitted only whole, and a step that
-  admits prompts schedules no decodes. The first prompt of a step may exceed the token budget so that
+* ``prefill-first``: unchunked, prefill-prioritising batching (vLLM v0): a waiting prompt is admitted only
+  whole, and a step that admits prompts schedules no decodes. The first prompt of a step may exceed the token budget so that
   prompts longer than ``max_num_batched_tokens`` can run.
 """
 
@@ -31,7 +34,8 @@ from typing import Iterable, Optional
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_cache.manager import KVCacheManager
 from goodserve.request import Request, RequestStatus
-from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from goodserve.scheduler.output import (EngineCoreOutput, NewRequestData, SampledToken, ScheduledRequest,
+                                        SchedulerOutput, SchedulerStats)
 from goodserve.scheduler.queue import RequestQueue, create_request_queue
 
 logger = logging.getLogger(__name__)
@@ -42,20 +46,15 @@ class Scheduler:
 
     Args:
         scheduler_config: Step limits and the waiting-queue policy.
-        cache_config: KV pool sizing; ``num_blocks`` must be resolved (an int).
-        enable_prefix_caching: Reuse cached full blocks across requests.
-
-    Raises:
-        ValueError: if ``cache_config.num_blocks`` is ``None``.
+        cache_config: The KV pool (``reserve`` mode runs without prefix caching: a reserved block would be
+            registered before its K/V is written).
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 enable_prefix_caching: bool = True) -> None:
-        if cache_config.num_blocks is None:
-            raise ValueError("cache_config.num_blocks must be resolved to an int before building a Scheduler")
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
+        enable_prefix_caching = cache_config.enable_prefix_caching
         if scheduler_config.mode == "reserve" and enable_prefix_caching:
             logger.info("scheduler mode 'reserve' runs without prefix caching")
             enable_prefix_caching = False
@@ -66,6 +65,12 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._in_flight: set[str] = set()  # scheduled by the last schedule(), not yet updated
+        # What the runner knows: how many block ids of each request it holds (absent: it has not seen the
+        # request), which requests lost their blocks to preemption since, and which finished since the
+        # last step (it drops their state).
+        self._runner_num_blocks: dict[str, int] = {}
+        self._preempted_since_scheduled: set[str] = set()
+        self._finished_req_ids: list[str] = []
 
     # ------------------------------------------------------------------------------------------- state
     @property
@@ -135,8 +140,9 @@ class Scheduler:
             single prompt may exceed it). It is never empty while requests are unfinished.
             ``num_computed_tokens`` is not advanced here (see :meth:`update_from_output`).
         """
-        out = SchedulerOutput()
-        if self.scheduler_config.mode == "paged":
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        if self.scheduler_config.mode == "prefill-first":
             self._schedule_prefill_first(out, now)
         else:
             self._schedule_continuous(out, now)
@@ -147,18 +153,18 @@ class Scheduler:
     def _schedule_continuous(self, out: SchedulerOutput, now: float) -> None:
         """``chunked``, ``reserve`` and ``static``: running requests first, then admissions."""
         budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
-        if not out.scheduled and out.preempted_request_ids:
+        if not out.scheduled and out.preempted_req_ids:
             # Prefills that reserved budget for a decode that was then preempted get a second pass.
             budget = self._schedule_running(out, budget)
         if self.scheduler_config.mode == "static":
             if not self.running:  # request-level batching: a new batch only once the last one is done
                 self._admit_static_batch(out, budget, now)
-        elif not out.preempted_request_ids or not self.running:
+        elif not out.preempted_req_ids or not self.running:
             # No admission in a step that preempted (it would thrash) unless nothing else can run.
             self._schedule_waiting(out, budget, now)
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
-        """``paged`` (vLLM v0): admit whole prompts; only a step that admitted none runs the decodes.
+        """``prefill-first`` (vLLM v0): admit whole prompts; only a step that admitted none runs the decodes.
 
         Running requests are all decoding (their prompts ran whole), so the running pass gives each one
         token, preempting from the tail when blocks run out.
@@ -235,7 +241,7 @@ class Scheduler:
         """Move the head of the waiting queue to running with up to ``budget`` tokens scheduled.
 
         Args:
-            whole: Admit only if all its uncached tokens fit ``budget`` (no chunking, ``paged`` mode).
+            whole: Admit only if all its uncached tokens fit ``budget`` (no chunking, ``prefill-first``).
 
         Returns:
             The tokens scheduled for it (possibly 0), or ``None`` if its blocks (or, with ``whole``, its
@@ -251,8 +257,8 @@ class Scheduler:
             return None
         self.waiting.pop()
         req.num_computed_tokens = num_hit
-        if req.times.first_scheduled is None:  # first admission: count the lookup once
-            req.times.first_scheduled = now
+        if req.first_scheduled_time is None:  # first admission: count the lookup once
+            req.first_scheduled_time = now
             req.num_cached_tokens = num_hit
             kv.record_prefix_cache_lookup(req.num_tokens, num_hit)
         out.num_prefix_cached_tokens += num_hit
@@ -272,15 +278,26 @@ class Scheduler:
     def _add_running(self, req: Request) -> None:
         """Append to the running list; under ``priority`` keep it sorted so the tail is lowest priority."""
         if self.scheduler_config.policy == "priority":
-            bisect.insort(self.running, req, key=lambda r: (r.priority, r.times.arrival))
+            bisect.insort(self.running, req, key=lambda r: (r.priority, r.arrival_time))
         else:
             self.running.append(req)
 
     def _record(self, out: SchedulerOutput, req: Request, num_computed: int, n: int) -> None:
-        out.scheduled.append(ScheduledRequest(
-            request=req, num_computed_tokens=num_computed, num_new_tokens=n,
-            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
-            sample=num_computed + n == req.num_tokens))
+        """Add a request's share of the step: its static data if the runner has not seen it, and the block ids
+        the runner does not hold yet."""
+        rid = req.request_id
+        table = self.kv_cache_manager.get_block_ids(rid)
+        known = self._runner_num_blocks.get(rid)
+        resumed = rid in self._preempted_since_scheduled
+        if known is None:
+            out.new_requests.append(NewRequestData(rid, list(req.prompt_token_ids), req.sampling_params,
+                                                   req.eos_token_ids))
+        if known is None or resumed:
+            known = 0
+            self._preempted_since_scheduled.discard(rid)
+        out.scheduled.append(ScheduledRequest(rid, num_computed, n, sample=num_computed + n == req.num_tokens,
+                                              new_block_ids=table[known:], resumed_from_preemption=resumed))
+        self._runner_num_blocks[rid] = len(table)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free a running request's blocks and send it back to the waiting queue to be recomputed."""
@@ -293,7 +310,9 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend(req)
-        out.preempted_request_ids.append(req.request_id)
+        out.preempted_req_ids.append(req.request_id)
+        if req.request_id in self._runner_num_blocks:
+            self._preempted_since_scheduled.add(req.request_id)
         logger.warning(
             "KV cache full: preempted request %s (priority %d, %d computed tokens will be recomputed, "
             "preempted %d time(s)); %d running, %d waiting, %d/%d blocks free, %d preemptions so far. "
@@ -302,42 +321,56 @@ class Scheduler:
             kv.num_free_blocks, kv.num_blocks, self.num_preemptions_total)
 
     # ------------------------------------------------------------------------------------------ update
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int],
-                           now: float) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, SampledToken],
+                           now: float) -> list[EngineCoreOutput]:
         """Advance the scheduled requests after the step ran and apply token-level stop rules.
 
         Args:
             scheduler_output: The step returned by :meth:`schedule`.
-            sampled_token_ids: The new token of every scheduled request with ``sample=True``.
+            sampled: The runner's result for every scheduled request with ``sample=True``; one whose ``error``
+                is set fails (``FINISHED_ERROR``) and frees its blocks.
             now: Current time in seconds.
 
         Returns:
-            The requests that finished in this call (stop token, EOS or length).
+            An :class:`EngineCoreOutput` for every request that sampled a token or finished in this call
+            (stop token, EOS, length or error), in batch order.
 
         Raises:
-            RuntimeError: if a request that had to sample has no token in ``sampled_token_ids``.
+            RuntimeError: if a request that had to sample has no entry in ``sampled``.
         """
         self._in_flight = set()
-        finished = []
+        outputs = []
         for sched in scheduler_output.scheduled:
-            req = sched.request
-            if req.is_finished or self._requests.get(req.request_id) is not req:
+            req = self._requests.get(sched.request_id)
+            if req is None:
                 continue  # aborted or stopped between schedule() and now
             req.num_computed_tokens += sched.num_new_tokens
             if not sched.sample:
                 continue
-            if req.request_id not in sampled_token_ids:
+            token = sampled.get(req.request_id)
+            if token is None:
                 raise RuntimeError(f"request {req.request_id} was scheduled to sample but got no token")
-            token = sampled_token_ids[req.request_id]
-            req.append_output_token(token)
-            if req.times.first_token is None:
-                req.times.first_token = now
-            req.times.last_token = now
-            status = self._check_stop(req, token)
+            if token.error is not None:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._core_output(req, [], now, error=token.error))
+                continue
+            req.append_output_token(token.token_id)
+            status = self._check_stop(req, token.token_id)
             if status is not None:
-                self._finish(req, status, now)
-                finished.append(req)
-        return finished
+                self._finish(req, status)
+            outputs.append(self._core_output(req, [token.token_id], now, token))
+        return outputs
+
+    @staticmethod
+    def _core_output(req: Request, new_token_ids: list[int], now: float, token: Optional[SampledToken] = None,
+                     error: Optional[str] = None) -> EngineCoreOutput:
+        with_logprobs = token is not None and req.sampling_params.logprobs is not None
+        return EngineCoreOutput(
+            req.request_id, new_token_ids, now, first_scheduled_time=req.first_scheduled_time,
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            logprobs=[token.logprob] if with_logprobs else None,
+            top_logprobs=[token.top_logprobs or []] if with_logprobs else None,
+            num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions, error=error)
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         """Token-level stop rules: stop token, then EOS (both after ``min_tokens``), then length."""
@@ -352,17 +385,26 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
-                        now: float) -> list[Request]:
-        """Finish waiting or running requests from outside (abort, stop string found by the engine).
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's state in one record (the only way stats leave the scheduler)."""
+        kv = self.kv_cache_manager
+        tokens_waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        tokens_waiting += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              num_tokens_waiting=tokens_waiting, kv_cache_usage=kv.usage,
+                              num_preemptions_total=self.num_preemptions_total,
+                              prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
+        """Finish waiting or running requests from outside (abort, stop string found downstream, a failure
+        while processing its output). Their blocks are freed at once.
 
         Args:
             request_ids: One id or several; unknown or already finished ones are ignored.
             status: A finished status, e.g. ``FINISHED_ABORTED`` or ``FINISHED_STOPPED``.
-            now: Current time in seconds.
 
         Returns:
-            The requests finished by this call.
+            The ids of the requests finished by this call.
 
         Raises:
             ValueError: if ``status`` is not a finished status.
@@ -373,13 +415,12 @@ class Scheduler:
         done = []
         for rid in ids:
             req = self._requests.get(rid)
-            if req is None or req.is_finished:
-                continue
-            self._finish(req, status, now)
-            done.append(req)
+            if req is not None:
+                self._finish(req, status)
+                done.append(rid)
         return done
 
-    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+    def _finish(self, req: Request, status: RequestStatus) -> None:
         rid = req.request_id
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
@@ -389,5 +430,7 @@ class Scheduler:
         valid = req.num_computed_tokens if rid in self._in_flight else None
         self.kv_cache_manager.free(req, num_valid_tokens=valid)
         req.status = status
-        req.times.finished = now
         del self._requests[rid]
+        self._preempted_since_scheduled.discard(rid)
+        if self._runner_num_blocks.pop(rid, None) is not None:
+            self._finished_req_ids.append(rid)

@@ -6,8 +6,8 @@ Every request is validated and accepted by the engine *before* a response starts
 prompt over the context length is an HTTP 400 with an OpenAI error body even when ``stream=true`` (C09);
 text that is not valid Unicode is refused before any tokenizer sees it (C19). A choice of ``n`` (and each
 prompt of a batch) is an independent engine request; with a ``seed``, choice ``i`` uses ``seed + i``.
-Streamed deltas are differences of the engine's cumulative texts, which are whole UTF-8 characters and never
-include a prefix of a stop string that might still match (C05, C10). A client that goes away, streaming or
+Streamed deltas are the engine's delta outputs, which are whole UTF-8 characters and never include a prefix
+of a stop string that might still match (C05, C10); one generator streams completions and chat alike. A client that goes away, streaming or
 not, has its requests aborted at once, which frees their KV blocks (C12). One request whose processing
 fails gets a 500 (or an error event in its stream) and the engine serves on.
 """
@@ -18,89 +18,25 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from goodserve.engine.async_engine import AsyncEngine, RequestFailedError, RequestStream
-from goodserve.outputs import RequestOutput
+from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.async_types import RequestStream
+from goodserve.engine.chat import render_chat
 from goodserve.sampling_params import SamplingParams
 from goodserve.server import protocol as P
+from goodserve.server.choices import Choice, chat_logprobs, completion_logprobs, iterate_choices, usage
 from goodserve.server.errors import APIError, install_error_handlers
-from goodserve.server.metrics import RequestTracker, ServerMetrics
+from goodserve.server.metrics import ServerMetrics
 from goodserve.server.openapi import install_schema, responses
 from goodserve.server.streaming import EventStreamResponse, sse
 
 COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 API_ENDPOINTS = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE, "/v1/models")
-
-
-@dataclass
-class _Sub:
-    """One engine request behind one choice."""
-
-    index: int
-    stream: RequestStream
-    tracker: RequestTracker
-    prompt_index: int
-    first_of_prompt: bool
-    last: Optional[RequestOutput] = None
-    sent_text: str = ""
-    sent_tokens: int = 0
-    text_offset: int = 0
-
-
-def _usage(subs: list[_Sub]) -> P.UsageInfo:
-    prompt = cached = completion = 0
-    for s in subs:
-        if s.last is None:
-            continue
-        completion += len(s.last.token_ids)
-        if s.first_of_prompt:
-            prompt += len(s.last.prompt_token_ids)
-            cached += s.last.metrics.num_cached_tokens if s.last.metrics else 0
-    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
-
-
-async def _iterate(subs: list[_Sub]) -> AsyncIterator[_Sub]:
-    """Outputs of all sub-requests as they come; each yields the ``_Sub`` with ``last`` updated.
-
-    Raises:
-        RequestFailedError, EngineDeadError: as the sub-requests' streams do.
-    """
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(sub: _Sub) -> None:
-        try:
-            async for out in sub.stream:
-                queue.put_nowait((sub, out))
-        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
-            queue.put_nowait((sub, e))
-            return
-        queue.put_nowait((sub, None))
-
-    tasks = [asyncio.create_task(pump(s)) for s in subs]
-    try:
-        remaining = len(subs)
-        while remaining:
-            sub, item = await queue.get()
-            if item is None:
-                remaining -= 1
-                continue
-            if isinstance(item, BaseException):
-                if isinstance(item, RequestFailedError):
-                    sub.tracker.ended("error")
-                raise item
-            sub.tracker.observe(item)
-            sub.last = item
-            yield sub
-    finally:
-        for t in tasks:
-            t.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -148,7 +84,7 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
                            param="model", code="model_not_found")
 
     async def start(prompts: list[Union[str, list[int]]], params: list[SamplingParams], request_id: str,
-                    priority: int, cache_salt: Optional[str] = None) -> list[_Sub]:
+                    priority: int, cache_salt: Optional[str] = None) -> list[Choice]:
         """Add ``len(prompts) * len(params)`` engine requests; all accepted, or none (error raised)."""
         if max_waiting_requests is not None and engine.num_waiting_total() >= max_waiting_requests:
             raise APIError(429, f"The server is busy: {max_waiting_requests} requests are already waiting. "
@@ -164,10 +100,10 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         if failure is not None:
             engine.abort([s.request_id for s in streams])
             raise failure
-        return [_Sub(index=i, stream=s, tracker=metrics.tracker(), prompt_index=p, first_of_prompt=j == 0)
+        return [Choice(index=i, stream=s, tracker=metrics.tracker(), prompt_index=p, first_of_prompt=j == 0)
                 for i, ((p, j, _), s) in enumerate(zip(jobs, streams))]
 
-    def finish(subs: list[_Sub]) -> None:
+    def finish(subs: list[Choice]) -> None:
         """Abort whatever has not finished (client gone, error) and count it."""
         ids = []
         for s in subs:
@@ -177,10 +113,10 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         if ids:
             engine.abort(ids)
 
-    async def collect(request: Request, subs: list[_Sub]) -> Optional[list[_Sub]]:
-        """Run all sub-requests to the end; ``None`` if the client disconnected first."""
+    async def collect(request: Request, subs: list[Choice]) -> Optional[list[Choice]]:
+        """Run all choices' requests to the end; ``None`` if the client disconnected first."""
         async def run() -> None:
-            async with contextlib.aclosing(_iterate(subs)) as it:
+            async with contextlib.aclosing(iterate_choices(subs)) as it:
                 async for _ in it:
                     pass
 
@@ -197,7 +133,7 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
                 t.cancel()
             finish(subs)
 
-    async def answer(request: Request, subs: list[_Sub], build: Callable[[], Any]) -> Response:
+    async def answer(request: Request, subs: list[Choice], build: Callable[[], Any]) -> Response:
         """A non-streamed answer: wait for every choice, then ``build()`` the body (499 if the client left)."""
         endpoint = endpoint_of(request)
         if await collect(request, subs) is None:
@@ -207,26 +143,22 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         metrics.count_finished(endpoint)
         return JSONResponse(body.model_dump())
 
-    def stream(request: Request, subs: list[_Sub], head: list[str],
-               chunk: Callable[[_Sub, RequestOutput, str], str], usage: Optional[Callable[[], str]]) -> Response:
-        """A streamed answer: ``head`` events, then a ``chunk(sub, output, new_text)`` per new piece of text
-        (or finish) of any choice, then the ``usage`` event if asked for."""
+    def stream(request: Request, subs: list[Choice], head: list[str], chunk: Callable[[Choice, str], str],
+               usage_event: Optional[Callable[[], str]]) -> Response:
+        """The one streamed answer of completions and chat: ``head`` events, then a ``chunk(choice, new_text)``
+        per new piece of text (or finish) of any choice, then the ``usage_event`` if asked for. Tokens whose
+        text is held back (a partial character, a possible stop string) go out with the next chunk."""
         endpoint = endpoint_of(request)
 
         async def events() -> AsyncIterator[str]:
             for event in head:
                 yield event
-            async with contextlib.aclosing(_iterate(subs)) as it:
-                async for s in it:
-                    out = s.last
-                    delta = out.text[len(s.sent_text):]
-                    if not delta and not out.finished:
-                        continue
-                    event = chunk(s, out, delta)
-                    s.sent_text, s.sent_tokens = out.text, len(out.token_ids)
-                    yield event
-            if usage is not None:
-                yield usage()
+            async with contextlib.aclosing(iterate_choices(subs)) as it:
+                async for choice, out in it:
+                    if out.text or out.finished:
+                        yield chunk(choice, out.text)
+            if usage_event is not None:
+                yield usage_event()
 
         def on_close(outcome: Optional[APIError | str]) -> None:
             finish(subs)
@@ -239,50 +171,8 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
 
         return EventStreamResponse(events(), on_close)
 
-    def token_str(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
-    def completion_logprobs(sub: _Sub, out: RequestOutput, start: int, offset: int) -> Optional[P.CompletionLogprobs]:
-        c = out.outputs[0]
-        if c.logprobs is None:
-            return None
-        lp = P.CompletionLogprobs()
-        for i in range(start, len(c.token_ids)):
-            tok = token_str(c.token_ids[i])
-            lp.tokens.append(tok)
-            lp.token_logprobs.append(c.logprobs[i] if i < len(c.logprobs) else None)
-            top = c.top_logprobs[i] if c.top_logprobs and i < len(c.top_logprobs) else []
-            lp.top_logprobs.append({token_str(t): v for t, v in top})
-            lp.text_offset.append(offset)
-            offset += len(tok)
-        sub.text_offset = offset
-        return lp
-
-    def chat_logprobs(out: RequestOutput, start: int) -> Optional[P.ChatLogprobs]:
-        c = out.outputs[0]
-        if c.logprobs is None:
-            return None
-        content = []
-        for i in range(start, min(len(c.token_ids), len(c.logprobs))):
-            tok = token_str(c.token_ids[i])
-            top = c.top_logprobs[i] if c.top_logprobs and i < len(c.top_logprobs) else []
-            content.append(P.ChatTokenLogprob(
-                token=tok, logprob=c.logprobs[i], bytes=list(tok.encode()),
-                top_logprobs=[P.TopLogprob(token=token_str(t), logprob=v, bytes=list(token_str(t).encode()))
-                              for t, v in top]))
-        return P.ChatLogprobs(content=content)
-
     def chat_prompt(messages: list[dict[str, Any]]) -> list[int]:
-        if not (engine.chat_template or getattr(tokenizer, "chat_template", None)):
-            raise ValueError("this model has no chat template; use /v1/completions")
-        try:
-            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                chat_template=engine.chat_template)
-        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is a user error
-            raise ValueError(f"messages could not be rendered with the chat template: {e}") from e
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        return render_chat(tokenizer, engine.chat_template, messages)
 
     # ------------------------------------------------------------------------------------------- routes
     @app.get("/health", response_class=Response, responses={
@@ -342,29 +232,24 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
             for p, prompt in enumerate(prompts):
                 echo[p] = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
-        def chunk(choices: list[P.CompletionChoice], usage: Optional[P.UsageInfo] = None) -> str:
-            return sse(P.CompletionChunk(id=rid, created=created, model=model_name, choices=choices, usage=usage))
+        def chunk(choices: list[P.CompletionChoice], usage_info: Optional[P.UsageInfo] = None) -> str:
+            return sse(P.CompletionChunk(id=rid, created=created, model=model_name, choices=choices,
+                                         usage=usage_info))
 
         if not body.stream:
             def build() -> P.CompletionResponse:
-                choices = []
-                for s in subs:
-                    out = s.last
-                    choices.append(P.CompletionChoice(
-                        index=s.index, text=echo.get(s.prompt_index, "") + (out.text if out else ""),
-                        logprobs=completion_logprobs(s, out, 0, 0) if out else None,
-                        finish_reason=(out.finish_reason if out else None) or "abort",
-                        stop_reason=out.outputs[0].stop_reason if out else None))
-                return P.CompletionResponse(id=rid, created=created, model=model_name, choices=choices,
-                                            usage=_usage(subs))
+                return P.CompletionResponse(id=rid, created=created, model=model_name, usage=usage(subs), choices=[
+                    P.CompletionChoice(index=c.index, text=echo.get(c.prompt_index, "") + c.text,
+                                       logprobs=completion_logprobs(tokenizer, c),
+                                       finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason)
+                    for c in subs])
             return await answer(request, subs, build)
 
-        head = [chunk([P.CompletionChoice(index=s.index, text=echo[s.prompt_index])]) for s in subs
-                if s.prompt_index in echo]
-        return stream(request, subs, head, lambda s, out, delta: chunk([P.CompletionChoice(
-            index=s.index, text=delta, logprobs=completion_logprobs(s, out, s.sent_tokens, s.text_offset),
-            finish_reason=out.finish_reason, stop_reason=out.outputs[0].stop_reason)]),
-            (lambda: chunk([], _usage(subs))) if body.include_usage else None)
+        head = [chunk([P.CompletionChoice(index=c.index, text=echo[c.prompt_index])]) for c in subs
+                if c.prompt_index in echo]
+        return stream(request, subs, head, lambda c, delta: chunk([P.CompletionChoice(
+            index=c.index, text=delta, logprobs=completion_logprobs(tokenizer, c), finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason)]), (lambda: chunk([], usage(subs))) if body.include_usage else None)
 
     @app.post(CHAT, response_class=Response, responses=responses(P.ChatCompletionResponse, stream=True))
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
@@ -377,29 +262,23 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         created = int(time.time())
         subs = await start([prompt_ids], params, rid, body.priority, body.cache_salt)
 
-        def chunk(choices: list[P.ChatStreamChoice], usage: Optional[P.UsageInfo] = None) -> str:
+        def chunk(choices: list[P.ChatStreamChoice], usage_info: Optional[P.UsageInfo] = None) -> str:
             return sse(P.ChatCompletionChunk(id=rid, created=created, model=model_name, choices=choices,
-                                             usage=usage))
+                                             usage=usage_info))
 
         if not body.stream:
             def build() -> P.ChatCompletionResponse:
-                choices = []
-                for s in subs:
-                    out = s.last
-                    choices.append(P.ChatChoice(
-                        index=s.index, message=P.ChatMessage(content=out.text if out else ""),
-                        logprobs=chat_logprobs(out, 0) if out else None,
-                        finish_reason=(out.finish_reason if out else None) or "abort",
-                        stop_reason=out.outputs[0].stop_reason if out else None))
-                return P.ChatCompletionResponse(id=rid, created=created, model=model_name, choices=choices,
-                                                usage=_usage(subs))
+                return P.ChatCompletionResponse(id=rid, created=created, model=model_name, usage=usage(subs), choices=[
+                    P.ChatChoice(index=c.index, message=P.ChatMessage(content=c.text),
+                                 logprobs=chat_logprobs(tokenizer, c), finish_reason=c.finish_reason or "abort",
+                                 stop_reason=c.stop_reason)
+                    for c in subs])
             return await answer(request, subs, build)
 
-        head = [chunk([P.ChatStreamChoice(index=s.index, delta=P.DeltaMessage(role="assistant", content=""))])
-                for s in subs]
-        return stream(request, subs, head, lambda s, out, delta: chunk([P.ChatStreamChoice(
-            index=s.index, delta=P.DeltaMessage(content=delta or None), logprobs=chat_logprobs(out, s.sent_tokens),
-            finish_reason=out.finish_reason)]),
-            (lambda: chunk([], _usage(subs))) if body.include_usage else None)
+        head = [chunk([P.ChatStreamChoice(index=c.index, delta=P.DeltaMessage(role="assistant", content=""))])
+                for c in subs]
+        return stream(request, subs, head, lambda c, delta: chunk([P.ChatStreamChoice(
+            index=c.index, delta=P.DeltaMessage(content=delta or None), logprobs=chat_logprobs(tokenizer, c),
+            finish_reason=c.finish_reason)]), (lambda: chunk([], usage(subs))) if body.include_usage else None)
 
     return app

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from goodserve.engine.async_engine import EngineDeadError, EngineShutdownError, RequestFailedError
+from goodserve.engine.async_types import EngineDeadError, EngineShutdownError, RequestFailedError
 from goodserve.server import protocol as P
 from goodserve.validation import safe_text
 

@@ -2,9 +2,9 @@
 
 Every app gets its own :class:`prometheus_client.CollectorRegistry` (tests build several apps in one
 process). Engine-wide state (running/waiting requests, tokens waiting, KV usage, preemptions, prefix-cache
-counters) is read from the :class:`~goodserve.engine.async_engine.EngineSnapshot` at scrape time by a
-custom collector; per-request counters and histograms are fed by a :class:`RequestTracker` per request as
-its outputs arrive on the event loop.
+counters) is read from the scheduler's :class:`~goodserve.scheduler.output.SchedulerStats` at scrape time by
+a custom collector; per-request counters and histograms are fed by a :class:`RequestTracker` per request as
+its delta outputs arrive on the event loop.
 
 Latencies are in seconds, measured on the engine's monotonic clock:
 TTFT = first token - arrival; ITL = gap between successive tokens; TPOT = (last - first) / (n - 1);
@@ -43,13 +43,13 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 
 class _EngineCollector(Collector):
-    """Gauges and engine-wide counters read from the engine snapshot at scrape time."""
+    """Gauges and engine-wide counters read from the scheduler's stats at scrape time."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
     def collect(self) -> Iterable[Metric]:
-        s = self._engine.snapshot
+        s = self._engine.stats
         yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch.",
                                 value=s.num_running)
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission.",
@@ -73,7 +73,7 @@ class ServerMetrics:
     """All metrics of one app.
 
     Args:
-        engine: The engine whose snapshot feeds the gauges.
+        engine: The engine whose scheduler stats feed the gauges.
         slo_ttft: TTFT SLO in seconds, or ``None``.
         slo_tpot: TPOT SLO in seconds, or ``None``.
     """
@@ -166,11 +166,11 @@ class RequestTracker:
         self.done = False
 
     def observe(self, out: RequestOutput) -> None:
-        """Record the new tokens of a cumulative output, and the request's latencies once it finished."""
+        """Record the new tokens of a delta output, and the request's latencies once it finished."""
         if self.done:
             return
         m, met = self.m, out.metrics
-        new = len(out.token_ids) - self.num_tokens
+        new = len(out.token_ids)
         if new > 0:
             m.generation_tokens.inc(new)
             if not self.prompt_counted:
@@ -180,7 +180,7 @@ class RequestTracker:
             if self.last_token_time is not None and last is not None:
                 m.itl.observe(max(0.0, last - self.last_token_time) / new)
             self.last_token_time = last
-            self.num_tokens = len(out.token_ids)
+            self.num_tokens += new
         if out.finished:
             self.done = True
             m.request_success.labels(finished_reason=out.finish_reason or "abort").inc()
@@ -195,7 +195,7 @@ class RequestTracker:
             if met.first_token_time is not None and met.last_token_time is not None:
                 m.decode.observe(met.last_token_time - met.first_token_time)
             m.req_prompt_tokens.observe(len(out.prompt_token_ids))
-            m.req_generation_tokens.observe(len(out.token_ids))
+            m.req_generation_tokens.observe(self.num_tokens)
             if out.finish_reason in ("stop", "length") and (m.slo_ttft is not None or m.slo_tpot is not None):
                 (m.slo_attained if m.slo_met(met.ttft, met.tpot) else m.slo_missed).inc()
 

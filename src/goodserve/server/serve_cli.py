@@ -125,8 +125,8 @@ def _log_exit(app, engine) -> None:
     if engine.error is not None or engine.is_running():
         return  # a dead engine's state is not worth checking; a running one is not ours to touch
     try:
-        kv = engine.engine.scheduler.kv_cache_manager
-        kv.check_integrity()
-        logger.info("KV cache: integrity ok, %.1f%% of blocks in use", 100.0 * kv.usage)
+        engine.engine.core.check_integrity()
+        usage = engine.engine.make_stats().kv_cache_usage
+        logger.info("KV cache: integrity ok, %.1f%% of blocks in use", 100.0 * usage)
     except Exception as e:  # noqa: BLE001 - reported, the process is exiting anyway
         logger.error("KV cache check failed: %s", e)

@@ -62,27 +62,15 @@ def _measure(engine, batch: int, context: int, decode_steps: int, rng: random.Ra
              ) -> list[tuple[StepShape, float]]:
     from goodserve.sampling_params import SamplingParams
 
-    captured = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule(now: float):
-        out = schedule(now)
-        captured.append(StepShape.of(out))
-        return out
-
-    engine.scheduler.schedule = recording_schedule  # this engine only lives for the profile
     vocab = engine.config.model.vocab_size
     params = SamplingParams(max_tokens=decode_steps, ignore_eos=True)
     for _ in range(batch):
         engine.add_request([rng.randrange(256, vocab) for _ in range(context)], params)
     samples = []
-    try:
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            engine.step()
-            samples.append((captured[-1], time.perf_counter() - t0))
-    finally:
-        engine.scheduler.schedule = schedule
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        samples.append((StepShape.of(engine.last_schedule), time.perf_counter() - t0))
     return samples
 
 

@@ -204,7 +204,7 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str) -> Cluste
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                   policy=args.scheduling_policy, mode=mode),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
+        cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size),
         enable_prefix_caching=args.enable_prefix_caching, num_replicas=args.replicas, routing=args.routing,
         disaggregation=disagg)
 

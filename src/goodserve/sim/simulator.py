@@ -25,6 +25,7 @@ that compute is charged. Decode instances therefore always run with prefix cachi
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -35,6 +36,7 @@ from goodserve.bench.metrics import RequestRecord, Summary, record_from_timeline
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
+from goodserve.scheduler.output import SampledToken
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.sim.cost_model import CostModel
 from goodserve.sim.events import Event, KVTransferDone, RequestArrival, StepEnd
@@ -168,13 +170,13 @@ class Instance:
         return self.scheduler.num_running + self.scheduler.num_waiting + self.num_incoming
 
     def stats(self, duration: float) -> dict:
-        s, kv = self.scheduler, self.scheduler.kv_cache_manager
+        s = self.scheduler.make_stats()
         return {
             "name": self.name, "role": self.role, "steps": self.num_steps, "busy_s": self.busy_s,
             "utilisation": self.busy_s / duration if duration > 0 else 0.0,
             "mean_tokens_per_step": self.num_tokens / self.num_steps if self.num_steps else 0.0,
             "max_running": self.max_running, "mixed_steps": self.num_mixed_steps,
-            "preemptions": s.num_preemptions_total, "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            "preemptions": s.num_preemptions_total, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
             "kv_installs_failed": self.num_kv_installs_failed,
         }
 
@@ -255,7 +257,8 @@ class Simulator:
         self._round_robin = {"front": itertools.count(), "decode": itertools.count()}
 
     def _instance(self, name: str, role: str, prefix_caching: bool, cost_model: CostModel) -> Instance:
-        return Instance(name, role, Scheduler(self.config.scheduler, self.config.cache, prefix_caching), cost_model)
+        cache = dataclasses.replace(self.config.cache, enable_prefix_caching=prefix_caching)
+        return Instance(name, role, Scheduler(self.config.scheduler, cache), cost_model)
 
     # ------------------------------------------------------------------------------------------ loop
     def push(self, event: Event) -> None:
@@ -311,13 +314,15 @@ class Simulator:
     def on_step_end(self, ev: StepEnd) -> None:
         inst, out = ev.instance, ev.output
         inst.busy = False
-        sampled = {s.request_id: self._next_token(s.request_id) for s in out.scheduled if s.sample}
-        finished = inst.scheduler.update_from_output(out, sampled, self.now)
+        sampled = {s.request_id: SampledToken(self._next_token(s.request_id)) for s in out.sampling()}
+        results = inst.scheduler.update_from_output(out, sampled, self.now)
         for rid in sampled:
             self._progress[rid].token_times.append(self.now)
-        for req in finished:
-            prog = self._progress[req.request_id]
-            prog.num_preemptions += req.num_preemptions
+        for result in results:
+            if not result.finished:
+                continue
+            prog = self._progress[result.request_id]
+            prog.num_preemptions += result.num_preemptions
             if inst.role == "prefill" and prog.spec.output_len > 1:
                 self._start_transfer(inst, prog)
             else:
@@ -369,7 +374,7 @@ class Simulator:
             summary=summarize(records, duration if duration > 0 else 1e-9, self.slos),
             records=records,
             instances=[inst.stats(duration) for inst in self.instances],
-            num_preemptions=sum(inst.scheduler.num_preemptions_total for inst in self.instances),
+            num_preemptions=sum(inst.scheduler.make_stats().num_preemptions_total for inst in self.instances),
             mean_kv_transfer_s=sum(transfers) / len(transfers) if transfers else 0.0,
         )
 
@@ -390,7 +395,7 @@ def _install_transferred_kv(inst: Instance, req: Request) -> bool:
         Whether the blocks fit the pool.
     """
     kv = inst.scheduler.kv_cache_manager
-    stand_in = _make_request(f"{req.request_id}/kv-transfer", req.all_token_ids, 1, req.times.arrival)
+    stand_in = _make_request(f"{req.request_id}/kv-transfer", req.all_token_ids, 1, req.arrival_time)
     if kv.allocate_slots(stand_in, stand_in.num_tokens) is None:
         return False
     kv.free(stand_in)

@@ -1,0 +1,78 @@
+"""The engine core: the scheduler and the model runner, stepping on plain messages.
+
+Everything that crosses its edge is plain data: a :class:`Request` comes in, :class:`EngineCoreOutput`\\ s
+(new tokens, finish reasons, logprobs, timestamps) and a :class:`SchedulerStats` record go out, and inside,
+the scheduler talks to the runner only through :class:`SchedulerOutput` messages. This is where a process
+boundary can go (vLLM v1 runs its engine core in a process of its own): tokenisation, detokenisation, stop
+strings and the server stay on the other side, in :class:`goodserve.engine.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from goodserve.config import EngineConfig
+from goodserve.request import Request, RequestStatus
+from goodserve.runner.model_runner import ModelRunner
+from goodserve.scheduler.output import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from goodserve.scheduler.scheduler import Scheduler
+
+
+class EngineCore:
+    """Scheduler + model runner.
+
+    Args:
+        config: The resolved engine config.
+        weights: HF-named weights for the runner.
+    """
+
+    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.scheduler = Scheduler(config.scheduler, config.cache)
+        self.runner = ModelRunner(config, weights)
+        self.last_schedule: Optional[SchedulerOutput] = None  # what the latest non-empty step computed
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (see :meth:`Scheduler.add_request` for the ``ValueError``\\ s)."""
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
+        """Finish requests from outside (abort, stop string, failed output processing); frees their blocks."""
+        return self.scheduler.finish_requests(list(request_ids), status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute and update once.
+
+        Returns:
+            A result for every request that sampled a token or finished.
+
+        Raises:
+            RuntimeError: if requests are pending but nothing could be scheduled (a broken invariant).
+            Exception: whatever the forward pass raises (a fault of the engine).
+        """
+        sched = self.scheduler.schedule(time.monotonic())
+        sampled = self.runner.execute(sched)  # also when empty: the runner drops finished requests' state
+        if sched.is_empty:
+            self.last_schedule = None
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("requests are pending but the scheduler scheduled nothing")
+            return []
+        self.last_schedule = sched
+        return self.scheduler.update_from_output(sched, sampled, time.monotonic())
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's state (see :class:`SchedulerStats`)."""
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash (e.g. between benchmark runs); blocks in use stay allocated."""
+        self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Check the KV pool's invariants (raises ``RuntimeError`` naming the first one broken)."""
+        self.scheduler.kv_cache_manager.check_integrity()

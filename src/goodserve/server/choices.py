@@ -1,0 +1,145 @@
+"""The choices of one API call: each is an engine request whose delta outputs are gathered here.
+
+A call with ``n`` choices (and, for completions, several prompts) runs one engine request per choice.
+:class:`Choice` accumulates its request's deltas (text, token ids, logprobs, finish, metrics) and remembers
+how much of them a stream has sent; :func:`iterate_choices` merges the requests' streams as outputs arrive;
+the formatting helpers build usage and logprobs in the OpenAI shapes from what a choice holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from goodserve.engine.async_types import RequestFailedError, RequestStream
+from goodserve.outputs import RequestMetrics, RequestOutput
+from goodserve.server import protocol as P
+from goodserve.server.metrics import RequestTracker
+
+
+@dataclass
+class Choice:
+    """One engine request behind one choice, and what its outputs added up to so far.
+
+    Attributes:
+        index: The choice's index in the response.
+        stream: The request's delta outputs.
+        tracker: Feeds its tokens and latencies into the metrics.
+        prompt_index: Which prompt of the call it answers.
+        first_of_prompt: The first choice of its prompt (usage counts each prompt once).
+        text: All text so far.
+        token_ids: All generated token ids so far.
+        logprobs, top_logprobs: Per token, when asked for.
+        sent_tokens: Tokens whose logprobs a stream has sent.
+        text_offset: Characters of text a stream has sent (completions ``text_offset``).
+    """
+
+    index: int
+    stream: RequestStream
+    tracker: RequestTracker
+    prompt_index: int
+    first_of_prompt: bool
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    metrics: Optional[RequestMetrics] = None
+    sent_tokens: int = 0
+    text_offset: int = 0
+
+    def add(self, out: RequestOutput) -> str:
+        """Take one delta output; returns its new text."""
+        c = out.outputs[0]
+        self.text += c.text
+        self.token_ids += c.token_ids
+        if c.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + c.logprobs
+            self.top_logprobs = (self.top_logprobs or []) + (c.top_logprobs or [[] for _ in c.logprobs])
+        self.prompt_token_ids = out.prompt_token_ids
+        self.finish_reason, self.stop_reason, self.metrics = c.finish_reason, c.stop_reason, out.metrics
+        return c.text
+
+
+async def iterate_choices(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Outputs of all choices' requests as they come, each after it was added to its choice.
+
+    Raises:
+        RequestFailedError, EngineDeadError: as the requests' streams do.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for out in choice.stream:
+                queue.put_nowait((choice, out))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            queue.put_nowait((choice, e))
+            return
+        queue.put_nowait((choice, None))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(choices)
+        while remaining:
+            choice, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                if isinstance(item, RequestFailedError):
+                    choice.tracker.ended("error")
+                raise item
+            choice.tracker.observe(item)
+            choice.add(item)
+            yield choice, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def usage(choices: list[Choice]) -> P.UsageInfo:
+    """Prompt tokens (each prompt once), completion tokens and prefix-cache hits of a call."""
+    prompt = cached = completion = 0
+    for c in choices:
+        completion += len(c.token_ids)
+        if c.first_of_prompt:
+            prompt += len(c.prompt_token_ids)
+            cached += c.metrics.num_cached_tokens if c.metrics else 0
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+
+
+def completion_logprobs(tokenizer: Any, choice: Choice) -> Optional[P.CompletionLogprobs]:
+    """Completions ``logprobs`` of the tokens not yet sent (all of them for a full response); marks them sent."""
+    if choice.logprobs is None:
+        return None
+    lp = P.CompletionLogprobs()
+    offset = choice.text_offset
+    for i in range(choice.sent_tokens, len(choice.token_ids)):
+        tok = tokenizer.decode([choice.token_ids[i]])
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(choice.logprobs[i])
+        lp.top_logprobs.append({tokenizer.decode([t]): v for t, v in choice.top_logprobs[i]})
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    choice.sent_tokens, choice.text_offset = len(choice.token_ids), offset
+    return lp
+
+
+def chat_logprobs(tokenizer: Any, choice: Choice) -> Optional[P.ChatLogprobs]:
+    """Chat ``logprobs`` of the tokens not yet sent (all of them for a full response); marks them sent."""
+    if choice.logprobs is None:
+        return None
+    content = []
+    for i in range(choice.sent_tokens, len(choice.token_ids)):
+        tok = tokenizer.decode([choice.token_ids[i]])
+        top = [P.TopLogprob(token=tokenizer.decode([t]), logprob=v, bytes=list(tokenizer.decode([t]).encode()))
+               for t, v in choice.top_logprobs[i]]
+        content.append(P.ChatTokenLogprob(token=tok, logprob=choice.logprobs[i], bytes=list(tok.encode()),
+                                          top_logprobs=top))
+    choice.sent_tokens = len(choice.token_ids)
+    return P.ChatLogprobs(content=content)
