@@ -5,7 +5,7 @@ Datasets:
 * ``random`` — uniform lengths around ``--input-len`` / ``--output-len`` (``workloads.random_lengths``).
 * ``azure-conv``, ``azure-code`` — the Azure LLM inference traces 2023 shipped with the package
   (``workloads.load_azure``; CC-BY 4.0, Patel et al., "Splitwise", ISCA 2024).
-* ``mooncake`` — the Mooncake FAST'25 conversation trace shipped in ``bench/data/mooncake-fast25``
+* ``mooncake`` — the Mooncake FAST'25 conversation trace shipped in ``workload/data/mooncake-fast25``
   (Apache-2.0; Qin et al., FAST 2025). Lengths are multiplied by ``length_scale`` and clipped to the
   context; prompts reproduce the trace's prefix sharing (the same hash id gives the same token block).
 * ``sharegpt-file`` — a ShareGPT JSON file: the first human turn is the prompt, the first gpt turn's token
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Optional, Sequence, Union
 
-from goodserve.bench.workloads import AZURE_FILES, RequestSpec, load_azure, random_lengths, synthesise_prompts
+from goodserve.workload.datasets import AZURE_FILES, RequestSpec, load_azure, random_lengths, synthesise_prompts
 
 DATASETS = ("random", *sorted(AZURE_FILES), "mooncake", "sharegpt-file", "jsonl")
 MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake trace
@@ -89,7 +89,7 @@ def load_mooncake(num_prompts: int, length_scale: float = 1.0, start: int = 0,
     if not length_scale > 0:
         raise ValueError(f"length_scale must be > 0, got {length_scale}")
     if path is None:
-        src = resources.files("goodserve.bench") / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
+        src = resources.files("goodserve.workload") / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
         lines = src.read_text().splitlines()
     else:
         with open(path) as f:

@@ -3,7 +3,7 @@
 ``goodserve profile`` (in :mod:`goodserve.sim.profile_cli`) measures this machine's step times and fits the
 cost model that ``simulate --hardware cpu-local --cost-model FILE`` uses.
 
-The output is the serving benchmark's (:mod:`goodserve.bench.report`): the same summary table, sweep table,
+The output is the serving benchmark's (:mod:`goodserve.workload.report`): the same summary table, sweep table,
 JSON result and plots, so a simulated run reads like a measured one.
 """
 
@@ -16,11 +16,7 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
-from goodserve.bench.arrivals import poisson_arrivals
 from goodserve.bench.datasets import clip_specs
-from goodserve.bench.metrics import parse_slos
-from goodserve.bench.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
-from goodserve.bench.workloads import AZURE_FILES, load_azure, random_lengths
 from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
@@ -28,6 +24,10 @@ from goodserve.sim.planner import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, 
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
+from goodserve.workload.arrivals import poisson_arrivals
+from goodserve.workload.datasets import AZURE_FILES, load_azure, random_lengths
+from goodserve.workload.metrics import parse_slos
+from goodserve.workload.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
 
 logger = logging.getLogger(__name__)
 

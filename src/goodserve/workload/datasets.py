@@ -1,6 +1,6 @@
 """Benchmark workloads: request sizes and arrival times from public traces, with synthetic token ids.
 
-The Azure LLM inference traces 2023 ship with the package (``bench/data/azure-llm-2023``, CC-BY 4.0;
+The Azure LLM inference traces 2023 ship with the package (``workload/data/azure-llm-2023``, CC-BY 4.0;
 Patel et al., "Splitwise", ISCA 2024). They give prompt and output lengths and arrival times only;
 prompts are synthesised as random token ids of the given length and outputs are forced with
 ``ignore_eos`` + ``max_tokens``.
@@ -55,7 +55,7 @@ def load_azure(dataset: str = "azure-conv", num_prompts: int = 256, max_model_le
         raise ValueError(f"unknown dataset {dataset!r}; choose from {sorted(AZURE_FILES)}")
     if start < 0:
         raise ValueError(f"the first row of a trace must be >= 0, got {start}")
-    path = resources.files("goodserve.bench") / "data" / "azure-llm-2023" / AZURE_FILES[dataset]
+    path = resources.files("goodserve.workload") / "data" / "azure-llm-2023" / AZURE_FILES[dataset]
     with path.open() as f:
         rows = list(csv.DictReader(f))[start:start + num_prompts]
     if len(rows) < num_prompts:
