@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from goodserve.bench.datasets import (BenchRequest, build_workload, clip_specs, load_jsonl, load_mooncake,
-                                      load_sharegpt, synthesise_shared_prompts)
+from goodserve.bench.datasets import BenchRequest, build_workload, load_jsonl, load_sharegpt
 from goodserve.workload import arrivals as A
-from goodserve.workload.datasets import RequestSpec, load_azure
+from goodserve.workload.datasets import (RequestSpec, clip_specs, load_azure, load_mooncake,
+                                         synthesise_shared_prompts)
 from goodserve.workload.metrics import (RequestRecord, Stat, parse_slos, percentile, record_from_timeline,
                                         summarize)
 from goodserve.workload.report import RunResult, format_ratios, format_summary, format_sweep, max_rate_meeting

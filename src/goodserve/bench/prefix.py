@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from goodserve.bench.datasets import load_mooncake
 from goodserve.engine.args import EngineArgs
+from goodserve.workload.datasets import load_mooncake
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
-from goodserve.bench.datasets import clip_specs
 from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
@@ -25,7 +24,7 @@ from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
 from goodserve.workload.arrivals import poisson_arrivals
-from goodserve.workload.datasets import AZURE_FILES, load_azure, random_lengths
+from goodserve.workload.datasets import AZURE_FILES, clip_specs, load_azure, random_lengths
 from goodserve.workload.metrics import parse_slos
 from goodserve.workload.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
 

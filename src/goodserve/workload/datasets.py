@@ -1,21 +1,31 @@
-"""Benchmark workloads: request sizes and arrival times from public traces, with synthetic token ids.
+"""Length-only workloads: request sizes and arrival times from public traces, with synthetic token ids.
 
-The Azure LLM inference traces 2023 ship with the package (``workload/data/azure-llm-2023``, CC-BY 4.0;
-Patel et al., "Splitwise", ISCA 2024). They give prompt and output lengths and arrival times only;
-prompts are synthesised as random token ids of the given length and outputs are forced with
-``ignore_eos`` + ``max_tokens``.
+Shipped traces (in ``workload/data``):
+
+* The Azure LLM inference traces 2023 (``azure-llm-2023``, CC-BY 4.0; Patel et al., "Splitwise",
+  ISCA 2024): prompt and output lengths and arrival times only (:func:`load_azure`).
+* The Mooncake FAST'25 conversation trace (``mooncake-fast25``, Apache-2.0; Qin et al., FAST 2025):
+  lengths, arrival times and the hash ids of the prompt's 512-token blocks, so prefix sharing can be
+  reproduced (:func:`load_mooncake`, :func:`synthesise_shared_prompts`).
+
+Prompts are synthesised as random token ids of the given length; a benchmark forces the outputs with
+``ignore_eos`` + ``max_tokens``. The serving benchmark and the simulator clip lengths with the same
+:func:`clip_specs`, so the same flags give both the same workload.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from importlib import resources
-from typing import Optional
+from typing import Optional, Sequence
 
 AZURE_FILES = {"azure-conv": "AzureLLMInferenceTrace_conv.csv", "azure-code": "AzureLLMInferenceTrace_code.csv"}
+MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake trace
+SPECIAL_IDS = 256  # lowest token ids are left out of synthetic prompts (special tokens live there)
 
 
 @dataclass(frozen=True)
@@ -87,7 +97,7 @@ def random_lengths(num_prompts: int, input_len: int, output_len: int, range_rati
 
 
 def synthesise_prompts(specs: list[RequestSpec], vocab_size: int, seed: int = 0,
-                       special_ids: int = 256) -> list[RequestSpec]:
+                       special_ids: int = SPECIAL_IDS) -> list[RequestSpec]:
     """Fill each spec with random token ids, avoiding the lowest ``special_ids`` ids (special tokens).
 
     Raises:
@@ -99,3 +109,89 @@ def synthesise_prompts(specs: list[RequestSpec], vocab_size: int, seed: int = 0,
     return [RequestSpec(s.prompt_len, s.output_len, s.arrival,
                         tuple(rng.randrange(special_ids, vocab_size) for _ in range(s.prompt_len)))
             for s in specs]
+
+
+def clip_specs(specs: Sequence[RequestSpec], max_model_len: int, max_input_len: Optional[int] = None,
+               max_output_len: Optional[int] = None) -> list[RequestSpec]:
+    """Clip lengths: outputs to ``max_output_len``, prompts to ``max_input_len`` and then to the room left.
+
+    Every request keeps at least one prompt and one output token, and ``prompt + output <= max_model_len``.
+
+    Raises:
+        ValueError: if ``max_model_len < 2`` or a limit is below 1.
+    """
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    for name, v in (("max_input_len", max_input_len), ("max_output_len", max_output_len)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    out = []
+    for s in specs:
+        o = max(1, min(s.output_len, max_output_len or s.output_len, max_model_len - 1))
+        p = max(1, min(s.prompt_len, max_input_len or s.prompt_len, max_model_len - o))
+        ids = s.prompt_token_ids[:p] if s.prompt_token_ids is not None else None
+        out.append(RequestSpec(p, o, s.arrival, ids))
+    return out
+
+def load_mooncake(num_prompts: int, length_scale: float = 1.0, start: int = 0,
+                  path: Optional[str] = None) -> list[tuple[RequestSpec, tuple[int, ...]]]:
+    """Read the Mooncake conversation trace: ``(spec, hash_ids)`` per request, lengths scaled.
+
+    Args:
+        num_prompts: How many consecutive requests.
+        length_scale: Multiplies prompt and output lengths (each stays >= 1); the trace's mean prompt is
+            ~12k tokens, so small models and CPUs want e.g. ``0.05``.
+        start: Line to start at.
+        path: Another trace file of the same format (default: the shipped conversation trace).
+
+    Raises:
+        ValueError: for a non-positive scale or a trace shorter than asked.
+    """
+    if not length_scale > 0:
+        raise ValueError(f"length_scale must be > 0, got {length_scale}")
+    if path is None:
+        src = resources.files("goodserve.workload") / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
+        lines = src.read_text().splitlines()
+    else:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    lines = [ln for ln in lines if ln.strip()][start:start + num_prompts]
+    if len(lines) < num_prompts:
+        raise ValueError(f"mooncake trace has only {len(lines)} requests from line {start}, asked for {num_prompts}")
+    out = []
+    for line in lines:
+        row = json.loads(line)
+        spec = RequestSpec(max(1, round(row["input_length"] * length_scale)),
+                           max(1, round(row["output_length"] * length_scale)), row["timestamp"] / 1000.0)
+        out.append((spec, tuple(row.get("hash_ids", ()))))
+    return out
+
+def synthesise_shared_prompts(rows: Sequence[tuple[RequestSpec, tuple[int, ...]]], vocab_size: int,
+                              block_len: int, seed: int = 0) -> list[RequestSpec]:
+    """Random prompts where equal hash ids give equal ``block_len``-token blocks (prefix sharing kept).
+
+    Tokens past the hash blocks (a prompt longer than its blocks) are random and private to the request.
+
+    Raises:
+        ValueError: if the vocabulary has no ordinary ids or ``block_len < 1``.
+    """
+    if vocab_size <= SPECIAL_IDS:
+        raise ValueError(f"vocab_size {vocab_size} leaves no ids above the {SPECIAL_IDS} reserved ones")
+    if block_len < 1:
+        raise ValueError(f"block_len must be >= 1, got {block_len}")
+    blocks: dict[int, list[int]] = {}
+    rng = random.Random(seed)
+    out = []
+    for spec, hash_ids in rows:
+        ids: list[int] = []
+        for h in hash_ids:
+            if len(ids) >= spec.prompt_len:
+                break
+            if h not in blocks:
+                brng = random.Random(f"{seed}-{h}")
+                blocks[h] = [brng.randrange(SPECIAL_IDS, vocab_size) for _ in range(block_len)]
+            ids.extend(blocks[h])
+        ids = ids[:spec.prompt_len]
+        ids.extend(rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(spec.prompt_len - len(ids)))
+        out.append(replace(spec, prompt_token_ids=tuple(ids)))
+    return out
