@@ -15,9 +15,9 @@ from goodserve.bench.datasets import BenchRequest, build_workload, load_jsonl, l
 from goodserve.workload import arrivals as A
 from goodserve.workload.datasets import (RequestSpec, clip_specs, load_azure, load_mooncake,
                                          synthesise_shared_prompts)
-from goodserve.workload.metrics import (RequestRecord, Stat, parse_slos, percentile, record_from_timeline,
-                                        summarize)
+from goodserve.workload.metrics import RequestRecord, Stat, percentile, record_from_timeline, summarize
 from goodserve.workload.report import RunResult, format_ratios, format_summary, format_sweep, max_rate_meeting
+from goodserve.workload.slo import parse_slos
 
 
 # ------------------------------------------------------------------------------------------------ metrics

@@ -25,8 +25,8 @@ from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_b
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
 from goodserve.workload.arrivals import poisson_arrivals
 from goodserve.workload.datasets import AZURE_FILES, clip_specs, load_azure, random_lengths
-from goodserve.workload.metrics import parse_slos
 from goodserve.workload.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
+from goodserve.workload.slo import parse_slos
 
 logger = logging.getLogger(__name__)
 
