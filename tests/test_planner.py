@@ -74,7 +74,7 @@ def test_param_counts():
 
 def test_pool_maths_exact():
     w = 2 * toy_params()  # 173,696 bytes
-    m = plan_memory(TOY, TOY_GPU, "bf16", tp=1, context=100, gpu_memory_utilization=0.5,
+    m = plan_memory(TOY, TOY_GPU, "bfloat16", tp=1, context=100, gpu_memory_utilization=0.5,
                     activation_reserve_bytes=10_000, block_size=16)
     kv_token = 2 * 2 * 2 * 16 * 2  # 256
     pool = 500_000 - w - 10_000
@@ -101,7 +101,7 @@ def test_llama3_8b_on_h100_plan():
 
 
 def test_roofline_memory_bound_at_batch_1_exact():
-    p = decode_step(TOY, TOY_GPU, batch=1, context=64, dtype="bf16")
+    p = decode_step(TOY, TOY_GPU, batch=1, context=64, dtype="bfloat16")
     expected_bytes = 2 * toy_params() + 64 * 256
     assert p.bytes == expected_bytes
     assert p.bound == "memory"
@@ -173,7 +173,7 @@ def test_load_from_hf_config(tmp_path):
 
 def test_all_hardware_valid():
     for hw in HARDWARE.values():
-        assert hw.peak_flops("fp8") >= hw.peak_flops("bf16") > hw.peak_flops("fp32")
+        assert hw.peak_flops("float8") >= hw.peak_flops("bfloat16") > hw.peak_flops("float32")
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -187,6 +187,14 @@ def test_cli_report(capsys):
     out = capsys.readouterr().out
     assert "131,072" in out and "max concurrency" in out and "51 requests" in out
     assert "largest batch within TPOT" in out
+
+
+def test_cli_dtype_takes_the_engines_spelling_and_the_short_aliases():
+    assert _parse("--model", "Llama-3-8B").dtype == "bfloat16"
+    assert [_parse("--model", "Llama-3-8B", "--dtype", d).dtype for d in ("bf16", "fp8", "fp32", "float8")] == \
+        ["bfloat16", "float8", "float32", "float8"]
+    with pytest.raises(SystemExit):
+        _parse("--model", "Llama-3-8B", "--dtype", "int3")
 
 
 def test_cli_error_exit_code(capsys):

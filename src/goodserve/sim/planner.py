@@ -23,15 +23,26 @@ from typing import Optional
 from goodserve.sim.hardware import GIB, HardwareSpec
 from goodserve.sim.presets import ArchSpec
 
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp8": 1, "fp32": 4}
+#: Bytes per element of each dtype the planner models, named as the engine's ``--dtype`` names them.
+DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float8": 1, "float32": 4}
+#: Short spellings the ``plan`` and ``simulate`` command lines still accept (see :func:`parse_dtype`).
+DTYPE_ALIASES: dict[str, str] = {"bf16": "bfloat16", "fp8": "float8", "fp32": "float32"}
 
 # Memory held back from the KV pool for activations, the sampler and CUDA graphs, per GPU (bytes).
 DEFAULT_ACTIVATION_RESERVE_BYTES = 1 * GIB
 DEFAULT_BLOCK_SIZE = 16
 
 
+def parse_dtype(text: str) -> str:
+    """A ``--dtype`` value in the engine's spelling: a short alias (``"bf16"``) becomes ``"bfloat16"``.
+
+    Anything else passes through unchanged, for argparse's ``choices`` to accept or refuse.
+    """
+    return DTYPE_ALIASES.get(text, text)
+
+
 def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of ``"bf16"``, ``"fp8"`` or ``"fp32"``.
+    """Bytes per element of ``"bfloat16"``, ``"float8"`` or ``"float32"``.
 
     Raises:
         ValueError: Unknown dtype.
@@ -142,7 +153,7 @@ def kv_bytes_per_token(arch: ArchSpec, dtype_nbytes: int, tp: int = 1) -> int:
         tp: Tensor-parallel degree.
 
     Returns:
-        Bytes per token per GPU. Llama-3-8B in bf16: 131,072; DeepSeek-V2 in bf16: 69,120.
+        Bytes per token per GPU. Llama-3-8B in bfloat16: 131,072; DeepSeek-V2 in bfloat16: 69,120.
     """
     if arch.is_mla:
         return (arch.kv_lora_rank + arch.qk_rope_head_dim) * arch.num_hidden_layers * dtype_nbytes
@@ -203,7 +214,7 @@ def suggest_tp(weights: int, usable_minus_reserve: int, max_tp: int = 64) -> Opt
 def plan_memory(
     arch: ArchSpec,
     hw: HardwareSpec,
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     tp: int = 1,
     context: int = 4096,
     gpu_memory_utilization: float = 0.9,
@@ -219,7 +230,7 @@ def plan_memory(
     Args:
         arch: The model.
         hw: The accelerator.
-        dtype: Weights and KV dtype, ``"bf16"``/``"fp8"``/``"fp32"``.
+        dtype: Weights and KV dtype, ``"bfloat16"``/``"float8"``/``"float32"``.
         tp: Tensor-parallel degree; weights and KV heads are split across ``tp`` GPUs.
         context: Tokens (prompt + output) per request.
         gpu_memory_utilization: Share of device memory goodserve may use, in (0, 1].
@@ -347,7 +358,7 @@ def decode_bytes(arch: ArchSpec, batch: int, context: int, dtype_nbytes: int, tp
 
 
 def decode_step(
-    arch: ArchSpec, hw: HardwareSpec, batch: int, context: int, dtype: str = "bf16", tp: int = 1
+    arch: ArchSpec, hw: HardwareSpec, batch: int, context: int, dtype: str = "bfloat16", tp: int = 1
 ) -> RooflinePoint:
     """Roofline time of one decode step: ``max(FLOPs / peak, bytes / bandwidth) + overhead``.
 
@@ -375,7 +386,7 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 def decode_roofline(
-    arch: ArchSpec, hw: HardwareSpec, context: int, max_batch: int, dtype: str = "bf16", tp: int = 1,
+    arch: ArchSpec, hw: HardwareSpec, context: int, max_batch: int, dtype: str = "bfloat16", tp: int = 1,
     batches: Optional[list[int]] = None,
 ) -> list[RooflinePoint]:
     """Decode step time for each batch size in ``batches`` (default :func:`batch_sizes` of ``max_batch``)."""
@@ -384,7 +395,7 @@ def decode_roofline(
 
 def max_batch_for_tpot(
     arch: ArchSpec, hw: HardwareSpec, context: int, tpot_budget_s: float, max_batch: int,
-    dtype: str = "bf16", tp: int = 1,
+    dtype: str = "bfloat16", tp: int = 1,
 ) -> int:
     """Largest batch ``<= max_batch`` whose decode TPOT stays within ``tpot_budget_s`` seconds.
 
@@ -446,7 +457,7 @@ class PlanReport:
 def make_plan(
     arch: ArchSpec,
     hw: HardwareSpec,
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     tp: int = 1,
     context: int = 4096,
     gpu_memory_utilization: float = 0.9,

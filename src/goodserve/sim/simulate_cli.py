@@ -19,7 +19,7 @@ from typing import Any, Optional, TextIO
 from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
-from goodserve.sim.planner import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, plan_memory
+from goodserve.sim.planner import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, parse_dtype, plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
@@ -43,7 +43,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "fitted) cost model times it. Prints the serving benchmark's metrics.")
     p.add_argument("--model", required=True, help=f"preset ({presets}), a config.json, or a HF model directory")
     p.add_argument("--hardware", default="h100", choices=list(HARDWARE), help="accelerator (default: h100)")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES), help="weights/KV dtype (default: bf16)")
+    p.add_argument("--dtype", default="bfloat16", type=parse_dtype, choices=list(DTYPE_BYTES),
+                   help="weights/KV dtype (default: bfloat16; bf16, fp8, fp32 also accepted)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance (default: 1)")
     p.add_argument("--cost-model", default=None,
                    help="JSON from `goodserve profile`: fitted step times instead of the roofline")
