@@ -171,6 +171,22 @@ def test_load_from_hf_config(tmp_path):
         assert kv_bytes_per_token(arch, 2) == 57_344
 
 
+def test_presets_parse_config_json_with_the_loaders_parser():
+    """One HF config.json parser (ModelConfig.from_hf_config): the planner gets the loader's defaults."""
+    from goodserve.config import ModelConfig
+    from goodserve.sim.presets import arch_from_hf_config
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
+    arch, model = arch_from_hf_config(cfg, "toy"), ModelConfig.from_hf_config(cfg)
+    assert (arch.head_dim, arch.num_key_value_heads, arch.max_position_embeddings) == (16, 4, 2048)
+    assert arch.attention_bias and model.architecture == "qwen2"  # model_type from the class name
+    assert arch.to_model_config().kv_bytes_per_token(2) == model.kv_bytes_per_token(2)
+    del cfg["intermediate_size"]
+    with pytest.raises(ValueError, match="toy: config.json lacks 'intermediate_size'"):
+        arch_from_hf_config(cfg, "toy")
+
+
 def test_all_hardware_valid():
     for hw in HARDWARE.values():
         assert hw.peak_flops("float8") >= hw.peak_flops("bfloat16") > hw.peak_flops("float32")

@@ -37,7 +37,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from goodserve.config import ModelConfig
+from goodserve.config import ModelConfig, hf_model_type, token_id_list, unique_ids
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +45,6 @@ logger = logging.getLogger(__name__)
 SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 #: GGUF ``general.architecture`` values we can run.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
-
-_HF_CLASS_TO_TYPE = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 
 # GGUF tensor name (the part after ``blk.N.``) -> HF name (the part after ``model.layers.N.``).
 _GGUF_LAYER_NAMES = {
@@ -145,53 +139,10 @@ def _is_gguf_file(path: str) -> bool:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _eos_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _dedup(ids: list[int]) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(ids))
-
-
-def _hf_model_type(cfg: dict[str, Any]) -> str:
-    model_type = cfg.get("model_type")
-    if model_type is None:
-        for cls in cfg.get("architectures") or []:
-            if cls in _HF_CLASS_TO_TYPE:
-                model_type = _HF_CLASS_TO_TYPE[cls]
-                break
-    if model_type not in SUPPORTED_HF_ARCHITECTURES:
-        named = model_type or cfg.get("architectures")
-        raise ValueError(
-            f"unsupported architecture {named!r}; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
-        )
-    return model_type
-
-
-def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    """RoPE base and scaling dict from either the transformers-4 or the transformers-5 config layout."""
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
-    theta = cfg.get("rope_theta")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        if scaling is None:
-            scaling = params
-    if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-        if "rope_type" not in scaling and "type" in scaling:
-            scaling["rope_type"] = scaling["type"]
-        if scaling.get("rope_type", "default") == "default":
-            scaling = None
-    return float(theta if theta is not None else 10000.0), scaling
-
-
 def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> ModelConfig:
-    """Build a :class:`ModelConfig` from a parsed HF ``config.json``.
+    """Build the :class:`ModelConfig` of a model the engine can run from a parsed HF ``config.json``.
+
+    Parsing is :meth:`ModelConfig.from_hf_config`'s; this adds what the engine supports.
 
     Args:
         cfg: The ``config.json`` contents.
@@ -201,40 +152,19 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
         The model config.
 
     Raises:
-        ValueError: On an unsupported architecture or feature (MLP bias).
+        ValueError: On an unsupported architecture or feature (MLP bias), or a missing required key.
     """
-    model_type = _hf_model_type(cfg)
+    model_type = hf_model_type(cfg)
+    if model_type not in SUPPORTED_HF_ARCHITECTURES:
+        named = model_type or cfg.get("architectures")
+        raise ValueError(
+            f"unsupported architecture {named!r}; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+        )
     if cfg.get("mlp_bias"):
         raise ValueError("MLP biases (mlp_bias=true) are not supported")
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or hidden // heads
-    theta, scaling = _hf_rope(cfg)
     if model_type == "mistral" and cfg.get("sliding_window"):
         logger.warning("sliding_window=%s is ignored: full attention is used", cfg["sliding_window"])
-    eos = _eos_list(cfg.get("eos_token_id"))
-    if generation_cfg:
-        eos += _eos_list(generation_cfg.get("eos_token_id"))
-    bos = cfg.get("bos_token_id")
-    return ModelConfig(
-        architecture=model_type,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        # Qwen2 always has q/k/v biases; Llama/Mistral only when attention_bias is set.
-        attention_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=_dedup(eos),
-    )
+    return ModelConfig.from_hf_config(cfg, generation_cfg)
 
 
 def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
@@ -275,7 +205,7 @@ def _load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
 
 
 def _replace_eos(config: ModelConfig, eos: list[int]) -> ModelConfig:
-    return dataclasses.replace(config, eos_token_ids=_dedup(eos))
+    return dataclasses.replace(config, eos_token_ids=unique_ids(eos))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -337,9 +267,9 @@ def _gguf_config(reader: Any, n_tokens: int) -> ModelConfig:
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
 
-    eos = _eos_list(_field(reader, "tokenizer.ggml.eos_token_id"))
-    eos += _eos_list(_field(reader, "tokenizer.ggml.eot_token_id"))
-    eos += _eos_list(_field(reader, "tokenizer.ggml.eom_token_id"))
+    eos = token_id_list(_field(reader, "tokenizer.ggml.eos_token_id"))
+    eos += token_id_list(_field(reader, "tokenizer.ggml.eot_token_id"))
+    eos += token_id_list(_field(reader, "tokenizer.ggml.eom_token_id"))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return ModelConfig(
@@ -358,7 +288,7 @@ def _gguf_config(reader: Any, n_tokens: int) -> ModelConfig:
         attention_bias=arch == "qwen2",
         tie_word_embeddings=tied,
         bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=_dedup(eos),
+        eos_token_ids=unique_ids(eos),
     )
 
 
@@ -441,7 +371,7 @@ def _load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
     eos = list(config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.append(int(tokenizer.eos_token_id))
-    config = dataclasses.replace(config, vocab_size=embed_rows, eos_token_ids=_dedup(eos))
+    config = dataclasses.replace(config, vocab_size=embed_rows, eos_token_ids=unique_ids(eos))
     if chat_template is None:
         chat_template = getattr(tokenizer, "chat_template", None)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, chat_template=chat_template)
