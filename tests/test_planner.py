@@ -10,18 +10,10 @@ import pytest
 
 from goodserve.sim.hardware import GIB, HARDWARE, HardwareSpec, get_hardware
 from goodserve.sim.plan_cli import add_plan_parser, run_plan
-from goodserve.sim.planner import (
-    decode_bytes,
-    decode_flops,
-    decode_step,
-    kv_bytes_per_token,
-    make_plan,
-    max_batch_for_tpot,
-    param_count,
-    plan_memory,
-    weights_bytes,
-)
+from goodserve.sim.model_size import kv_bytes_per_token, param_count, weights_bytes
+from goodserve.sim.planner import make_plan, plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
+from goodserve.sim.roofline import decode_bytes, decode_flops, decode_step, max_batch_for_tpot
 
 # A toy dense model with round numbers: 2 layers, H=64, 4 heads, 2 KV heads of 16, MLP 128, vocab 100.
 TOY = ArchSpec("toy", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -22,10 +22,10 @@ from goodserve.scheduler.scheduler import Scheduler
 from goodserve.sim import simulator as simulator_module
 from goodserve.sim.cost_model import ConstantCostModel, LinearCostModel, RooflineCostModel, StepShape
 from goodserve.sim.hardware import get_hardware
-from goodserve.sim.planner import decode_step
 from goodserve.sim.presets import load_arch
 from goodserve.sim.profile import fit_linear
 from goodserve.sim.replay import load_bench_runs
+from goodserve.sim.roofline import decode_step
 from goodserve.sim.simulate_cli import build_workload, parse_disaggregate, parse_rates
 from goodserve.sim.simulator import ClusterConfig, Disaggregation, SimRequest, Simulator
 

@@ -30,8 +30,9 @@ from typing import Protocol, Union
 
 from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.sim.hardware import HardwareSpec
-from goodserve.sim.planner import decode_bytes, dtype_bytes, kv_bytes_per_token, param_count
+from goodserve.sim.model_size import dtype_bytes, kv_bytes_per_token, param_count
 from goodserve.sim.presets import ArchSpec
+from goodserve.sim.roofline import decode_bytes
 
 
 class CostModel(Protocol):

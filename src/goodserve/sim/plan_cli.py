@@ -12,7 +12,8 @@ import sys
 from typing import Any, Optional, TextIO
 
 from goodserve.sim.hardware import GIB, HARDWARE, get_hardware
-from goodserve.sim.planner import DTYPE_BYTES, PlanReport, make_plan, parse_dtype
+from goodserve.sim.model_size import DTYPE_BYTES, parse_dtype
+from goodserve.sim.planner import PlanReport, make_plan
 from goodserve.sim.presets import PRESETS, load_arch
 
 logger = logging.getLogger(__name__)

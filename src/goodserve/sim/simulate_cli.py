@@ -19,7 +19,8 @@ from typing import Any, Optional, TextIO
 from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
-from goodserve.sim.planner import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, parse_dtype, plan_memory
+from goodserve.sim.model_size import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, parse_dtype
+from goodserve.sim.planner import plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
