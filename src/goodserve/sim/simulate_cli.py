@@ -278,6 +278,14 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
     except ValueError as exc:
         print(f"goodserve simulate: error: {exc}", file=sys.stderr)
         return 2
+    _report(args, arch, results, comparisons, slos, out)
+    return 0
+
+
+def _report(args: argparse.Namespace, arch: ArchSpec, results: list[RunResult], comparisons: list[str],
+            slos: dict[str, float], out: TextIO) -> None:
+    """Print the runs (summary or sweep table, instance counters, goodput, replay comparisons) and write
+    the JSON result and plot the flags ask for."""
     hw = "fitted " + args.cost_model if args.cost_model else args.hardware
     title = f"{arch.name} on {hw} x{results[0].config['num_instances']}, {args.replay or args.dataset}"
     if len(results) == 1:
@@ -311,4 +319,3 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
     if args.plot:
         plot(args.plot, results, title)
         print(f"wrote {args.plot}", file=out)
-    return 0
