@@ -11,13 +11,13 @@ import math
 
 import pytest
 
-from goodserve.bench import arrivals as A
-from goodserve.bench.datasets import (BenchRequest, build_workload, clip_specs, load_jsonl, load_mooncake,
-                                      load_sharegpt, synthesise_shared_prompts)
-from goodserve.bench.metrics import (RequestRecord, Stat, parse_slos, percentile, record_from_timeline,
-                                     summarize)
-from goodserve.bench.report import RunResult, format_ratios, format_summary, format_sweep, max_rate_meeting
-from goodserve.bench.workloads import RequestSpec, load_azure
+from goodserve.bench.datasets import BenchRequest, build_workload, load_jsonl, load_sharegpt
+from goodserve.workload import arrivals as A
+from goodserve.workload.datasets import (RequestSpec, clip_specs, load_azure, load_mooncake,
+                                         synthesise_shared_prompts)
+from goodserve.workload.metrics import RequestRecord, Stat, percentile, record_from_timeline, summarize
+from goodserve.workload.report import RunResult, format_ratios, format_summary, format_sweep, max_rate_meeting
+from goodserve.workload.slo import parse_slos
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -86,7 +86,7 @@ def test_report_table_and_sweep():
 
 def test_plot_and_json(tmp_path):
     pytest.importorskip("matplotlib")
-    from goodserve.bench.report import plot, save_json
+    from goodserve.workload.report import plot, save_json
 
     recs = [record_from_timeline(0, [0.1 * (i + 1), 0.2 * (i + 1)], output_tokens=2) for i in range(6)]
     recs.append(RequestRecord(error="boom"))

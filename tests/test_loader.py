@@ -12,12 +12,8 @@ import pytest
 import torch
 
 from goodserve.config import ModelConfig
-from goodserve.models.loader import (
-    LoadedModel,
-    _unpermute_rotary_rows,
-    default_model_path,
-    load_model,
-)
+from goodserve.models.gguf_file import _unpermute_rotary_rows
+from goodserve.models.loader import LoadedModel, default_model_path, load_model
 from tiny_models import _llamacpp_permute, make_tiny_gguf, make_tiny_hf_model, tiny_hf_config
 
 

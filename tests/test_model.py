@@ -10,7 +10,7 @@ import transformers
 
 from goodserve.config import ModelConfig
 from goodserve.models.llama import LlamaForCausalLM, rope_inv_freq
-from goodserve.runner.attention import AttentionMetadata, TorchAttentionBackend
+from goodserve.models.attention import AttentionMetadata, TorchAttentionBackend
 
 BLOCK = 4
 
@@ -107,7 +107,7 @@ def test_unknown_rope_scaling_is_refused():
 
 def test_decode_groups_bound_padding():
     """Sorted decodes are cut where padding to the group's longest would exceed 25% of real blocks."""
-    from goodserve.runner.attention import group_decodes
+    from goodserve.models.attention import group_decodes
 
     assert group_decodes([1, 1, 1, 2, 2, 10, 10, 11]) == [(0, 3), (3, 5), (5, 8)]
     assert group_decodes([4, 4, 4]) == [(0, 3)]

@@ -10,18 +10,10 @@ import pytest
 
 from goodserve.sim.hardware import GIB, HARDWARE, HardwareSpec, get_hardware
 from goodserve.sim.plan_cli import add_plan_parser, run_plan
-from goodserve.sim.planner import (
-    decode_bytes,
-    decode_flops,
-    decode_step,
-    kv_bytes_per_token,
-    make_plan,
-    max_batch_for_tpot,
-    param_count,
-    plan_memory,
-    weights_bytes,
-)
+from goodserve.sim.model_size import kv_bytes_per_token, param_count, weights_bytes
+from goodserve.sim.planner import make_plan, plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
+from goodserve.sim.roofline import decode_bytes, decode_flops, decode_step, max_batch_for_tpot
 
 # A toy dense model with round numbers: 2 layers, H=64, 4 heads, 2 KV heads of 16, MLP 128, vocab 100.
 TOY = ArchSpec("toy", num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -74,7 +66,7 @@ def test_param_counts():
 
 def test_pool_maths_exact():
     w = 2 * toy_params()  # 173,696 bytes
-    m = plan_memory(TOY, TOY_GPU, "bf16", tp=1, context=100, gpu_memory_utilization=0.5,
+    m = plan_memory(TOY, TOY_GPU, "bfloat16", tp=1, context=100, gpu_memory_utilization=0.5,
                     activation_reserve_bytes=10_000, block_size=16)
     kv_token = 2 * 2 * 2 * 16 * 2  # 256
     pool = 500_000 - w - 10_000
@@ -101,7 +93,7 @@ def test_llama3_8b_on_h100_plan():
 
 
 def test_roofline_memory_bound_at_batch_1_exact():
-    p = decode_step(TOY, TOY_GPU, batch=1, context=64, dtype="bf16")
+    p = decode_step(TOY, TOY_GPU, batch=1, context=64, dtype="bfloat16")
     expected_bytes = 2 * toy_params() + 64 * 256
     assert p.bytes == expected_bytes
     assert p.bound == "memory"
@@ -171,9 +163,25 @@ def test_load_from_hf_config(tmp_path):
         assert kv_bytes_per_token(arch, 2) == 57_344
 
 
+def test_presets_parse_config_json_with_the_loaders_parser():
+    """One HF config.json parser (ModelConfig.from_hf_config): the planner gets the loader's defaults."""
+    from goodserve.config import ModelConfig
+    from goodserve.sim.presets import arch_from_hf_config
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
+    arch, model = arch_from_hf_config(cfg, "toy"), ModelConfig.from_hf_config(cfg)
+    assert (arch.head_dim, arch.num_key_value_heads, arch.max_position_embeddings) == (16, 4, 2048)
+    assert arch.attention_bias and model.architecture == "qwen2"  # model_type from the class name
+    assert arch.to_model_config().kv_bytes_per_token(2) == model.kv_bytes_per_token(2)
+    del cfg["intermediate_size"]
+    with pytest.raises(ValueError, match="toy: config.json lacks 'intermediate_size'"):
+        arch_from_hf_config(cfg, "toy")
+
+
 def test_all_hardware_valid():
     for hw in HARDWARE.values():
-        assert hw.peak_flops("fp8") >= hw.peak_flops("bf16") > hw.peak_flops("fp32")
+        assert hw.peak_flops("float8") >= hw.peak_flops("bfloat16") > hw.peak_flops("float32")
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -187,6 +195,14 @@ def test_cli_report(capsys):
     out = capsys.readouterr().out
     assert "131,072" in out and "max concurrency" in out and "51 requests" in out
     assert "largest batch within TPOT" in out
+
+
+def test_cli_dtype_takes_the_engines_spelling_and_the_short_aliases():
+    assert _parse("--model", "Llama-3-8B").dtype == "bfloat16"
+    assert [_parse("--model", "Llama-3-8B", "--dtype", d).dtype for d in ("bf16", "fp8", "fp32", "float8")] == \
+        ["bfloat16", "float8", "float32", "float8"]
+    with pytest.raises(SystemExit):
+        _parse("--model", "Llama-3-8B", "--dtype", "int3")
 
 
 def test_cli_error_exit_code(capsys):

@@ -20,10 +20,10 @@ from goodserve.scheduler.scheduler import Scheduler
 from goodserve.sim import simulator as simulator_module
 from goodserve.sim.cost_model import ConstantCostModel, LinearCostModel, RooflineCostModel, StepShape
 from goodserve.sim.hardware import get_hardware
-from goodserve.sim.planner import decode_step
 from goodserve.sim.presets import load_arch
 from goodserve.sim.profile import fit_linear
 from goodserve.sim.replay import load_bench_runs
+from goodserve.sim.roofline import decode_step
 from goodserve.sim.simulate_cli import build_workload, parse_disaggregate, parse_rates
 from goodserve.sim.simulator import ClusterConfig, Disaggregation, SimRequest, Simulator
 
@@ -266,7 +266,7 @@ def test_profile_fits_a_servers_step_trace(tmp_path, capsys):
 def test_simulate_clips_lengths_and_draws_arrivals_as_the_benchmark_does():
     """The same flags give ``goodserve bench serve`` and ``goodserve simulate`` the same workload."""
     from goodserve.bench import datasets
-    from goodserve.bench.arrivals import gamma_arrivals
+    from goodserve.workload.arrivals import gamma_arrivals
 
     args = build_parser().parse_args(["simulate", "--model", "SmolLM2-135M", "--dataset", "azure-conv",
                                       "--num-prompts", "30", "--max-input-len", "512", "--max-output-len", "128",
@@ -282,8 +282,8 @@ def test_simulate_clips_lengths_and_draws_arrivals_as_the_benchmark_does():
 def test_replay_simulates_the_measured_requests_and_reports_errors(tmp_path, capsys):
     """Two measured requests (sent at 0 and 0.5 s, 4 prompt and 3 output tokens) replayed with 100 ms steps:
     simulated TTFT 100 ms and TPOT 100 ms exactly, against measured 125 ms and 80 ms."""
-    from goodserve.bench.metrics import RequestRecord, summarize
-    from goodserve.bench.report import RunResult, save_json
+    from goodserve.workload.metrics import RequestRecord, summarize
+    from goodserve.workload.report import RunResult, save_json
 
     records = [RequestRecord(arrival=t, ttft=0.125, itls=[0.08, 0.08], e2e=0.285, prompt_tokens=4, output_tokens=3,
                              success=True, expected_output_tokens=3) for t in (0.0, 0.5)]
@@ -312,8 +312,8 @@ def test_replay_simulates_the_measured_requests_and_reports_errors(tmp_path, cap
 
 
 def test_replay_leaves_out_failed_requests_and_refuses_closed_loop_runs(tmp_path):
-    from goodserve.bench.metrics import RequestRecord, summarize
-    from goodserve.bench.report import RunResult, save_json
+    from goodserve.workload.metrics import RequestRecord, summarize
+    from goodserve.workload.report import RunResult, save_json
 
     ok = RequestRecord(arrival=0.0, ttft=0.1, itls=[0.1], e2e=0.2, prompt_tokens=4, output_tokens=2, success=True,
                        expected_output_tokens=2)

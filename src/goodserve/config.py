@@ -1,9 +1,10 @@
 """Frozen configuration dataclasses for the engine.
 
 Every config is immutable once built: a component receives the config it needs as an argument and never
-reads global state. ``ModelConfig`` describes the architecture (read from a HF ``config.json`` or from
+reads global state. ``ModelConfig`` describes the architecture (read from a HF ``config.json`` by
+:meth:`ModelConfig.from_hf_config`, the one parser the loader and the simulator's presets share, or from
 GGUF metadata by :mod:`goodserve.models.loader`); ``CacheConfig`` sizes the paged KV pool;
-``SchedulerConfig`` sets the per-step limits; ``EngineConfig`` groups them.
+``SchedulerConfig`` sets the per-step limits; ``EngineConfig`` groups them. No torch here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # policy, never preempts); "prefill-first" is unchunked continuous batching that runs admitted prompts
 # before decodes (vLLM v0). Every mode runs over the paged KV cache.
 SCHEDULING_MODES = ("chunked", "static", "reserve", "prefill-first")
+
+#: HF ``architectures`` class names -> ``model_type``, for a ``config.json`` that names only the class.
+HF_CLASS_TO_MODEL_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+#: Keys of a HF ``config.json`` that :meth:`ModelConfig.from_hf_config` cannot do without.
+HF_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,101 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes one token occupies: ``2 · L · n_kv · d_head · b_dtype`` (PagedAttention, §3)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> "ModelConfig":
+        """Read a parsed HF ``config.json`` (transformers 4 or 5 layout).
+
+        This parses only; whether the engine can run the architecture is the loader's question, so the
+        simulator can read any decoder's shapes here too. Defaults for keys a config may leave out:
+        ``num_key_value_heads = num_attention_heads``, ``head_dim = hidden_size // num_attention_heads``,
+        ``max_position_embeddings = 2048`` and ``rms_norm_eps = 1e-6`` (transformers' ``LlamaConfig``
+        defaults), ``rope_theta = 10000`` without scaling, untied embeddings. ``attention_bias`` is always
+        on for a Qwen2-family ``model_type`` (their q/k/v projections always carry a bias), else the
+        config's ``attention_bias`` (default off).
+
+        Args:
+            cfg: The ``config.json`` contents.
+            generation_cfg: The ``generation_config.json`` contents, if any; its EOS ids are merged in.
+
+        Returns:
+            The model config; ``architecture`` is the ``model_type`` (from the class name in
+            ``architectures`` when the key is absent; ``""`` when neither says).
+
+        Raises:
+            ValueError: If a key of :data:`HF_REQUIRED_KEYS` is missing.
+        """
+        missing = [key for key in HF_REQUIRED_KEYS if key not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {missing[0]!r}")
+        model_type = hf_model_type(cfg) or ""
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        theta, scaling = _hf_rope(cfg)
+        eos = token_id_list(cfg.get("eos_token_id"))
+        if generation_cfg:
+            eos += token_id_list(generation_cfg.get("eos_token_id"))
+        bos = cfg.get("bos_token_id")
+        return cls(
+            architecture=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            attention_bias=model_type.startswith("qwen2") or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=unique_ids(eos),
+        )
+
+
+def hf_model_type(cfg: dict[str, Any]) -> Optional[str]:
+    """A HF config's ``model_type``, or the one its ``architectures`` class names imply, or ``None``."""
+    model_type = cfg.get("model_type")
+    if model_type is None:
+        for class_name in cfg.get("architectures") or []:
+            if class_name in HF_CLASS_TO_MODEL_TYPE:
+                return HF_CLASS_TO_MODEL_TYPE[class_name]
+    return model_type
+
+
+def token_id_list(value: Any) -> list[int]:
+    """A config's token id field (absent, one id, or a list of ids) as a list of ints."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def unique_ids(ids: list[int]) -> tuple[int, ...]:
+    """``ids`` without repeats, first occurrences in order."""
+    return tuple(dict.fromkeys(ids))
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """RoPE base and scaling dict from either the transformers-4 or the transformers-5 config layout."""
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if scaling is None:
+            scaling = params
+    if scaling is not None:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if "rope_type" not in scaling and "type" in scaling:
+            scaling["rope_type"] = scaling["type"]
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
 
 
 @dataclass(frozen=True)

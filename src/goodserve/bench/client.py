@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import httpx
 
 from goodserve.bench.datasets import BenchRequest
-from goodserve.bench.metrics import RequestRecord
+from goodserve.workload.metrics import RequestRecord
 
 TIMEOUT_S = 6 * 3600.0
 

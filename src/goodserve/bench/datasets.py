@@ -1,11 +1,14 @@
 """Serving-benchmark workloads: which prompts to send, how long each output must be, and (for traces) when.
 
+The length-only datasets come from :mod:`goodserve.workload.datasets` (shared with the simulator); this
+module adds the text datasets, which need a tokenizer, and builds the benchmark's request list.
+
 Datasets:
 
-* ``random`` — uniform lengths around ``--input-len`` / ``--output-len`` (``workloads.random_lengths``).
+* ``random`` — uniform lengths around ``--input-len`` / ``--output-len`` (``datasets.random_lengths``).
 * ``azure-conv``, ``azure-code`` — the Azure LLM inference traces 2023 shipped with the package
-  (``workloads.load_azure``; CC-BY 4.0, Patel et al., "Splitwise", ISCA 2024).
-* ``mooncake`` — the Mooncake FAST'25 conversation trace shipped in ``bench/data/mooncake-fast25``
+  (``datasets.load_azure``; CC-BY 4.0, Patel et al., "Splitwise", ISCA 2024).
+* ``mooncake`` — the Mooncake FAST'25 conversation trace shipped in ``workload/data/mooncake-fast25``
   (Apache-2.0; Qin et al., FAST 2025). Lengths are multiplied by ``length_scale`` and clipped to the
   context; prompts reproduce the trace's prefix sharing (the same hash id gives the same token block).
 * ``sharegpt-file`` — a ShareGPT JSON file: the first human turn is the prompt, the first gpt turn's token
@@ -21,15 +24,14 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, replace
-from importlib import resources
-from typing import Any, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
-from goodserve.bench.workloads import AZURE_FILES, RequestSpec, load_azure, random_lengths, synthesise_prompts
+from goodserve.workload.datasets import (AZURE_FILES, MOONCAKE_BLOCK, SPECIAL_IDS, clip_specs, load_azure,
+                                        load_mooncake, random_lengths, synthesise_prompts,
+                                        synthesise_shared_prompts)
 
 DATASETS = ("random", *sorted(AZURE_FILES), "mooncake", "sharegpt-file", "jsonl")
-MOONCAKE_BLOCK = 512  # tokens per hash id in the Mooncake trace
-SPECIAL_IDS = 256  # lowest token ids are left out of synthetic prompts (special tokens live there)
 
 
 @dataclass(frozen=True)
@@ -47,94 +49,6 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     arrival: float = 0.0
-
-
-def clip_specs(specs: Sequence[RequestSpec], max_model_len: int, max_input_len: Optional[int] = None,
-               max_output_len: Optional[int] = None) -> list[RequestSpec]:
-    """Clip lengths: outputs to ``max_output_len``, prompts to ``max_input_len`` and then to the room left.
-
-    Every request keeps at least one prompt and one output token, and ``prompt + output <= max_model_len``.
-
-    Raises:
-        ValueError: if ``max_model_len < 2`` or a limit is below 1.
-    """
-    if max_model_len < 2:
-        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-    for name, v in (("max_input_len", max_input_len), ("max_output_len", max_output_len)):
-        if v is not None and v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    out = []
-    for s in specs:
-        o = max(1, min(s.output_len, max_output_len or s.output_len, max_model_len - 1))
-        p = max(1, min(s.prompt_len, max_input_len or s.prompt_len, max_model_len - o))
-        ids = s.prompt_token_ids[:p] if s.prompt_token_ids is not None else None
-        out.append(RequestSpec(p, o, s.arrival, ids))
-    return out
-
-
-def load_mooncake(num_prompts: int, length_scale: float = 1.0, start: int = 0,
-                  path: Optional[str] = None) -> list[tuple[RequestSpec, tuple[int, ...]]]:
-    """Read the Mooncake conversation trace: ``(spec, hash_ids)`` per request, lengths scaled.
-
-    Args:
-        num_prompts: How many consecutive requests.
-        length_scale: Multiplies prompt and output lengths (each stays >= 1); the trace's mean prompt is
-            ~12k tokens, so small models and CPUs want e.g. ``0.05``.
-        start: Line to start at.
-        path: Another trace file of the same format (default: the shipped conversation trace).
-
-    Raises:
-        ValueError: for a non-positive scale or a trace shorter than asked.
-    """
-    if not length_scale > 0:
-        raise ValueError(f"length_scale must be > 0, got {length_scale}")
-    if path is None:
-        src = resources.files("goodserve.bench") / "data" / "mooncake-fast25" / "conversation_trace.jsonl"
-        lines = src.read_text().splitlines()
-    else:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    lines = [ln for ln in lines if ln.strip()][start:start + num_prompts]
-    if len(lines) < num_prompts:
-        raise ValueError(f"mooncake trace has only {len(lines)} requests from line {start}, asked for {num_prompts}")
-    out = []
-    for line in lines:
-        row = json.loads(line)
-        spec = RequestSpec(max(1, round(row["input_length"] * length_scale)),
-                           max(1, round(row["output_length"] * length_scale)), row["timestamp"] / 1000.0)
-        out.append((spec, tuple(row.get("hash_ids", ()))))
-    return out
-
-
-def synthesise_shared_prompts(rows: Sequence[tuple[RequestSpec, tuple[int, ...]]], vocab_size: int,
-                              block_len: int, seed: int = 0) -> list[RequestSpec]:
-    """Random prompts where equal hash ids give equal ``block_len``-token blocks (prefix sharing kept).
-
-    Tokens past the hash blocks (a prompt longer than its blocks) are random and private to the request.
-
-    Raises:
-        ValueError: if the vocabulary has no ordinary ids or ``block_len < 1``.
-    """
-    if vocab_size <= SPECIAL_IDS:
-        raise ValueError(f"vocab_size {vocab_size} leaves no ids above the {SPECIAL_IDS} reserved ones")
-    if block_len < 1:
-        raise ValueError(f"block_len must be >= 1, got {block_len}")
-    blocks: dict[int, list[int]] = {}
-    rng = random.Random(seed)
-    out = []
-    for spec, hash_ids in rows:
-        ids: list[int] = []
-        for h in hash_ids:
-            if len(ids) >= spec.prompt_len:
-                break
-            if h not in blocks:
-                brng = random.Random(f"{seed}-{h}")
-                blocks[h] = [brng.randrange(SPECIAL_IDS, vocab_size) for _ in range(block_len)]
-            ids.extend(blocks[h])
-        ids = ids[:spec.prompt_len]
-        ids.extend(rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(spec.prompt_len - len(ids)))
-        out.append(replace(spec, prompt_token_ids=tuple(ids)))
-    return out
 
 
 def load_sharegpt(path: str, num_prompts: int, tokenizer: Any, max_model_len: int,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from goodserve.bench.workloads import RequestSpec
 from goodserve.models.loader import load_model
+from goodserve.workload.datasets import RequestSpec
 
 
 @dataclass

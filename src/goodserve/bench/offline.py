@@ -13,8 +13,8 @@ import logging
 import time
 from dataclasses import asdict
 
-from goodserve.bench.workloads import AZURE_FILES, load_azure, random_lengths, synthesise_prompts
 from goodserve.engine.args import EngineArgs
+from goodserve.workload.datasets import AZURE_FILES, load_azure, random_lengths, synthesise_prompts
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ workloads, all with synthetic token ids:
 - ``multi-turn``: C conversations of T turns; each turn resends the whole history (previous prompt, the
   model's reply, a new user message). Conversations run concurrently, turns of one conversation in order.
 - ``mooncake``: the sharing pattern of the Mooncake conversation trace (Qin et al., FAST 2025;
-  Apache-2.0, shipped in ``bench/data/mooncake-fast25``): each ``hash_id`` names a 512-token block, equal ids
+  Apache-2.0, shipped in ``workload/data/mooncake-fast25``): each ``hash_id`` names a 512-token block, equal ids
   mean equal content. Blocks are synthesised as ``--trace-block-tokens`` random ids seeded by the hash id
   (512 -> 32 tokens by default, the prompt length and output length scaled by the same factor), prompts are
   capped, and requests arrive at the trace's timestamps (times ``--trace-time-scale``).
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from goodserve.bench.datasets import load_mooncake
 from goodserve.engine.args import EngineArgs
+from goodserve.workload.datasets import load_mooncake
 
 logger = logging.getLogger(__name__)
 

@@ -26,12 +26,13 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from goodserve.bench import arrivals as A
 from goodserve.bench.client import Target, run_requests, server_info, server_tokenize, wait_ready
 from goodserve.bench.datasets import DATASETS, BenchRequest, build_workload
-from goodserve.bench.metrics import parse_slos, summarize
-from goodserve.bench.report import (RunResult, format_ratios, format_summary, format_sweep, plot, rate_str,
-                                    save_json)
+from goodserve.workload import arrivals as A
+from goodserve.workload.metrics import summarize
+from goodserve.workload.report import (RunResult, format_ratios, format_summary, format_sweep, plot, rate_str,
+                                       save_json)
+from goodserve.workload.slo import parse_slos
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.config import ModelConfig
-from goodserve.runner.attention import AttentionBackend, AttentionMetadata
+from goodserve.models.attention import AttentionBackend, AttentionMetadata
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

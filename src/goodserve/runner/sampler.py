@@ -17,220 +17,23 @@ a request's tokens depend on its own seed and prompt, never on its batch neighbo
 in the batch, and a preempted request that is recomputed samples the same tokens again. Unseeded
 rows share the engine-wide generator and draw their noise in one call.
 
-All the per-batch bookkeeping (which rows are greedy, which need penalties, sorting, logprobs) is
-done once in :meth:`SamplingMetadata.from_requests`, so that the common cases stay cheap: an
-all-greedy batch is one argmax; a batch without penalties, top-k, top-p or min-p skips that work.
+All the per-batch bookkeeping (which rows are greedy, which need penalties, logprobs) is done once in
+:meth:`SamplingMetadata.from_requests` (:mod:`goodserve.runner.sampling_metadata`, re-exported here
+with :class:`SamplingRow`), so that the common cases stay cheap: an all-greedy batch is one argmax; a
+batch without penalties, top-k, top-p or min-p skips that work.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from goodserve.sampling_params import SamplingParams
+from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
 
-_MASK64 = (1 << 64) - 1
-
-
-def _step_seed(seed: int, step: int) -> int:
-    """Mix a request seed and a step number into one 63-bit generator seed (SplitMix64 finaliser).
-
-    Args:
-        seed: The request's ``SamplingParams.seed`` (any Python int, negative allowed).
-        step: Number of tokens the request has generated so far.
-
-    Returns:
-        A seed in ``[0, 2**63)``, a pure function of ``(seed, step)``.
-    """
-    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
-
-
-@dataclass
-class SamplingRow:
-    """What the sampler needs to know about one sequence of the batch.
-
-    Attributes:
-        params: The request's sampling parameters.
-        prompt_token_ids: Prompt tokens (for the repetition penalty).
-        output_token_ids: Tokens generated so far (penalties, ``min_tokens``, seeded step number).
-        eos_token_ids: The model's end-of-sequence ids, blocked while below ``min_tokens``.
-    """
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class SamplingMetadata:
-    """Batch tensors and flags for one sampling step, built by :meth:`from_requests`.
-
-    Optional tensors are ``None`` when no row of the batch needs them, and the sampler then skips
-    that stage altogether.
-    """
-
-    num_seqs: int
-    vocab_size: int
-    # Flags for the fast paths.
-    all_greedy: bool
-    all_random: bool
-    no_penalties: bool
-    # [num_seqs] float32; 1.0 on greedy rows so that a division never meets a zero.
-    temperatures: torch.Tensor
-    # [num_seqs] bool; True where the row takes the argmax.
-    greedy_mask: torch.Tensor
-    # [num_random] int64; batch indices of the sampled (temperature > 0) rows, in batch order.
-    random_rows: torch.Tensor
-    # [num_seqs] int64; vocab_size where top-k is off. None when no sampled row uses top-k.
-    top_k: Optional[torch.Tensor]
-    # Largest top_k among rows that use it (0 when none); bounds the torch.topk call.
-    max_top_k: int
-    # [num_seqs] float32; 1.0 where off. None when no sampled row uses top-p.
-    top_p: Optional[torch.Tensor]
-    # [num_seqs] float32; 0.0 where off. None when no sampled row uses min-p.
-    min_p: Optional[torch.Tensor]
-    # [num_seqs] float32 each: the raw per-row penalties (1.0 / 0.0 / 0.0 when off).
-    repetition_penalties: torch.Tensor
-    presence_penalties: torch.Tensor
-    frequency_penalties: torch.Tensor
-    # Entries (row, token) to set to -inf for rows still below min_tokens: two [n] int64 tensors.
-    min_tokens_block: Optional[tuple[torch.Tensor, torch.Tensor]]
-    # Distinct (row, token) over prompt+output for rows with repetition_penalty != 1, and the
-    # penalty of each entry: [n] int64, [n] int64, [n] float32.
-    repetition_entries: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    # Distinct (row, token) over the output for rows with presence/frequency penalties, and the
-    # amount to subtract: presence + frequency * count. [n] int64, [n] int64, [n] float32.
-    additive_entries: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    # Sampled rows with a seed: (position within random_rows, generator seed for this step).
-    seeded: list[tuple[int, int]] = field(default_factory=list)
-    # [num_unseeded] int64; positions within random_rows that use the engine-wide generator.
-    unseeded: Optional[torch.Tensor] = None
-    # Requested top-logprob counts per row (0 where none), and whether to return logprobs at all.
-    num_logprobs: list[int] = field(default_factory=list)
-    need_logprobs: bool = False
-    max_num_logprobs: int = 0
-
-    @classmethod
-    def from_requests(cls, rows: list[SamplingRow], vocab_size: int,
-                      device: torch.device | str = "cpu") -> "SamplingMetadata":
-        """Precompute the batch tensors for one step.
-
-        Args:
-            rows: One entry per sequence, in batch (logits row) order.
-            vocab_size: ``V``, the width of the logits. Token ids ``>= V`` are ignored.
-            device: Device of the logits.
-
-        Returns:
-            The metadata for :class:`Sampler`.
-
-        Raises:
-            ValueError: If ``rows`` is empty.
-        """
-        if not rows:
-            raise ValueError("rows must not be empty")
-        device = torch.device(device)
-        n = len(rows)
-        V = vocab_size
-        params = [r.params for r in rows]
-
-        greedy = [p.greedy for p in params]
-        all_greedy = all(greedy)
-        all_random = not any(greedy)
-        temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
-        random_idx = [i for i, g in enumerate(greedy) if not g]
-
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        # Filters only matter on sampled rows.
-        ks = [V if g or p.top_k <= 0 else min(p.top_k, V) for g, p in zip(greedy, params)]
-        ps = [1.0 if g else float(p.top_p) for g, p in zip(greedy, params)]
-        mps = [0.0 if g else float(p.min_p) for g, p in zip(greedy, params)]
-        top_k = i64(ks) if any(k < V for k in ks) else None
-        top_p = f32(ps) if any(p < 1.0 for p in ps) else None
-        min_p = f32(mps) if any(m > 0.0 for m in mps) else None
-
-        # (1) min_tokens: block EOS and stop ids.
-        blk_rows: list[int] = []
-        blk_toks: list[int] = []
-        for i, (r, p) in enumerate(zip(rows, params)):
-            if len(r.output_token_ids) < p.min_tokens:
-                toks = {t for t in (*r.eos_token_ids, *p.stop_token_ids) if 0 <= t < V}
-                blk_rows.extend([i] * len(toks))
-                blk_toks.extend(toks)
-        min_tokens_block = (i64(blk_rows), i64(blk_toks)) if blk_rows else None
-
-        # (2) penalties, as sparse (row, token) entries; torch.unique does the de-duplication.
-        rep_keys: list[int] = []
-        add_keys: list[int] = []
-        for i, (r, p) in enumerate(zip(rows, params)):
-            base = i * V
-            if p.repetition_penalty != 1.0:
-                rep_keys.extend(base + t for t in r.prompt_token_ids if 0 <= t < V)
-                rep_keys.extend(base + t for t in r.output_token_ids if 0 <= t < V)
-            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                add_keys.extend(base + t for t in r.output_token_ids if 0 <= t < V)
-        rep_pen = f32([float(p.repetition_penalty) for p in params])
-        pres_pen = f32([float(p.presence_penalty) for p in params])
-        freq_pen = f32([float(p.frequency_penalty) for p in params])
-        repetition_entries = None
-        if rep_keys:
-            keys = torch.unique(i64(rep_keys))  # [n]
-            r_idx = keys // V
-            repetition_entries = (r_idx, keys % V, rep_pen[r_idx])
-        additive_entries = None
-        if add_keys:
-            keys, counts = torch.unique(i64(add_keys), return_counts=True)  # [n], [n]
-            r_idx = keys // V
-            amount = pres_pen[r_idx] + freq_pen[r_idx] * counts.to(torch.float32)
-            additive_entries = (r_idx, keys % V, amount)
-
-        # Generators: seeded sampled rows get their own per step; the rest share the engine's.
-        seeded: list[tuple[int, int]] = []
-        unseeded: list[int] = []
-        for pos, i in enumerate(random_idx):
-            seed = params[i].seed
-            if seed is None:
-                unseeded.append(pos)
-            else:
-                seeded.append((pos, _step_seed(seed, len(rows[i].output_token_ids))))
-
-        num_logprobs = [p.logprobs or 0 for p in params]
-        return cls(
-            num_seqs=n,
-            vocab_size=V,
-            all_greedy=all_greedy,
-            all_random=all_random,
-            no_penalties=repetition_entries is None and additive_entries is None,
-            temperatures=f32(temps),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
-            random_rows=i64(random_idx),
-            top_k=top_k,
-            max_top_k=max((k for k in ks if k < V), default=0),
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalties=rep_pen,
-            presence_penalties=pres_pen,
-            frequency_penalties=freq_pen,
-            min_tokens_block=min_tokens_block,
-            repetition_entries=repetition_entries,
-            additive_entries=additive_entries,
-            seeded=seeded,
-            unseeded=i64(unseeded) if unseeded else None,
-            num_logprobs=num_logprobs,
-            need_logprobs=any(p.logprobs is not None for p in params),
-            max_num_logprobs=max(num_logprobs),
-        )
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "apply_min_tokens", "apply_penalties"]
 
 
 @dataclass

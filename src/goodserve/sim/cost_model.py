@@ -30,8 +30,9 @@ from typing import Protocol, Union
 
 from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.sim.hardware import HardwareSpec
-from goodserve.sim.planner import decode_bytes, dtype_bytes, kv_bytes_per_token, param_count
+from goodserve.sim.model_size import dtype_bytes, kv_bytes_per_token, param_count
 from goodserve.sim.presets import ArchSpec
+from goodserve.sim.roofline import decode_bytes
 
 
 class CostModel(Protocol):
@@ -64,12 +65,12 @@ class RooflineCostModel:
     Args:
         arch: The model.
         hw: The accelerator.
-        dtype: Weights, KV and compute dtype (``"bf16"``, ``"fp8"``, ``"fp32"``).
+        dtype: Weights, KV and compute dtype (``"bfloat16"``, ``"float8"``, ``"float32"``).
         tp: Tensor-parallel degree (FLOPs and bytes are per GPU).
         overhead_s: Per-step overhead; ``None`` takes ``hw.step_overhead_s``.
     """
 
-    def __init__(self, arch: ArchSpec, hw: HardwareSpec, dtype: str = "bf16", tp: int = 1,
+    def __init__(self, arch: ArchSpec, hw: HardwareSpec, dtype: str = "bfloat16", tp: int = 1,
                  overhead_s: float | None = None) -> None:
         self.arch, self.hw, self.dtype, self.tp = arch, hw, dtype, tp
         self.overhead_s = hw.step_overhead_s if overhead_s is None else overhead_s

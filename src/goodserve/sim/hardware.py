@@ -52,7 +52,7 @@ class HardwareSpec:
         """Dense peak FLOP/s for a compute dtype.
 
         Args:
-            dtype: ``"bf16"``, ``"fp8"`` or ``"fp32"``.
+            dtype: ``"bfloat16"``, ``"float8"`` or ``"float32"`` (the engine's ``--dtype`` spelling).
 
         Returns:
             FLOP/s. FP32 GEMMs are assumed to run on TF32 tensor cores, which every GPU here rates at half
@@ -61,13 +61,13 @@ class HardwareSpec:
         Raises:
             ValueError: Unknown dtype.
         """
-        if dtype == "bf16":
+        if dtype == "bfloat16":
             return self.peak_flops_bf16
-        if dtype == "fp8":
+        if dtype == "float8":
             return self.peak_flops_fp8
-        if dtype == "fp32":
+        if dtype == "float32":
             return self.peak_flops_bf16 / 2
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of bf16, fp8, fp32")
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of bfloat16, float8, float32")
 
 
 HARDWARE: dict[str, HardwareSpec] = {

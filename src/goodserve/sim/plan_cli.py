@@ -12,7 +12,8 @@ import sys
 from typing import Any, Optional, TextIO
 
 from goodserve.sim.hardware import GIB, HARDWARE, get_hardware
-from goodserve.sim.planner import DTYPE_BYTES, PlanReport, make_plan
+from goodserve.sim.model_size import DTYPE_BYTES, parse_dtype
+from goodserve.sim.planner import PlanReport, make_plan
 from goodserve.sim.presets import PRESETS, load_arch
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help=f"preset ({presets}), a config.json, or a HF model directory")
     p.add_argument("--hardware", default="h100", choices=list(HARDWARE), help="accelerator (default: h100)")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES), help="weights and KV dtype (default: bf16)")
+    p.add_argument("--dtype", default="bfloat16", type=parse_dtype, choices=list(DTYPE_BYTES),
+                   help="weights and KV dtype (default: bfloat16; bf16, fp8, fp32 also accepted)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
     p.add_argument("--context", type=int, default=4096, help="tokens per request, prompt + output (default: 4096)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from goodserve.sim.hardware import GIB
-from goodserve.sim.planner import PlanReport, batch_sizes, decode_step
+from goodserve.sim.planner import PlanReport
+from goodserve.sim.roofline import batch_sizes, decode_step
 
 PathLike = Union[str, Path]
 

@@ -137,23 +137,18 @@ PRESETS: dict[str, ArchSpec] = {
 def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
     """Build an :class:`ArchSpec` from a parsed HF ``config.json``.
 
-    Understands Llama/Mistral/Qwen2/SmolLM-style configs, DeepSeek-V2/V3 (MLA, ``n_routed_experts``)
-    and Mixtral (``num_local_experts``, experts as wide as ``intermediate_size``).
+    The dense shapes come from :meth:`ModelConfig.from_hf_config`, the engine loader's parser, with its
+    defaults (e.g. ``max_position_embeddings`` 2048 when absent). On top, this reads DeepSeek-V2/V3 (MLA,
+    ``n_routed_experts``) and Mixtral (``num_local_experts``, experts as wide as ``intermediate_size``).
 
     Raises:
         ValueError: A required key is missing.
     """
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        layers = int(cfg["num_hidden_layers"])
-        vocab = int(cfg["vocab_size"])
-    except KeyError as exc:
-        raise ValueError(f"{name}: config.json lacks {exc.args[0]!r}") from None
-    model_type = str(cfg.get("model_type", ""))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    intermediate = int(cfg.get("intermediate_size") or 4 * hidden)
+        base = ModelConfig.from_hf_config(cfg)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    head_dim = base.head_dim
     mla: dict[str, Any] = {}
     if cfg.get("kv_lora_rank"):
         nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
@@ -168,14 +163,13 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
                    first_k_dense_layers=int(cfg.get("first_k_dense_replace") or 0))
     elif cfg.get("num_local_experts"):  # Mixtral style
         moe = dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                   moe_intermediate_size=intermediate)
+                   moe_intermediate_size=base.intermediate_size)
     return ArchSpec(
-        name=name, num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 8192),
-        **mla, **moe,
+        name=name, num_hidden_layers=base.num_hidden_layers, hidden_size=base.hidden_size,
+        num_attention_heads=base.num_attention_heads, num_key_value_heads=base.num_key_value_heads,
+        head_dim=head_dim, intermediate_size=base.intermediate_size, vocab_size=base.vocab_size,
+        tie_word_embeddings=base.tie_word_embeddings, attention_bias=base.attention_bias,
+        max_position_embeddings=base.max_position_embeddings, **mla, **moe,
     )
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-from goodserve.bench.report import rate_str
 from goodserve.sim.simulator import SimRequest
+from goodserve.workload.report import rate_str
 
 # (summary key, statistic): the figures compared, latencies first; the first four are the fidelity target.
 COMPARED = (("ttft", "median"), ("ttft", "p90"), ("tpot", "median"), ("tpot", "p90"), ("itl", "median"),

@@ -3,7 +3,7 @@
 ``goodserve profile`` (in :mod:`goodserve.sim.profile_cli`) measures this machine's step times and fits the
 cost model that ``simulate --hardware cpu-local --cost-model FILE`` uses.
 
-The output is the serving benchmark's (:mod:`goodserve.bench.report`): the same summary table, sweep table,
+The output is the serving benchmark's (:mod:`goodserve.workload.report`): the same summary table, sweep table,
 JSON result and plots, so a simulated run reads like a measured one.
 """
 
@@ -16,18 +16,18 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
-from goodserve.bench.arrivals import poisson_arrivals
-from goodserve.bench.datasets import clip_specs
-from goodserve.bench.metrics import parse_slos
-from goodserve.bench.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
-from goodserve.bench.workloads import AZURE_FILES, load_azure, random_lengths
 from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
-from goodserve.sim.planner import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, plan_memory
+from goodserve.sim.model_size import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, parse_dtype
+from goodserve.sim.planner import plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
+from goodserve.workload.arrivals import poisson_arrivals
+from goodserve.workload.datasets import AZURE_FILES, clip_specs, load_azure, random_lengths
+from goodserve.workload.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
+from goodserve.workload.slo import parse_slos
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "fitted) cost model times it. Prints the serving benchmark's metrics.")
     p.add_argument("--model", required=True, help=f"preset ({presets}), a config.json, or a HF model directory")
     p.add_argument("--hardware", default="h100", choices=list(HARDWARE), help="accelerator (default: h100)")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES), help="weights/KV dtype (default: bf16)")
+    p.add_argument("--dtype", default="bfloat16", type=parse_dtype, choices=list(DTYPE_BYTES),
+                   help="weights/KV dtype (default: bfloat16; bf16, fp8, fp32 also accepted)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance (default: 1)")
     p.add_argument("--cost-model", default=None,
                    help="JSON from `goodserve profile`: fitted step times instead of the roofline")
@@ -277,6 +278,14 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
     except ValueError as exc:
         print(f"goodserve simulate: error: {exc}", file=sys.stderr)
         return 2
+    _report(args, arch, results, comparisons, slos, out)
+    return 0
+
+
+def _report(args: argparse.Namespace, arch: ArchSpec, results: list[RunResult], comparisons: list[str],
+            slos: dict[str, float], out: TextIO) -> None:
+    """Print the runs (summary or sweep table, instance counters, goodput, replay comparisons) and write
+    the JSON result and plot the flags ask for."""
     hw = "fitted " + args.cost_model if args.cost_model else args.hardware
     title = f"{arch.name} on {hw} x{results[0].config['num_instances']}, {args.replay or args.dataset}"
     if len(results) == 1:
@@ -310,4 +319,3 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
     if args.plot:
         plot(args.plot, results, title)
         print(f"wrote {args.plot}", file=out)
-    return 0

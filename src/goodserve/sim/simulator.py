@@ -32,7 +32,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from goodserve.bench.metrics import RequestRecord, Summary, record_from_timeline, summarize
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
@@ -40,6 +39,7 @@ from goodserve.scheduler.output import SampledToken
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.sim.cost_model import CostModel
 from goodserve.sim.events import Event, KVTransferDone, RequestArrival, StepEnd
+from goodserve.workload.metrics import RequestRecord, Summary, record_from_timeline, summarize
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""Serving-benchmark output: the summary table, the JSON result and the PNG plots (matplotlib, Agg)."""
+"""A run's output, measured or simulated: the summary table, the JSON result and the PNG plots.
+
+Shared by ``goodserve bench`` and ``goodserve simulate``, so a simulated run reads like a measured one.
+matplotlib (Agg) is imported only by :func:`plot`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from goodserve.bench.metrics import RequestRecord, Summary
+from goodserve.workload.metrics import RequestRecord, Summary
 
 
 @dataclass

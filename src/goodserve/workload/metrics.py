@@ -14,7 +14,8 @@ Definitions (the papers' terms; all times in seconds):
   (``None``) for a single-token output.
 * **E2E** (end-to-end latency): from sending the request to its last byte.
 * **SLO attainment**: the fraction of *all* requests (failed ones count as misses) that succeeded and
-  met every given SLO (Zhong et al., "DistServe", OSDI 2024).
+  met every given SLO (Zhong et al., "DistServe", OSDI 2024), judged by
+  :func:`goodserve.workload.slo.meets_slo`.
 * **Goodput**: such requests per second of benchmark duration.
 """
 
@@ -24,8 +25,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
-#: SLO names accepted by ``summarize`` and ``parse_slos``; values are limits in seconds.
-SLO_METRICS = ("ttft", "tpot", "e2el")
+from goodserve.workload.slo import SLO_METRICS, meets_slo
 
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -66,19 +66,14 @@ class RequestRecord:
     def meets(self, slos: dict[str, float]) -> bool:
         """Whether this request succeeded and met every SLO in ``slos`` (name -> limit in seconds).
 
-        A TPOT SLO is met trivially by a single-token output (TPOT undefined).
+        The rules are :func:`~goodserve.workload.slo.meets_slo`'s (a TPOT SLO is met trivially by a
+        single-token output), after two of the record's own: a failed request misses, and so does a
+        record without any token under a TPOT SLO.
         """
-        if not self.success:
+        if not self.success or ("tpot" in slos and self.ttft is None):
             return False
-        for name, limit in slos.items():
-            value = {"ttft": self.ttft, "tpot": self.tpot, "e2el": self.e2e}[name]
-            if value is None:
-                if name == "tpot" and self.ttft is not None:
-                    continue
-                return False
-            if value > limit:
-                return False
-        return True
+        return meets_slo(self.ttft, self.tpot, slos.get("ttft"), slos.get("tpot"),
+                         e2e=self.e2e, slo_e2e=slos.get("e2el"))
 
     def to_dict(self) -> dict:
         """A JSON-ready dict, with the derived ``tpot`` added."""
@@ -222,27 +217,6 @@ def summarize(records: Iterable[RequestRecord], duration: float,
         goodput=good / duration,
     )
 
-
-def parse_slos(items: Optional[Sequence[str]]) -> dict[str, float]:
-    """Parse ``["ttft:2000", "tpot:150"]`` (milliseconds) into ``{"ttft": 2.0, "tpot": 0.15}`` (seconds).
-
-    Raises:
-        ValueError: for a malformed item, an unknown metric or a non-positive limit.
-    """
-    slos: dict[str, float] = {}
-    for item in items or ():
-        name, sep, value = item.partition(":")
-        name = name.strip().lower()
-        if not sep or name not in SLO_METRICS:
-            raise ValueError(f"bad SLO {item!r}; expected NAME:MS with NAME in {SLO_METRICS}")
-        try:
-            ms = float(value)
-        except ValueError:
-            raise ValueError(f"bad SLO {item!r}: {value!r} is not a number of milliseconds") from None
-        if ms <= 0:
-            raise ValueError(f"SLO {item!r} must be positive")
-        slos[name] = ms / 1000.0
-    return slos
 
 
 def record_from_timeline(send: float, chunk_times: Sequence[float], end: Optional[float] = None,

@@ -1,0 +1,217 @@
+"""Read a GGUF file (llama.cpp format): metadata, quantized tensors and the embedded tokenizer.
+
+Tensors are dequantized with numpy (``gguf.quants``) and renamed to Hugging Face parameter names
+(``model.layers.0.self_attn.q_proj.weight``, shape ``[out_features, in_features]``).
+
+GGUF notes:
+
+* GGUF lists tensor dimensions fastest-varying first (``ne`` order); the numpy array the reader gives
+  (and what ``gguf.quants.dequantize`` returns) is already row-major ``[out, in]``, i.e. torch order.
+* llama.cpp's converter reorders the rows of ``attn_q`` / ``attn_k`` for the ``llama`` architecture so
+  that each head's rotary pairs are adjacent (``x[2i], x[2i+1]``, GPT-J style). HF Llama rotates the two
+  halves of a head instead (``x[i], x[i + d/2]``). :func:`_unpermute_rotary_rows` restores HF order.
+  ``qwen2`` GGUFs are written without that reordering.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import re
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from goodserve.config import ModelConfig, token_id_list, unique_ids
+from goodserve.models.checkpoint import LoadedModel, load_gguf_tokenizer, tokenizer_chat_template, with_tokenizer_eos
+
+logger = logging.getLogger(__name__)
+
+#: GGUF ``general.architecture`` values we can run.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+# GGUF tensor name (the part after ``blk.N.``) -> HF name (the part after ``model.layers.N.``).
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """Scalar / string value of a GGUF metadata field (``default`` when absent)."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head rotary row reordering of a Q or K projection.
+
+    Within each head of width ``d``, GGUF row ``2i + j`` (``i < d/2``, ``j in {0, 1}``) holds HF row
+    ``j * d/2 + i``. Splitting the head into ``[d/2, 2]`` and swapping the axes restores HF order.
+
+    Args:
+        weight: ``[n_heads * d, in_features]`` (or ``[n_heads * d]`` for a bias) in GGUF row order.
+        n_heads: Heads in the projection (query heads for Q, KV heads for K).
+
+    Returns:
+        The same rows in HF rotate-half order, same shape.
+    """
+    rest = weight.shape[1:]
+    head_dim = weight.shape[0] // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _gguf_config(reader: Any, n_tokens: int) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata key {arch}.{key} is missing")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length") or hidden // heads)
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count") or head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) unsupported")
+
+    scaling = None
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0))}
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+
+    eos = token_id_list(_field(reader, "tokenizer.ggml.eos_token_id"))
+    eos += token_id_list(_field(reader, "tokenizer.ggml.eot_token_id"))
+    eos += token_id_list(_field(reader, "tokenizer.ggml.eom_token_id"))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=n_tokens,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        attention_bias=arch == "qwen2",
+        tie_word_embeddings=tied,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=unique_ids(eos),
+    )
+
+
+def _gguf_hf_name(name: str) -> Optional[str]:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = _GGUF_BLOCK_RE.match(name)
+    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize one GGUF tensor to a torch tensor in HF layout (``[out, in]`` for linear weights)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = tensor.tensor_type
+    # torch shape is GGUF's ne order reversed: ne = [in, out] -> [out, in].
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    data = np.asarray(tensor.data)  # plain ndarray view of the memory map (memmap views are slow)
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        array = np.array(data).reshape(shape)
+    else:
+        try:
+            array = dequantize(data, qtype).reshape(shape)  # float32
+        except NotImplementedError as exc:
+            raise ValueError(f"GGUF tensor {tensor.name}: unsupported type {qtype.name}") from exc
+    if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        n_heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+        array = _unpermute_rotary_rows(array, n_heads)
+    return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+
+def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    named = []
+    for tensor in reader.tensors:
+        hf_name = _gguf_hf_name(tensor.name)
+        if hf_name is None:
+            # e.g. rope_freqs.weight (Llama 3.1 rope factors) has no HF parameter.
+            logger.warning("skipping GGUF tensor %s (no HF equivalent)", tensor.name)
+            continue
+        named.append((hf_name, tensor))
+    # numpy releases the GIL in its array kernels, so a few threads overlap the per-tensor dequantization.
+    workers = min(8, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_gguf_tensor, tensor, name, config, dtype) for name, tensor in named]
+        return {name: future.result() for (name, _), future in zip(named, futures)}
+
+
+def load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
+    """Load a GGUF file: metadata, tensors (dequantized with numpy) and the embedded tokenizer.
+
+    Args:
+        path: The ``.gguf`` file.
+        dtype: Dtype every weight is cast to (quantized tensors are dequantized to float32 first).
+
+    Returns:
+        The :class:`LoadedModel` (weights on CPU, HF names); ``vocab_size`` is the embedding's rows.
+
+    Raises:
+        ValueError: On an unsupported architecture, tensor type or partial rotary embedding.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens.data) if tokens is not None else 0
+    config = _gguf_config(reader, n_tokens)
+    chat_template = _field(reader, "tokenizer.chat_template")
+    # Build the transformers tokenizer (~0.5 s, mostly outside the GIL) while we dequantize.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer_future = pool.submit(load_gguf_tokenizer, path)
+        weights = _gguf_weights(reader, config, dtype)
+        del reader
+        tokenizer = tokenizer_future.result()
+
+    embed_rows = weights["model.embed_tokens.weight"].shape[0]
+    if embed_rows != config.vocab_size:
+        logger.warning(
+            "token list has %d entries but the embedding %d rows; using the latter", config.vocab_size, embed_rows
+        )
+    config = dataclasses.replace(with_tokenizer_eos(config, tokenizer), vocab_size=embed_rows)
+    if chat_template is None:
+        chat_template = tokenizer_chat_template(tokenizer)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, chat_template=chat_template)
