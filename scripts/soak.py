@@ -17,8 +17,9 @@ What it does (issue "One bad request never stops the engine"):
 * checks the KV cache at the end (usage 0 and ``check_integrity()``, from the exit log) and that greedy
   outputs of fixed prompts after the soak equal those before it.
 
-Requests that meet a closed port while the supervisor restarts the server never reached a server; they
-are sent again and counted once. Prints a JSON summary; exits 1 if any check fails.
+Requests that get no response at all (a closed port, or a process that exited before reading them) while
+the supervisor restarts the server never reached the API; they are sent again and counted once. If one had
+reached the API after all, its server would have counted it, and the comparison of counts would fail. Prints a JSON summary; exits 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def make_specs(n: int, seed: int) -> list[Spec]:
 
 
 class ServerDown(Exception):
-    """The request met a closed port: it never reached a server."""
+    """The request got no response at all (closed port, or a server that exited before reading it)."""
 
 
 async def run_one(c: httpx.AsyncClient, spec: Spec, model: str) -> str:
@@ -148,7 +149,9 @@ async def run_one(c: httpx.AsyncClient, spec: Spec, model: str) -> str:
             if not events or events[-1] != "[DONE]":
                 return "lost"
             return "finished"
-    except httpx.ConnectError as e:
+    except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+        # No response at all: the port was closed, or the process exited before its server read the
+        # request (a restart). The request never reached the API; it is sent again.
         raise ServerDown() from e
     except httpx.HTTPError:
         return "lost"

@@ -49,7 +49,7 @@ def test_budget_is_shared_by_several_prompts():
     assert [(s.request_id, s.num_new_tokens, s.sample) for s in out.scheduled] == [
         ("r0", 7, True), ("r1", 3, False)]
     assert out.total_num_scheduled_tokens == 10
-    assert sched.num_running == 2 and sched.num_waiting == 1
+    assert sched.make_stats().num_running == 2 and sched.make_stats().num_waiting == 1
 
 
 def test_block_table_covers_scheduled_tokens():
@@ -89,7 +89,7 @@ def test_max_num_seqs_is_respected():
     add_all(sched, create_requests(5, prompt_len=3, max_tokens=3))
     for out in run_to_completion(sched):
         assert len(out.scheduled) <= 2
-        assert sched.num_running <= 2
+        assert sched.make_stats().num_running <= 2
 
 
 def test_waiting_head_blocks_admission_without_preemption():
@@ -100,7 +100,7 @@ def test_waiting_head_blocks_admission_without_preemption():
     add_all(sched, [big, mid, tiny])
     out = sched.schedule(0.0)
     assert [s.request_id for s in out.scheduled] == ["r0"]  # r1 needs 4 blocks, 3 free: r2 waits too
-    assert out.preempted_req_ids == [] and sched.num_waiting == 2
+    assert out.preempted_req_ids == [] and sched.make_stats().num_waiting == 2
 
 
 # ----------------------------------------------------------------------------------------- preemption
@@ -179,7 +179,7 @@ def test_refuses_too_long_for_max_model_len():
     with pytest.raises(ValueError, match="maximum context length is 64 tokens") as e:
         sched.add_request(req)
     assert "60 prompt tokens" in str(e.value) and "max_tokens 10" in str(e.value)
-    assert sched.num_waiting == 0 and sched.get_request("r0") is None
+    assert sched.make_stats().num_waiting == 0 and sched.unfinished_request_ids() == []
 
 
 def test_refuses_more_blocks_than_the_pool():
@@ -187,7 +187,7 @@ def test_refuses_more_blocks_than_the_pool():
     (req,) = create_requests(1, prompt_len=10, max_tokens=10)
     with pytest.raises(ValueError, match="needs 5 KV blocks .* only 4 blocks"):
         sched.add_request(req)
-    assert sched.num_waiting == 0 and not sched.has_unfinished_requests()
+    assert sched.make_stats().num_waiting == 0 and not sched.has_unfinished_requests()
     sched.kv_cache_manager.check_integrity()
 
 
@@ -214,7 +214,7 @@ def test_duplicate_id_and_unresolved_max_tokens():
     unresolved = Request("x", [100], SamplingParams(max_tokens=None), arrival_time=0.0)
     with pytest.raises(ValueError, match="max_tokens"):
         sched.add_request(unresolved)
-    assert sched.num_waiting == 1
+    assert sched.make_stats().num_waiting == 1
 
 
 # ---------------------------------------------------------------------------------- stops and finishes
@@ -378,7 +378,7 @@ def test_random_workloads_finish_without_leaks(specs, block_size, budget, max_nu
         kv.check_integrity()
         assert not out.is_empty
         assert out.total_num_scheduled_tokens == sum(s.num_new_tokens for s in out.scheduled) <= budget
-        assert sched.num_running <= max_num_seqs
+        assert sched.make_stats().num_running <= max_num_seqs
         ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids))
         for rid in out.finished_req_ids:
@@ -410,7 +410,7 @@ def test_random_workloads_finish_without_leaks(specs, block_size, budget, max_nu
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == [FAKE_TOKEN] * r.max_tokens
     assert kv.usage == 0.0 and kv.num_free_blocks == kv.num_blocks
-    assert sched.num_running == 0 and sched.num_waiting == 0
+    assert sched.make_stats().num_running == 0 and sched.make_stats().num_waiting == 0
 
 
 # ----------------------------------------------------------------------------------------- queues
@@ -465,4 +465,4 @@ def test_static_mode_admits_a_whole_batch_beyond_the_token_budget():
         sched.add_request(r)
     out = sched.schedule(0.0)
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("r0", 8), ("r1", 2)]
-    assert [r.request_id for r in sched.running] == ["r0", "r1", "r2"] and sched.num_waiting == 1
+    assert [r.request_id for r in sched.running] == ["r0", "r1", "r2"] and sched.make_stats().num_waiting == 1

@@ -15,7 +15,7 @@ def _max_running(sched, steps_budget: int = 10_000) -> int:
         if not sched.has_unfinished_requests():
             return most
         fake_step(sched, float(step))
-        most = max(most, sched.num_running)
+        most = max(most, sched.make_stats().num_running)
         sched.kv_cache_manager.check_integrity()
     raise AssertionError("did not finish")
 
@@ -77,7 +77,7 @@ def test_reserve_admission_waits_for_the_full_reservation():
     sched.add_request(a)
     sched.add_request(b)
     out, _ = fake_step(sched, 0.0)
-    assert [s.request_id for s in out.scheduled] == ["r0"] and sched.num_waiting == 1
+    assert [s.request_id for s in out.scheduled] == ["r0"] and sched.make_stats().num_waiting == 1
     assert sched.kv_cache_manager.num_free_blocks == 4
 
 

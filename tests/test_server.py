@@ -422,7 +422,7 @@ class _BrokenEngine:
         pass
 
     def make_stats(self) -> SchedulerStats:
-        return SchedulerStats()
+        return SchedulerStats.idle()
 
 
 def test_engine_death_health_503(engine):

@@ -60,7 +60,7 @@ class EngineThread:
         self._applying: list[Command] = []  # taken off the queue, being applied (engine thread)
         self._num_pending_adds = 0  # add commands queued, not yet applied; guarded by _cond
         self._streams: dict[str, RequestStream] = {}  # only the engine thread touches it
-        self._stats = SchedulerStats()
+        self._stats = SchedulerStats.idle()
         self._paused = False
         self._stopped = False
         self._error: Optional[BaseException] = None

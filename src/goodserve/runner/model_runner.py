@@ -19,8 +19,9 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.models.llama import LlamaForCausalLM
-from goodserve.runner.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from goodserve.runner.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
+from goodserve.models.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from goodserve.runner.sampler import Sampler, SamplerOutput
+from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SampledToken, ScheduledRequest, SchedulerOutput
 
@@ -134,13 +135,36 @@ class ModelRunner:
         self.update_states(scheduler_output)
         if scheduler_output.is_empty:
             return {}
-        # Decodes shortest context first, so decodes of similar length share one attention call.
+        input_ids, positions, meta, ordered = self._prepare_inputs(scheduler_output)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn)  # [num_tokens, hidden]
+        sampling, last_index, offset = [], [], 0
+        for s in ordered:
+            offset += s.num_new_tokens
+            if s.sample:
+                sampling.append(s.request_id)
+                last_index.append(offset - 1)
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])  # [sampled, V]
+        result = self._sample(logits, sampling)
+        for rid, token in result.items():
+            if token.error is None:
+                self.requests[rid].output_token_ids.append(token.token_id)
+        return result
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledRequest]]:
+        """The flat batch: decodes first (shortest context first, so decodes of similar length share one
+        attention call), then prefill chunks.
+
+        Returns:
+            ``input_ids`` ``[num_tokens]``, ``positions`` ``[num_tokens]``, the attention metadata (with the
+            slot mapping), and the scheduled requests in batch order.
+        """
         decodes = sorted((s for s in scheduler_output.scheduled if s.is_decode),
                          key=lambda s: s.num_computed_tokens)
         prefills = [s for s in scheduler_output.scheduled if not s.is_decode]
-        ordered: list[ScheduledRequest] = decodes + prefills
         states = [self.requests[s.request_id] for s in decodes]
-
         token_ids: list[int] = [st.token_ids(s.num_computed_tokens, s.num_computed_tokens + 1)[0]
                                 for s, st in zip(decodes, states)]
         positions: list[int] = [s.num_computed_tokens for s in decodes]
@@ -156,10 +180,7 @@ class ModelRunner:
             pos_parts.append(torch.arange(start, end))
             slot_parts.append(self._slots(state.block_ids, start, end))
             chunks.append((s.num_computed_tokens, s.num_new_tokens, state.block_ids))
-
         dev = self.device
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        pos = torch.cat(pos_parts).to(dev)
         meta = AttentionMetadata.build(
             self.block_size,
             decode_block_tables=[st.block_ids[: p // self.block_size + 1] for st, p in zip(states, positions)],
@@ -168,24 +189,8 @@ class ModelRunner:
             slot_mapping=torch.cat(slot_parts).to(dev),
             device=dev,
         )
-        hidden = self.model(input_ids, pos, self.kv_caches, meta, self.attn)  # [num_tokens, hidden]
-
-        sampling = []
-        last_index = []
-        offset = 0
-        for s in ordered:
-            offset += s.num_new_tokens
-            if s.sample:
-                sampling.append(s.request_id)
-                last_index.append(offset - 1)
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=dev)])  # [num_sampled, vocab]
-        result = self._sample(logits, sampling)
-        for rid, token in result.items():
-            if token.error is None:
-                self.requests[rid].output_token_ids.append(token.token_id)
-        return result
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        return input_ids, torch.cat(pos_parts).to(dev), meta, decodes + prefills
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, SampledToken]:
         """Sample every row in one batch; if that raises, sample row by row so that only the rows that raise

@@ -176,13 +176,18 @@ class SchedulerStats:
         prefix_cache_hits: Of which found (tokens).
     """
 
-    num_running: int = 0
-    num_waiting: int = 0
-    num_tokens_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    num_running: int
+    num_waiting: int
+    num_tokens_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @classmethod
+    def idle(cls) -> "SchedulerStats":
+        """The stats of a scheduler that has seen nothing yet."""
+        return cls(0, 0, 0, 0.0, 0, 0, 0)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -37,6 +37,7 @@ from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import (EngineCoreOutput, NewRequestData, SampledToken, ScheduledRequest,
                                         SchedulerOutput, SchedulerStats)
 from goodserve.scheduler.queue import RequestQueue, create_request_queue
+from goodserve.scheduler.stop import check_stop
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +74,6 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
 
     # ------------------------------------------------------------------------------------------- state
-    @property
-    def num_running(self) -> int:
-        """Requests in the running batch."""
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests waiting for admission (new or preempted)."""
-        return len(self.waiting)
-
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self.running) or len(self.waiting) > 0
@@ -90,10 +81,6 @@ class Scheduler:
     def unfinished_request_ids(self) -> list[str]:
         """Ids of every waiting or running request."""
         return list(self._requests)
-
-    def get_request(self, request_id: str) -> Optional[Request]:
-        """The unfinished request with this id, or ``None``."""
-        return self._requests.get(request_id)
 
     # ------------------------------------------------------------------------------------------ intake
     def add_request(self, request: Request) -> None:
@@ -355,7 +342,7 @@ class Scheduler:
                 outputs.append(self._core_output(req, [], now, error=token.error))
                 continue
             req.append_output_token(token.token_id)
-            status = self._check_stop(req, token.token_id)
+            status = check_stop(req, token.token_id, self.scheduler_config.max_model_len)
             if status is not None:
                 self._finish(req, status)
             outputs.append(self._core_output(req, [token.token_id], now, token))
@@ -371,19 +358,6 @@ class Scheduler:
             logprobs=[token.logprob] if with_logprobs else None,
             top_logprobs=[token.top_logprobs or []] if with_logprobs else None,
             num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions, error=error)
-
-    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
-        """Token-level stop rules: stop token, then EOS (both after ``min_tokens``), then length."""
-        params = req.sampling_params
-        past_min = req.num_output_tokens >= params.min_tokens
-        if token in params.stop_token_ids and past_min:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if token in req.eos_token_ids and not params.ignore_eos and past_min:
-            return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.scheduler_config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state in one record (the only way stats leave the scheduler)."""

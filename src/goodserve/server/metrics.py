@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from goodserve.engine.async_engine import AsyncEngine
+from goodserve.workload.slo import meets_slo
 from goodserve.outputs import RequestOutput
 
 PREFIX = "goodserve:"
@@ -146,14 +147,6 @@ class ServerMetrics:
         """A tracker for one new engine request."""
         return RequestTracker(self)
 
-    def slo_met(self, ttft: Optional[float], tpot: Optional[float]) -> bool:
-        """Whether a request met every SLO that is set (a missing TPOT, e.g. one token, meets its SLO)."""
-        if self.slo_ttft is not None and (ttft is None or ttft > self.slo_ttft):
-            return False
-        if self.slo_tpot is not None and tpot is not None and tpot > self.slo_tpot:
-            return False
-        return True
-
 
 class RequestTracker:
     """Feeds one request's outputs into the metrics (event loop thread)."""
@@ -197,7 +190,8 @@ class RequestTracker:
             m.req_prompt_tokens.observe(len(out.prompt_token_ids))
             m.req_generation_tokens.observe(self.num_tokens)
             if out.finish_reason in ("stop", "length") and (m.slo_ttft is not None or m.slo_tpot is not None):
-                (m.slo_attained if m.slo_met(met.ttft, met.tpot) else m.slo_missed).inc()
+                met_slo = meets_slo(met.ttft, met.tpot, m.slo_ttft, m.slo_tpot)
+                (m.slo_attained if met_slo else m.slo_missed).inc()
 
     def ended(self, reason: str) -> None:
         """The request ended without a finished output: ``"abort"`` (client gone) or ``"error"`` (failed)."""

@@ -244,21 +244,31 @@ class CompletionLogprobs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(OpenAIModel):
+class _Choice(OpenAIModel):
+    """Fields every choice of a full response shares."""
+
     index: int
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
 
 
-class CompletionResponse(OpenAIModel):
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+
+
+class _Completion(OpenAIModel):
+    """Fields every completion response and stream chunk shares."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+
+
+class CompletionResponse(_Completion):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(OpenAIModel):
@@ -285,12 +295,9 @@ class DeltaMessage(OpenAIModel):
     content: Optional[str] = None
 
 
-class ChatChoice(OpenAIModel):
-    index: int
+class ChatChoice(_Choice):
     message: ChatMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
 
 
 class ChatStreamChoice(OpenAIModel):
@@ -300,31 +307,19 @@ class ChatStreamChoice(OpenAIModel):
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionResponse(OpenAIModel):
-    id: str
+class ChatCompletionResponse(_Completion):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: Optional[UsageInfo] = None
 
 
-class ChatCompletionChunk(OpenAIModel):
-    id: str
+class ChatCompletionChunk(_Completion):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: Optional[UsageInfo] = None
 
 
-class CompletionChunk(OpenAIModel):
-    id: str
+class CompletionChunk(_Completion):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
 
 
 class ModelCard(OpenAIModel):

@@ -167,7 +167,8 @@ class Instance:
     @property
     def load(self) -> int:
         """Unfinished requests (running + waiting), counting those whose KV is on its way."""
-        return self.scheduler.num_running + self.scheduler.num_waiting + self.num_incoming
+        stats = self.scheduler.make_stats()
+        return stats.num_running + stats.num_waiting + self.num_incoming
 
     def stats(self, duration: float) -> dict:
         s = self.scheduler.make_stats()
@@ -291,7 +292,7 @@ class Simulator:
         inst.num_steps += 1
         inst.busy_s += step_s
         inst.num_tokens += out.total_num_scheduled_tokens
-        inst.max_running = max(inst.max_running, inst.scheduler.num_running)
+        inst.max_running = max(inst.max_running, inst.scheduler.make_stats().num_running)
         if out.num_decode_tokens and out.num_prefill_tokens:
             inst.num_mixed_steps += 1
         self.push(StepEnd(self.now + step_s, inst, out))

@@ -1,0 +1,197 @@
+"""How an OpenAI completion or chat call is served: its choices become engine requests, and their delta
+outputs become one JSON response or one event stream, for both endpoints alike.
+
+Every request is validated and accepted by the engine *before* a response starts, so a bad parameter or a
+prompt over the context length is an HTTP 400 with an OpenAI error body even when ``stream=true`` (C09). A
+choice of ``n`` (and each prompt of a batch) is an independent engine request; with a ``seed``, choice ``i``
+uses ``seed + i``. Streamed deltas are the engine's delta outputs, which are whole UTF-8 characters and never
+include a prefix of a stop string that might still match (C05, C10). A client that goes away, streaming or
+not, has its requests aborted at once, which frees their KV blocks (C12). Every call ends in exactly one of
+the four outcome counters (finished, aborted, rejected, failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from goodserve.engine.async_engine import AsyncEngine
+from goodserve.engine.async_types import RequestStream
+from goodserve.engine.chat import render_chat
+from goodserve.sampling_params import SamplingParams
+from goodserve.server import protocol as P
+from goodserve.server.choices import Choice, iterate_choices, usage
+from goodserve.server.errors import APIError
+from goodserve.server.metrics import ServerMetrics
+from goodserve.server.streaming import EventStreamResponse, sse
+
+API_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models")
+
+
+def endpoint_of(request: Request) -> str:
+    """The metrics label of a call: its route, or ``"other"``."""
+    path = request.url.path
+    return path if path in API_ENDPOINTS else "other"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """How one endpoint writes its answer: the response and chunk models, a choice of the full response, and
+    a choice of a stream chunk carrying ``new_text``."""
+
+    response: type
+    chunk: type
+    full: Callable[[Choice], Any]
+    delta: Callable[[Choice, str], Any]
+
+
+class OpenAIServing:
+    """Serves completion and chat calls on an engine.
+
+    Args:
+        engine: A started :class:`AsyncEngine`.
+        metrics: The app's metrics.
+        model_name: The model name clients must use.
+        max_waiting_requests: Answer 429 (with ``Retry-After``) while this many requests wait; ``None``: no
+            limit.
+    """
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
+                 max_waiting_requests: Optional[int] = None) -> None:
+        self.engine, self.metrics, self.model_name = engine, metrics, model_name
+        self.max_waiting_requests = max_waiting_requests
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, name: Optional[str]) -> None:
+        """Raises a 404 :class:`APIError` unless ``name`` is empty or the served model."""
+        if name and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt token ids of a conversation (see :func:`render_chat`)."""
+        return render_chat(self.tokenizer, self.engine.chat_template, messages)
+
+    async def start(self, prompts: list[Union[str, list[int]]], params: list[SamplingParams], request_id: str,
+                    priority: int, cache_salt: Optional[str] = None) -> list[Choice]:
+        """Add ``len(prompts) * len(params)`` engine requests; all accepted, or none (error raised).
+
+        Raises:
+            APIError: 429 while ``max_waiting_requests`` wait.
+            ValueError, EngineDeadError, Exception: as :meth:`AsyncEngine.add_request` (nothing is left queued).
+        """
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.num_waiting_total() >= limit:
+            raise APIError(429, f"The server is busy: {limit} requests are already waiting. Retry later.",
+                           code="queue_full", headers={"Retry-After": "1"})
+        jobs = []
+        for p, prompt in enumerate(prompts):
+            for j, sp in enumerate(params):
+                rid = f"{request_id}-{p * len(params) + j}"
+                jobs.append((p, j, self.engine.add_request(prompt, sp, rid, priority, cache_salt)))
+        results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self.engine.abort([s.request_id for s in streams])
+            raise failure
+        return [Choice(index=i, stream=s, tracker=self.metrics.tracker(), prompt_index=p, first_of_prompt=j == 0)
+                for i, ((p, j, _), s) in enumerate(zip(jobs, streams))]
+
+    def finish(self, choices: list[Choice]) -> None:
+        """Abort whatever has not finished (client gone, error) and count it."""
+        ids = []
+        for c in choices:
+            if not c.tracker.done:
+                ids.append(c.stream.request_id)
+                c.tracker.ended("abort")
+        if ids:
+            self.engine.abort(ids)
+
+    async def respond(self, request: Request, body: P.SamplingRequest, choices: list[Choice], rid: str,
+                      shapes: Shapes, head: list[Any]) -> Response:
+        """The answer of completions and chat alike: a full response, or a stream of chunks (``head`` choices
+        first, then deltas, then usage if asked for), in the endpoint's ``shapes``."""
+        created = int(time.time())
+
+        def chunk(items: list[Any], usage_info: Optional[P.UsageInfo] = None) -> str:
+            return sse(shapes.chunk(id=rid, created=created, model=self.model_name, choices=items, usage=usage_info))
+
+        if not body.stream:
+            return await self._answer(request, choices, lambda: shapes.response(
+                id=rid, created=created, model=self.model_name, usage=usage(choices),
+                choices=[shapes.full(c) for c in choices]))
+        return self._stream(request, choices, [chunk([h]) for h in head], lambda c, d: chunk([shapes.delta(c, d)]),
+                            (lambda: chunk([], usage(choices))) if body.include_usage else None)
+
+    async def _answer(self, request: Request, choices: list[Choice], build: Callable[[], Any]) -> Response:
+        """A non-streamed answer: wait for every choice, then ``build()`` the body (499 if the client left)."""
+        endpoint = endpoint_of(request)
+        if await self._collect(request, choices) is None:
+            self.metrics.count_aborted(endpoint)
+            return Response(status_code=499)
+        body = build()
+        self.metrics.count_finished(endpoint)
+        return JSONResponse(body.model_dump())
+
+    async def _collect(self, request: Request, choices: list[Choice]) -> Optional[list[Choice]]:
+        """Run all choices' requests to the end; ``None`` if the client disconnected first."""
+        async def run() -> None:
+            async with contextlib.aclosing(iterate_choices(choices)) as it:
+                async for _ in it:
+                    pass
+
+        task = asyncio.create_task(run())
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                return None
+            task.result()
+            return choices
+        finally:
+            for t in (task, watcher):
+                t.cancel()
+            self.finish(choices)
+
+    def _stream(self, request: Request, choices: list[Choice], head: list[str], chunk: Callable[[Choice, str], str],
+                usage_event: Optional[Callable[[], str]]) -> Response:
+        """The one event stream of completions and chat: ``head`` events, then a ``chunk(choice, new_text)`` per
+        new piece of text (or finish) of any choice, then the ``usage_event`` if asked for. Tokens whose text
+        is held back (a partial character, a possible stop string) go out with the next chunk."""
+        endpoint = endpoint_of(request)
+
+        async def events() -> AsyncIterator[str]:
+            for event in head:
+                yield event
+            async with contextlib.aclosing(iterate_choices(choices)) as it:
+                async for choice, out in it:
+                    if out.text or out.finished:
+                        yield chunk(choice, out.text)
+            if usage_event is not None:
+                yield usage_event()
+
+        def on_close(outcome: Optional[APIError | str]) -> None:
+            self.finish(choices)
+            if outcome is None:
+                self.metrics.count_finished(endpoint)
+            elif isinstance(outcome, APIError):
+                self.metrics.count_error(endpoint, outcome.status, outcome.reason)
+            else:
+                self.metrics.count_aborted(endpoint)
+
+        return EventStreamResponse(events(), on_close)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return once the client has disconnected (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
