@@ -111,8 +111,8 @@ def serving_path(args: argparse.Namespace) -> dict:
     from goodserve.engine.async_engine import AsyncEngine
     from goodserve.server.app import build_app
 
-    eargs = EngineArgs(num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=2048, log_stats_interval=0,
-                       enable_prefix_caching=False)
+    eargs = EngineArgs(model=args.model, dtype=args.dtype, num_blocks=2048, max_num_seqs=64,
+                       max_num_batched_tokens=2048, log_stats_interval=0, enable_prefix_caching=False)
     cycles: list[tuple[float, float, int]] = []  # (cycle s, execute s, decodes) per step
 
     def build() -> Engine:
@@ -168,13 +168,17 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=64, help="streams of the serving-path run")
     p.add_argument("--serve-tokens", type=int, default=128, help="tokens each stream generates")
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M; a tiny model shows the overhead best")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-serving", action="store_true", help="measure the engine step only")
     args = p.parse_args()
-    engine = Engine(EngineArgs(num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=2048, log_stats_interval=0,
-                               enable_prefix_caching=False))
+    engine = Engine(EngineArgs(model=args.model, dtype=args.dtype, num_blocks=2048, max_num_seqs=64,
+                               max_num_batched_tokens=2048, log_stats_interval=0, enable_prefix_caching=False))
     result = {"goodserve": goodserve.__file__, "engine_step": [engine_step(engine, b, args.context, args.steps)
                                                                for b in (1, 64)]}
     del engine
-    result["serving_path"] = serving_path(args)
+    if not args.no_serving:
+        result["serving_path"] = serving_path(args)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -38,9 +38,10 @@ def test_schema_documents_real_responses(server):
     spec = httpx.get(server.base_url + "/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = spec["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "400", "404", "429", "500", "503"}
+        assert set(responses) == {"200", "400", "404", "413", "415", "429", "500", "503"}
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-        for code in ("400", "404", "429", "500", "503"):
+        assert "Retry-After" in responses["429"]["headers"]
+        for code in ("400", "404", "413", "415", "429", "500", "503"):
             assert responses[code]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "422" not in json.dumps(spec["paths"]) and "HTTPValidationError" not in json.dumps(spec)
     assert set(spec["paths"]["/health"]["get"]["responses"]) == {"200", "503"}

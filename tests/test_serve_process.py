@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -132,5 +133,24 @@ def test_sigterm_under_load_exits_in_time_with_every_call_accounted(tiny_model):
         assert "KV cache: integrity ok, 0.0% of blocks in use" in log
         with pytest.raises(httpx.ConnectError):
             httpx.get(srv.base_url + "/health", timeout=2)
+    finally:
+        srv.close()
+
+
+def test_a_call_cut_short_by_shutdown_is_answered_and_counted(tiny_model):
+    """A client still sending its body when SIGTERM comes: after the timeouts its call is cancelled, answered
+    with a 503 ``shutting_down`` and counted as failed (not lost from the exit log)."""
+    srv = ServeProcess(tiny_model, "--shutdown-timeout", "0.5")
+    try:
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 30\r\n\r\n{\"pro")
+        time.sleep(0.5)
+        srv.proc.send_signal(signal.SIGTERM)
+        rc, log = srv.wait(timeout=15)
+        reply = sock.recv(4096).decode(errors="replace")
+        sock.close()
+        assert rc == 0 and " 503 " in reply.split("\r\n")[0] and "shutting_down" in reply
+        assert _accounting(log) == {"finished": 0, "aborted": 0, "rejected": 0, "failed": 1}
     finally:
         srv.close()

@@ -409,6 +409,9 @@ class _BrokenEngine:
         self.config = SimpleNamespace(model_path="/models/broken.gguf")
         self._pending = False
 
+    def tokenize(self, prompt):
+        return [1, 2, 3]
+
     def add_request(self, *args, **kwargs):
         self._pending = True
 

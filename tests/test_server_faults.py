@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 import time
@@ -385,3 +386,48 @@ def test_step_fault_errors_every_in_flight_request_at_once(tiny_model):
         assert len(deaths) == 1 and isinstance(deaths[0], InjectedStepFault)
         assert api_count(c, "failed", status_code="503") == 5
     eng.shutdown()
+
+
+# ------------------------------------------------------------------------------- review: edge cases
+def test_tiny_temperature_is_greedy_with_finite_logprobs_C14(http, engine):
+    """C14: temperature 1e-40 (the API allows it) samples like temperature 0; no NaN reaches a logprob, and
+    it is never a 4xx."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True}
+    greedy = post(http, "/v1/completions", {**body, "temperature": 0})
+    for logprobs in (None, 1):
+        r = post(http, "/v1/completions", {**body, "temperature": 1e-40, "logprobs": logprobs})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == greedy.json()["choices"][0]["text"]
+        if logprobs:
+            assert all(math.isfinite(v) for v in choice["logprobs"]["token_logprobs"])
+    assert_healthy_and_idle(http, engine)
+
+
+def test_only_api_calls_are_counted(http):
+    before = {k: api_count(http, k) for k in ("finished", "aborted", "rejected", "failed")}
+    assert http.get("/nope").status_code == 404
+    assert http.post("/health").status_code == 405
+    assert http.get("/v1/models").status_code == 200
+    assert {k: api_count(http, k) for k in before} == before
+
+
+def test_wrong_content_type_bad_utf8_and_empty_messages_are_clear_400s(http):
+    r = http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = post(http, "/tokenize", {"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = post(http, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2.0, "n": 1.0})
+    assert r.status_code == 200  # 2.0 is an integer (JSON Schema); 2.5 and "2" are not
+    assert post(http, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2.5}).status_code == 400
+
+
+def test_shutdown_timeout_must_be_finite():
+    from goodserve.cli import build_parser
+
+    for value in ("inf", "nan", "0"):
+        args = build_parser().parse_args(["serve", "--shutdown-timeout", value])
+        with pytest.raises(ValueError, match="shutdown-timeout"):
+            args.func(args)

@@ -37,6 +37,12 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
 
+    def snapshot(self) -> "RequestMetrics":
+        """A copy (outputs carry one, so a later step never changes what a consumer holds)."""
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                              self.last_token_time, self.finished_time, self.num_preemptions,
+                              self.num_output_tokens, self.num_cached_tokens)
+
     @property
     def ttft(self) -> Optional[float]:
         """Time to first token: ``first_token_time - arrival_time`` (seconds)."""

@@ -10,6 +10,11 @@ from typing import Optional, Sequence
 from goodserve.validation import check_text
 
 
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-40 overflow float32 to inf,
+# and the softmax of infinities is NaN (case C14).
+GREEDY_TEMPERATURE = 1e-5
+
+
 class RequestOutputKind(enum.Enum):
     """What each of a request's outputs holds (as in vLLM)."""
 
@@ -70,8 +75,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether this request takes the argmax at every step."""
-        return self.temperature == 0.0
+        """Whether this request takes the argmax at every step: temperature 0, or one so small (below
+        ``GREEDY_TEMPERATURE``) that dividing by it would overflow the logits (case C14)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Check every field.

@@ -58,7 +58,7 @@ def find_invalid_text(value: Any, path: str = "") -> Optional[tuple[str, str]]:
             name = safe_text(str(k))
             sub = f"{path}.{name}" if path else name
             if isinstance(k, str) and name != k:
-                return sub, f"the key {name!r} is not valid Unicode: text must be encodable as UTF-8"
+                return sub, f"the key '{name}' is not valid Unicode: text must be encodable as UTF-8"
             found = find_invalid_text(v, sub)
             if found is not None:
                 return found

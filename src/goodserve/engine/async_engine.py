@@ -178,15 +178,19 @@ class AsyncEngine:
             The request's output stream.
 
         Raises:
-            ValueError: on invalid parameters, an empty prompt or a prompt over the context length (the
-                engine's message, e.g. "... the maximum context length is N tokens ...").
+            ValueError: on invalid parameters, an empty or invalid prompt or a prompt over the context length
+                (the engine's message, e.g. "... the maximum context length is N tokens ...").
             EngineDeadError: if the engine loop is not running.
+            Exception: whatever else tokenising raises (a fault of ours).
         """
+        arrival = time.monotonic()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        # Text is tokenised here, in a worker thread, so a huge prompt never stalls the engine's steps.
+        ids = await asyncio.to_thread(self.engine.tokenize, prompt) if isinstance(prompt, str) else None
         stream = RequestStream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._engine_thread.submit(AddCommand(prompt, params or SamplingParams(), request_id, priority, cache_salt,
-                                time.monotonic(), stream, future))
+        self._engine_thread.submit(AddCommand(prompt, ids, params or SamplingParams(), request_id, priority,
+                                              cache_salt, arrival, stream, future))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller went away while the engine was accepting it
@@ -216,8 +220,11 @@ class AsyncEngine:
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests from any thread; never blocks on a step. Unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if ids and not self._engine_thread.is_stopped():
-            self._engine_thread.submit(AbortCommand(ids))
+        if ids:
+            try:
+                self._engine_thread.submit(AbortCommand(ids))
+            except EngineDeadError:
+                pass  # a stopped engine has aborted everything already
 
     def call(self, fn: Callable[[Engine], Any], timeout: Optional[float] = 30.0) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps and return its result (blocking).

@@ -79,6 +79,7 @@ class AddCommand:
     """Queue a request (see :meth:`AsyncEngine.add_request`); ``future`` gets ``None`` or the error."""
 
     prompt: Union[str, list[int]]
+    prompt_token_ids: Optional[list[int]]  # the text prompt, already tokenised off the engine thread
     params: SamplingParams
     request_id: str
     priority: int

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from goodserve.validation import check_text
+import jinja2
+
+from goodserve.validation import find_invalid_text
 
 
 def render_chat(tokenizer: Any, chat_template: Optional[str], messages: Sequence[dict[str, Any]]) -> list[int]:
@@ -21,17 +23,17 @@ def render_chat(tokenizer: Any, chat_template: Optional[str], messages: Sequence
     Raises:
         ValueError: if the model has no chat template, a message's text is not valid Unicode, or the template
             rejects the conversation (e.g. roles that do not alternate).
+        Exception: whatever else the template or tokenizer raise (a fault of ours, not the user's).
     """
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this model has no chat template; send a plain prompt instead")
-    for i, m in enumerate(messages):
-        for key, value in m.items():
-            if isinstance(value, str):
-                check_text(value, f"messages[{i}].{key}")
+    found = find_invalid_text(list(messages), "messages")
+    if found is not None:
+        raise ValueError(found[1])
     try:
         out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
                                             chat_template=chat_template)
-    except Exception as e:  # noqa: BLE001 - a template that rejects the conversation is the user's to fix
+    except jinja2.TemplateError as e:  # the template rejects the conversation (its raise_exception): the user's
         raise ValueError(f"messages could not be rendered with the chat template: {e}") from e
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]

@@ -138,7 +138,8 @@ class Engine:
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, arrival_time: Optional[float] = None,
-                    priority: int = 0, cache_salt: Optional[str] = None) -> str:
+                    priority: int = 0, cache_salt: Optional[str] = None,
+                    prompt_token_ids: Optional[list[int]] = None) -> str:
         """Queue a request.
 
         Args:
@@ -148,6 +149,7 @@ class Engine:
             arrival_time: Monotonic seconds; now when ``None``.
             priority: Lower runs first under the ``priority`` policy.
             cache_salt: Prefix-cache isolation key: only requests with the same salt share KV blocks.
+            prompt_token_ids: A text prompt's ids from :meth:`tokenize`, when the caller tokenised it already.
 
         Returns:
             The request id.
@@ -160,7 +162,7 @@ class Engine:
         """
         params = params or SamplingParams()
         params.validate()
-        ids = self.tokenize(prompt)
+        ids = prompt_token_ids if prompt_token_ids is not None and isinstance(prompt, str) else self.tokenize(prompt)
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1

@@ -146,8 +146,10 @@ class EngineThread:
             EngineDeadError: if the loop is not running.
         """
         with self._cond:
-            if self._error is not None or self._stopped:
-                raise EngineDeadError(f"the engine loop is not running: {self._error or 'shut down'}")
+            if self._error is not None:
+                raise EngineDeadError(f"the engine loop is not running: {self._error}")
+            if self._stopped:
+                raise EngineShutdownError("the engine was shut down: the server is stopping")
             self._commands.append(command)
             if isinstance(command, AddCommand):
                 self._num_pending_adds += 1
@@ -173,11 +175,14 @@ class EngineThread:
                 logger.debug("building the engine failed: %s", e)  # re-raised by start()
             else:
                 logger.exception("engine loop died")
-            self._error = e
+            with self._cond:
+                self._error, self._stopped = e, True
         finally:
-            self._fail_everything()
-        if self._error is not None and self._on_dead is not None and self._built.exception() is None:
-            self._on_dead(self._error)
+            try:
+                self._fail_everything()
+            finally:
+                if self._error is not None and self._on_dead is not None and self._built.exception() is None:
+                    self._on_dead(self._error)
 
     def _loop(self) -> None:
         """Apply commands and step until shut down; whatever escapes here is a fault of the engine."""
@@ -281,7 +286,7 @@ class EngineThread:
         try:
             self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
                                     arrival_time=command.arrival_time, priority=command.priority,
-                                    cache_salt=command.cache_salt)
+                                    cache_salt=command.cache_salt, prompt_token_ids=command.prompt_token_ids)
         except Exception as e:  # noqa: BLE001 - this request alone fails (C19)
             if not isinstance(e, ValueError):
                 logger.exception("adding request %s failed", command.request_id)

@@ -14,7 +14,6 @@ fails with ``finish_reason="error"``; the others in the same step are unaffected
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -116,7 +115,7 @@ class RequestState:
             stop_reason=self.stop_reason, logprobs=None if self.logprobs is None else self.logprobs[t0:],
             top_logprobs=None if self.top_logprobs is None else self.top_logprobs[t0:])
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], self.finished,
-                             dataclasses.replace(self.metrics), error=self.error)
+                             self.metrics.snapshot(), error=self.error)
 
 
 @dataclass

@@ -9,6 +9,7 @@ fails gets a 500 (or an error event in its stream) and the engine serves on.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Optional
 
@@ -22,9 +23,10 @@ from goodserve.server.choices import chat_logprobs, completion_logprobs
 from goodserve.server.errors import APIError, install_error_handlers
 from goodserve.server.metrics import ServerMetrics
 from goodserve.server.openapi import install_schema, responses
-from goodserve.server.serving import OpenAIServing, Shapes, endpoint_of
+from goodserve.server.serving import OpenAIServing, Shapes
 
 router = APIRouter()
+MAX_BODY_BYTES = 16 << 20  # a larger body is refused with a 413 before it is parsed
 
 
 def _serving(request: Request) -> OpenAIServing:
@@ -54,31 +56,31 @@ async def prometheus_metrics(request: Request) -> Response:
     return Response(generate_latest(_serving(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/tokenize", response_model=P.TokenizeResponse, responses=responses(errors=(400, 404, 500)))
-async def tokenize(body: P.TokenizeRequest, request: Request) -> P.TokenizeResponse:
+@router.post("/tokenize", response_model=P.TokenizeResponse, responses=responses(errors=(400, 404, 413, 415, 500)))
+async def tokenize(body: P.TokenizeRequest, request: Request) -> Response:
     s = _serving(request)
     s.check_model(body.model)
     if body.messages is not None:
-        tokens = s.chat_prompt(P.ChatCompletionRequest(messages=body.messages).conversation())
+        conv = P.conversation(body.messages)
+        tokens = await asyncio.to_thread(s.chat_prompt, conv)
     elif body.prompt is not None:
-        tokens = list(s.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        tokens = await asyncio.to_thread(s.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         raise ValueError("give either 'prompt' or 'messages'")
-    s.metrics.count_finished(endpoint_of(request))
-    return P.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=s.engine.max_model_len)
+    return s.json(request, P.TokenizeResponse(tokens=list(tokens), count=len(tokens),
+                                              max_model_len=s.engine.max_model_len))
 
 
-@router.post("/detokenize", response_model=P.DetokenizeResponse, responses=responses(errors=(400, 404, 500)))
-async def detokenize(body: P.DetokenizeRequest, request: Request) -> P.DetokenizeResponse:
+@router.post("/detokenize", response_model=P.DetokenizeResponse, responses=responses(errors=(400, 404, 413, 415, 500)))
+async def detokenize(body: P.DetokenizeRequest, request: Request) -> Response:
     s = _serving(request)
     s.check_model(body.model)
     vocab = len(s.tokenizer)
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"tokens must be integers in [0, {vocab}), got {bad[:5]}")
-    text = s.tokenizer.decode(body.tokens)
-    s.metrics.count_finished(endpoint_of(request))
-    return P.DetokenizeResponse(prompt=text)
+    text = await asyncio.to_thread(s.tokenizer.decode, body.tokens)
+    return s.json(request, P.DetokenizeResponse(prompt=text))
 
 
 @router.post("/v1/completions", response_class=Response, responses=responses(P.CompletionResponse, stream=True))
@@ -140,13 +142,13 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
     Returns:
         The app; ``app.state`` holds ``engine``, ``metrics``, ``served_model_name`` and ``serving``.
     """
-    app = FastAPI(title="goodserve", description="OpenAI-compatible LLM server")
+    app = FastAPI(title="goodserve", description="OpenAI-compatible LLM server", max_body_size=MAX_BODY_BYTES)
     metrics = ServerMetrics(engine, slo_ttft, slo_tpot)
     model_name = served_model_name or engine.model_name
     app.state.engine, app.state.metrics, app.state.served_model_name = engine, metrics, model_name
     app.state.serving = OpenAIServing(engine, metrics, model_name, max_waiting_requests)
-    install_error_handlers(app, lambda request, err: metrics.count_error(endpoint_of(request), err.status, err.reason),
-                           lambda request: metrics.count_aborted(endpoint_of(request)))
+    install_error_handlers(app, lambda scope, err: metrics.count(scope, "error", err.status, err.reason),
+                           lambda scope: metrics.count(scope, "aborted"))
     app.include_router(router)
     install_schema(app)
     return app

@@ -9,6 +9,8 @@ the handler of every exception type, so no response ever leaves without an error
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
 from typing import Callable, Optional, Union
@@ -27,8 +29,8 @@ from goodserve.validation import safe_text
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               415: "UnsupportedMediaTypeError", 429: "RateLimitError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+               413: "PayloadTooLargeError", 415: "UnsupportedMediaTypeError", 429: "RateLimitError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -110,34 +112,46 @@ def to_api_error(e: BaseException) -> APIError:
     if isinstance(e, RequestFailedError):
         return APIError(500, f"the server failed while processing this request: {e}", code="request_failed")
     if isinstance(e, StarletteHTTPException):
+        if isinstance(e.__cause__, UnicodeDecodeError):
+            return APIError(400, f"the body is not valid JSON: it is not UTF-8 ({e.__cause__.reason})",
+                            code="invalid_json")
         return APIError(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+    return internal_error(e)
+
+
+def internal_error(e: BaseException, doing: str = "") -> APIError:
+    """A 500 for a fault of ours (logged with its traceback); never a 400, whatever the exception type."""
+    logger.error("internal error%s", f" while {doing}" if doing else "", exc_info=e)
     return APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error")
 
 
-def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError], None],
-                           on_abort: Callable[[Request], None]) -> None:
-    """Answer every exception raised by a route with an OpenAI error body; ``on_error`` counts it. A client
-    that left before its body was read is no error: ``on_abort`` counts it and the answer is a bare 499.
+def install_error_handlers(app: FastAPI, on_error: Callable[[dict, APIError], None],
+                           on_abort: Callable[[dict], None]) -> None:
+    """Answer every exception raised by a route with an OpenAI error body; ``on_error(scope, error)`` counts
+    it. A client that left before its body was read is no error: ``on_abort(scope)`` counts it and the
+    answer is a bare 499.
 
-    Known exception types go through FastAPI's exception handlers; anything else (a bug of ours) is caught
-    by a middleware, logged with its traceback and answered with a 500, instead of Starlette's plain-text
-    500 and a dropped connection.
+    FastAPI's own validation and HTTP errors get handlers here (they replace FastAPI's defaults: a 422, a
+    plain ``detail``); everything else is caught by a middleware and mapped by :func:`to_api_error`, so a bug
+    of ours is a 500 with a body, not Starlette's plain-text 500 and a dropped connection. A call cancelled
+    by a shutdown is counted as a 503 ``shutting_down`` and answered so if its response has not started.
     """
     def answer(request: Request, e: BaseException) -> Response:
         if isinstance(e, ClientDisconnect) or isinstance(e.__cause__, ClientDisconnect):
-            on_abort(request)
+            on_abort(request.scope)
             return Response(status_code=499)
-        err = to_api_error(e)
-        if err.status >= 500 and not isinstance(e, (APIError, EngineDeadError, RequestFailedError)):
-            logger.error("%s %s failed", request.method, request.url.path, exc_info=e)
-        on_error(request, err)
+        if isinstance(e, RequestValidationError) and not _is_json(request):
+            err = APIError(415, "the body must be JSON: send it with 'Content-Type: application/json'",
+                           code="unsupported_media_type")
+        else:
+            err = to_api_error(e)
+        on_error(request.scope, err)
         return err.response()
 
     async def handle(request: Request, e: Exception) -> Response:
         return answer(request, e)
 
-    for exc in (APIError, RequestValidationError, ValueError, EngineDeadError, RequestFailedError,
-                StarletteHTTPException):
+    for exc in (RequestValidationError, StarletteHTTPException):
         app.add_exception_handler(exc, handle)
 
     class CatchAll:
@@ -157,7 +171,14 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
 
             try:
                 await self.inner(scope, receive, watch)
-            except Exception as e:  # noqa: BLE001 - a bug of ours: a 500 with a body, the server serves on
+            except asyncio.CancelledError:  # the server is shutting down and cut this call short
+                err = APIError(503, "the server is shutting down", code="shutting_down")
+                on_error(scope, err)
+                if not started:
+                    with contextlib.suppress(BaseException):
+                        await err.response()(scope, receive, send)
+                raise
+            except Exception as e:  # noqa: BLE001 - mapped to an error body; the server serves on
                 if started:
                     logger.error("%s %s failed after its response started", scope.get("method"),
                                  scope.get("path"), exc_info=e)
@@ -165,3 +186,8 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
                 await answer(Request(scope), e)(scope, receive, send)
 
     app.add_middleware(CatchAll)
+
+
+def _is_json(request: Request) -> bool:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return media in ("", "application/json") or media.endswith("+json")

@@ -35,6 +35,9 @@ from goodserve.workload.slo import meets_slo
 from goodserve.outputs import RequestOutput
 
 PREFIX = "goodserve:"
+# The API calls whose outcomes are counted (one of finished, aborted, rejected, failed each).
+COUNTED_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+_COUNTED = "goodserve.counted"  # set in a call's ASGI scope once its outcome is counted
 
 # 1 ms .. 40 min
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -124,24 +127,31 @@ class ServerMetrics:
                                   ["endpoint", "status_code", "reason"], registry=r)
         self.outcomes: Tally = Tally()  # the same four outcomes, summed over labels (for the exit log)
 
-    def count_finished(self, endpoint: str) -> None:
-        """An API call was answered in full."""
-        self.api_finished.labels(endpoint=endpoint).inc()
-        self.outcomes["finished"] += 1
+    def count(self, scope: dict, outcome: str, status: Optional[int] = None, reason: str = "") -> None:
+        """Count how one API call ended, once: later calls for the same call are ignored, and so are calls to
+        routes that are not API endpoints (``COUNTED_ENDPOINTS``).
 
-    def count_aborted(self, endpoint: str) -> None:
-        """The client of an API call went away before its answer was complete."""
-        self.api_aborted.labels(endpoint=endpoint).inc()
-        self.outcomes["aborted"] += 1
-
-    def count_error(self, endpoint: str, status: int, reason: str) -> None:
-        """An API call ended in an error body: a 429 is a rejection, anything else a failure."""
-        if status == 429:
+        Args:
+            scope: The call's ASGI scope (``request.scope``); it remembers that the call was counted.
+            outcome: ``"finished"``, ``"aborted"`` or ``"error"`` (a 429 is a rejection, else a failure).
+            status: The error's HTTP status (``"error"`` only).
+            reason: The error's reason label (``"error"`` only).
+        """
+        endpoint = scope.get("path")
+        if endpoint not in COUNTED_ENDPOINTS or scope.get(_COUNTED):
+            return
+        scope[_COUNTED] = True
+        if outcome == "finished":
+            self.api_finished.labels(endpoint=endpoint).inc()
+        elif outcome == "aborted":
+            self.api_aborted.labels(endpoint=endpoint).inc()
+        elif status == 429:
+            outcome = "rejected"
             self.api_rejected.labels(endpoint=endpoint, reason=reason).inc()
-            self.outcomes["rejected"] += 1
         else:
+            outcome = "failed"
             self.api_failed.labels(endpoint=endpoint, status_code=str(status), reason=reason).inc()
-            self.outcomes["failed"] += 1
+        self.outcomes[outcome] += 1
 
     def tracker(self) -> "RequestTracker":
         """A tracker for one new engine request."""

@@ -18,9 +18,12 @@ _ERRORS = {
     400: "The request is invalid: malformed JSON, a field out of range, text that is not valid Unicode, a "
          "prompt over the context length.",
     404: "The model does not exist on this server.",
-    429: "Too many requests are waiting; retry after the `Retry-After` header's seconds.",
+    413: "The body is larger than the server accepts (16 MiB).",
+    415: "The body is not JSON (`Content-Type: application/json` expected).",
+    429: "Too many requests are waiting; retry after the seconds in the `Retry-After` header.",
     500: "The server failed while processing this request; other requests are unaffected.",
-    503: "The engine is not running; the process is about to exit so that a supervisor restarts it.",
+    503: "The server is shutting down (`shutting_down`), or its engine died (`engine_dead`) and the process is "
+         "about to exit so that a supervisor restarts it.",
 }
 
 
@@ -30,7 +33,8 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"t
     "last event is `[DONE]`.")}}}
 
 
-def responses(ok: Optional[type] = None, stream: bool = False, errors: tuple[int, ...] = (400, 404, 429, 500, 503),
+def responses(ok: Optional[type] = None, stream: bool = False,
+              errors: tuple[int, ...] = (400, 404, 413, 415, 429, 500, 503),
               ok_description: str = "Success.") -> dict[int | str, dict[str, Any]]:
     """The ``responses=`` argument of a route.
 
@@ -51,6 +55,9 @@ def responses(ok: Optional[type] = None, stream: bool = False, errors: tuple[int
         out[200] = entry
     for status in errors:
         out[status] = {"model": P.ErrorResponse, "description": _ERRORS[status]}
+        if status == 429:
+            out[status]["headers"] = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                                      "schema": {"type": "integer"}}}
     return out
 
 

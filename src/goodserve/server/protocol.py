@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from goodserve.sampling_params import SamplingParams
@@ -22,8 +22,16 @@ from goodserve.validation import find_invalid_text
 MAX_N = 128  # most choices per request (n times the number of prompts)
 MAX_LOGPROBS = 20  # most top logprobs per token
 
+
+
+def _whole_number(value: Any) -> Any:
+    """``2.0`` is the integer 2, as JSON Schema says; ``2.5``, ``"2"`` and ``true`` are not integers."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[Int, Field(ge=0)]
 
 
 class OpenAIModel(BaseModel):
@@ -70,23 +78,23 @@ class SamplingRequest(OpenAIRequest):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: Optional[str] = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1, le=MAX_N)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[Int] = Field(None, ge=-1)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
     stop: Optional[Union[NonEmptyStr, list[NonEmptyStr]]] = None
     stop_token_ids: Optional[list[TokenId]] = None
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0)
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    priority: int = 0
+    priority: Int = 0
     cache_salt: Optional[str] = None
     user: Optional[str] = None
 
@@ -127,9 +135,9 @@ class CompletionRequest(SamplingRequest):
     prompt: Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
                   Annotated[list[NonEmptyStr], Field(min_length=1)],
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[Int] = Field(16, ge=1)
     echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[Int] = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -152,10 +160,10 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the legacy ``max_tokens``."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[Int] = Field(None, ge=1)
+    max_completion_tokens: Optional[Int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[Int] = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def resolved_max_tokens(self) -> Optional[int]:
@@ -170,35 +178,39 @@ class ChatCompletionRequest(SamplingRequest):
         return self.top_logprobs or 0
 
     def conversation(self) -> list[dict[str, str]]:
-        """Messages as ``{"role", "content"}`` with text parts joined.
+        """Messages as ``{"role", "content"}`` with text parts joined (see :func:`conversation`)."""
+        return conversation(self.messages)
 
-        Raises:
-            ValueError: on no messages, a message without a role, or a non-text content part.
-        """
-        if not self.messages:
-            raise ValueError("messages must contain at least one message")
-        out = []
-        for i, m in enumerate(self.messages):
-            role = m.get("role")
-            if not isinstance(role, str) or not role:
-                raise ValueError(f"messages[{i}] needs a 'role' string")
-            content = m.get("content")
-            if content is None:
-                text = ""
-            elif isinstance(content, str):
-                text = content
-            elif isinstance(content, list):
-                parts = []
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or \
-                            not isinstance(part.get("text"), str):
-                        raise ValueError(f"messages[{i}].content: only text parts are supported")
-                    parts.append(part["text"])
-                text = "\n".join(parts)
-            else:
-                raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-            out.append({"role": role, "content": text})
-        return out
+
+def conversation(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages as ``{"role", "content"}`` with text parts joined.
+
+    Raises:
+        ValueError: on no messages, a message without a role, or a non-text content part.
+    """
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] needs a 'role' string")
+        content = m.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content: only text parts are supported")
+                parts.append(part["text"])
+            text = "\n".join(parts)
+        else:
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({"role": role, "content": text})
+    return out
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -206,7 +218,7 @@ class TokenizeRequest(OpenAIRequest):
 
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[dict[str, Any]]] = None
+    messages: Optional[list[dict[str, Any]]] = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 

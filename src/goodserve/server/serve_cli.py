@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 from typing import Optional
 
@@ -62,8 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     for name in ("slo_ttft", "slo_tpot", "shutdown_timeout"):
         value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number of seconds > 0, got {value}")
     retain_freed_memory()
     server: Optional[uvicorn.Server] = None
 
@@ -93,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        engine.shutdown(timeout=args.shutdown_timeout)
+        engine.shutdown(timeout=_GRACE_S)  # it was told to stop at --shutdown-timeout already
         _log_exit(app, engine)
     return 0 if engine.error is None else 1
 

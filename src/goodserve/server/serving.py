@@ -27,18 +27,9 @@ from goodserve.engine.chat import render_chat
 from goodserve.sampling_params import SamplingParams
 from goodserve.server import protocol as P
 from goodserve.server.choices import Choice, iterate_choices, usage
-from goodserve.server.errors import APIError
+from goodserve.server.errors import APIError, internal_error
 from goodserve.server.metrics import ServerMetrics
 from goodserve.server.streaming import EventStreamResponse, sse
-
-API_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models")
-
-
-def endpoint_of(request: Request) -> str:
-    """The metrics label of a call: its route, or ``"other"``."""
-    path = request.url.path
-    return path if path in API_ENDPOINTS else "other"
-
 
 @dataclass(frozen=True)
 class Shapes:
@@ -77,6 +68,19 @@ class OpenAIServing:
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt token ids of a conversation (see :func:`render_chat`)."""
         return render_chat(self.tokenizer, self.engine.chat_template, messages)
+
+    def json(self, request: Request, body: Any) -> Response:
+        """A JSON answer, counted as finished once it is serialised.
+
+        Raises:
+            APIError: a 500 if serialising it fails (a fault of ours, never a 400).
+        """
+        try:
+            response = JSONResponse(body.model_dump())
+        except Exception as e:  # noqa: BLE001 - the client's input was accepted: whatever fails here is ours
+            raise internal_error(e, "building the response") from e
+        self.metrics.count(request.scope, "finished")
+        return response
 
     async def start(self, prompts: list[Union[str, list[int]]], params: list[SamplingParams], request_id: str,
                     priority: int, cache_salt: Optional[str] = None) -> list[Choice]:
@@ -131,14 +135,19 @@ class OpenAIServing:
                             (lambda: chunk([], usage(choices))) if body.include_usage else None)
 
     async def _answer(self, request: Request, choices: list[Choice], build: Callable[[], Any]) -> Response:
-        """A non-streamed answer: wait for every choice, then ``build()`` the body (499 if the client left)."""
-        endpoint = endpoint_of(request)
+        """A non-streamed answer: wait for every choice, then ``build()`` the body (499 if the client left).
+
+        Raises:
+            APIError: a 500 if building or serialising the body fails (a fault of ours, never a 400).
+        """
         if await self._collect(request, choices) is None:
-            self.metrics.count_aborted(endpoint)
+            self.metrics.count(request.scope, "aborted")
             return Response(status_code=499)
-        body = build()
-        self.metrics.count_finished(endpoint)
-        return JSONResponse(body.model_dump())
+        try:
+            body = build()
+        except Exception as e:  # noqa: BLE001 - the client's input was accepted: whatever fails here is ours
+            raise internal_error(e, "building the response") from e
+        return self.json(request, body)
 
     async def _collect(self, request: Request, choices: list[Choice]) -> Optional[list[Choice]]:
         """Run all choices' requests to the end; ``None`` if the client disconnected first."""
@@ -165,8 +174,6 @@ class OpenAIServing:
         """The one event stream of completions and chat: ``head`` events, then a ``chunk(choice, new_text)`` per
         new piece of text (or finish) of any choice, then the ``usage_event`` if asked for. Tokens whose text
         is held back (a partial character, a possible stop string) go out with the next chunk."""
-        endpoint = endpoint_of(request)
-
         async def events() -> AsyncIterator[str]:
             for event in head:
                 yield event
@@ -180,11 +187,11 @@ class OpenAIServing:
         def on_close(outcome: Optional[APIError | str]) -> None:
             self.finish(choices)
             if outcome is None:
-                self.metrics.count_finished(endpoint)
+                self.metrics.count(request.scope, "finished")
             elif isinstance(outcome, APIError):
-                self.metrics.count_error(endpoint, outcome.status, outcome.reason)
+                self.metrics.count(request.scope, "error", outcome.status, outcome.reason)
             else:
-                self.metrics.count_aborted(endpoint)
+                self.metrics.count(request.scope, "aborted")
 
         return EventStreamResponse(events(), on_close)
 

@@ -15,7 +15,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from goodserve.server.errors import APIError, to_api_error
+from goodserve.engine.async_types import EngineDeadError, RequestFailedError
+from goodserve.server.errors import APIError, internal_error, to_api_error
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +48,13 @@ class EventStreamResponse(StreamingResponse):
                 async for event in events:
                     yield event
         except Exception as e:  # noqa: BLE001 - reported to the client in the stream
-            err = to_api_error(e)
-            if err.status >= 500:
+            # Once a stream is open the client's input was accepted: only the engine's own errors keep their
+            # status; anything else is a fault of ours (a 500, logged with its traceback), never a 400.
+            if isinstance(e, (APIError, EngineDeadError, RequestFailedError)):
+                err = to_api_error(e)
                 logger.warning("stream failed: %s", err.message)
+            else:
+                err = internal_error(e, "streaming")
             self._outcome = err
             yield sse(err.body())
             yield DONE
