@@ -13,3 +13,22 @@ def default_model_path() -> str:
     from goodserve.models.loader import default_model_path as find
 
     return find()
+
+
+@pytest.fixture(scope="module")
+def server(engine, request):
+    """A real uvicorn server over the test module's ``engine`` fixture, serving it as the module's ``MODEL``."""
+    from goodserve.server.app import build_app
+    from server_fixtures import ServerThread
+
+    with ServerThread(build_app(engine, served_model_name=request.module.MODEL)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An ``httpx`` client of ``server``."""
+    import httpx
+
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        yield c

@@ -6,7 +6,9 @@ import socket
 import threading
 import time
 
+import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -38,3 +40,28 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def metric_samples(http: httpx.Client) -> dict:
+    """``{(name, frozenset(labels)): value}`` of every sample on /metrics."""
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def wait_idle(engine, timeout: float = 30.0) -> None:
+    """Wait until the engine has nothing running or waiting, then check the KV pool: no block in use, and
+    ``check_integrity()`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        idle, usage = engine.call(lambda e: (not e.has_unfinished_requests(), e.make_stats().kv_cache_usage))
+        if idle:
+            break
+        assert time.monotonic() < deadline, "engine did not become idle"
+        time.sleep(0.02)
+    assert usage == 0.0
+    engine.call(lambda e: e.core.check_integrity())

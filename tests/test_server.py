@@ -18,14 +18,13 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.engine.args import EngineArgs
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.engine import Engine
 from goodserve.scheduler.output import SchedulerStats
 from goodserve.server.app import build_app
-from server_fixtures import ServerThread
+from server_fixtures import ServerThread, metric_samples, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -42,20 +41,8 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine, served_model_name=MODEL)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
 
 
 def sse_events(lines) -> list:
@@ -66,31 +53,6 @@ def sse_events(lines) -> list:
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-def wait_idle(engine: AsyncEngine, timeout: float = 30.0) -> None:
-    """Wait until the engine has nothing running or waiting, then check the KV pool."""
-    deadline = time.monotonic() + timeout
-    while True:
-        idle, usage = engine.call(lambda e: (not e.has_unfinished_requests(),
-                                             e.core.scheduler.kv_cache_manager.usage))
-        if idle:
-            break
-        assert time.monotonic() < deadline, "engine did not become idle"
-        time.sleep(0.05)
-    assert usage == 0.0
-    engine.call(lambda e: e.core.scheduler.kv_cache_manager.check_integrity())
-
-
-def metric_samples(http: httpx.Client) -> dict:
-    """``{(name, frozenset(labels)): value}`` of every sample on /metrics."""
-    r = http.get("/metrics")
-    assert r.status_code == 200
-    out = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
 
 
 # ------------------------------------------------------------------------------------------- basics

@@ -17,7 +17,6 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from goodserve.engine.args import EngineArgs
 from goodserve.engine.async_engine import AsyncEngine, EngineDeadError, InjectedStepFault
@@ -25,7 +24,7 @@ from goodserve.engine.engine import Engine
 from goodserve.runner import sampler as sampler_mod
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.app import build_app
-from server_fixtures import ServerThread
+from server_fixtures import ServerThread, metric_samples, wait_idle
 from tiny_models import make_tiny_hf_model
 
 MODEL = "tiny"
@@ -51,35 +50,15 @@ def engine(tiny_model):
     eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine, served_model_name=MODEL)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
-
-
 def post(http: httpx.Client, path: str, body: dict) -> httpx.Response:
     """POST ``body`` as JSON with lone surrogates written as ``\\udXXX`` escapes (as any JSON encoder does)."""
     return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
-def metrics(http: httpx.Client) -> dict:
-    out = {}
-    for fam in text_string_to_metric_families(http.get("/metrics").text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
 def api_count(http: httpx.Client, kind: str, **labels: str) -> float:
     """Sum of ``goodserve:api_requests_<kind>_total`` over samples matching ``labels``."""
     name = f"goodserve:api_requests_{kind}_total"
-    return sum(v for (n, lab), v in metrics(http).items()
+    return sum(v for (n, lab), v in metric_samples(http).items()
                if n == name and all((k, val) in lab for k, val in labels.items()))
 
 
@@ -88,15 +67,7 @@ def assert_healthy_and_idle(http: httpx.Client, engine: AsyncEngine, timeout: fl
     assert http.get("/health").status_code == 200
     r = post(http, "/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
-    deadline = time.monotonic() + timeout
-    while True:
-        idle, usage = engine.call(lambda e: (not e.has_unfinished_requests(), e.core.scheduler.kv_cache_manager.usage))
-        if idle:
-            break
-        assert time.monotonic() < deadline, "engine did not become idle"
-        time.sleep(0.02)
-    assert usage == 0.0
-    engine.call(lambda e: e.core.scheduler.kv_cache_manager.check_integrity())
+    wait_idle(engine, timeout)
 
 
 # ------------------------------------------------------------------------------------ C19: bad text

@@ -55,8 +55,8 @@ class EventStreamResponse(StreamingResponse):
                 logger.warning("stream failed: %s", err.message)
             else:
                 err = internal_error(e, "streaming")
-            self._outcome = err
             yield sse(err.body())
+            self._outcome = err  # only once the client has the error event; a client gone before is an abort
             yield DONE
             return
         self._outcome = None
