@@ -73,9 +73,10 @@ class KVCacheManager:
         """``prefix_cache_hits / prefix_cache_queries`` (0 before any query)."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (block ids, first token's block first); ``[]`` if it holds none."""
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block table from entry ``start`` on (block ids, first token's block first); ``[]`` if
+        it holds none."""
+        return [b.block_id for b in self._req_blocks.get(request_id, ())[start:]]
 
     def record_prefix_cache_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's prefix-cache lookup in :attr:`prefix_cache_queries` / ``_hits`` (tokens)."""

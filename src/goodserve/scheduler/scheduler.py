@@ -273,7 +273,6 @@ class Scheduler:
         """Add a request's share of the step: its static data if the runner has not seen it, and the block ids
         the runner does not hold yet."""
         rid = req.request_id
-        table = self.kv_cache_manager.get_block_ids(rid)
         known = self._runner_num_blocks.get(rid)
         resumed = rid in self._preempted_since_scheduled
         if known is None:
@@ -282,9 +281,10 @@ class Scheduler:
         if known is None or resumed:
             known = 0
             self._preempted_since_scheduled.discard(rid)
+        new_block_ids = self.kv_cache_manager.get_block_ids(rid, known)  # only what the runner lacks
         out.scheduled.append(ScheduledRequest(rid, num_computed, n, sample=num_computed + n == req.num_tokens,
-                                              new_block_ids=table[known:], resumed_from_preemption=resumed))
-        self._runner_num_blocks[rid] = len(table)
+                                              new_block_ids=new_block_ids, resumed_from_preemption=resumed))
+        self._runner_num_blocks[rid] = known + len(new_block_ids)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free a running request's blocks and send it back to the waiting queue to be recomputed."""

@@ -51,17 +51,18 @@ class Choice:
     sent_tokens: int = 0
     text_offset: int = 0
 
-    def add(self, out: RequestOutput) -> str:
-        """Take one delta output; returns its new text."""
+    def add(self, out: RequestOutput) -> None:
+        """Take one delta output (lists grow in place: a long stream never copies what it holds)."""
         c = out.outputs[0]
         self.text += c.text
-        self.token_ids += c.token_ids
+        self.token_ids.extend(c.token_ids)
         if c.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + c.logprobs
-            self.top_logprobs = (self.top_logprobs or []) + (c.top_logprobs or [[] for _ in c.logprobs])
+            if self.logprobs is None:
+                self.logprobs, self.top_logprobs = [], []
+            self.logprobs.extend(c.logprobs)
+            self.top_logprobs.extend(c.top_logprobs or [[] for _ in c.logprobs])
         self.prompt_token_ids = out.prompt_token_ids
         self.finish_reason, self.stop_reason, self.metrics = c.finish_reason, c.stop_reason, out.metrics
-        return c.text
 
 
 async def iterate_choices(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
