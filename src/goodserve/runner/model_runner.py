@@ -58,6 +58,10 @@ class CachedRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
+def _to(weight, device: torch.device):
+    return weight.to(device) if isinstance(weight, torch.Tensor) else weight
+
+
 class ModelRunner:
     """Executes scheduled steps on a device.
 
@@ -74,10 +78,10 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         m = config.model
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(m).to(self.dtype)
-        self.model.load_weights(weights)
-        self.model.inv_freq = self.model.inv_freq.float()
+        with torch.device("meta"):  # nothing is allocated until the weights are taken
+            self.model = LlamaForCausalLM(m)
+        self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype,
+                                config.quantization)
         self.model.eval()
         self.attn = attn_backend or TorchAttentionBackend()
         shape = (config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
