@@ -247,6 +247,44 @@ def test_bench_serve_end_to_end(tmp_path, capsys):
         assert r["ttft"] > 0 and r["e2e"] >= r["ttft"] and len(r["itls"]) <= 7
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("prompts,hits", [("fresh", False), ("same", True)])
+def test_bench_sweep_fresh_prompts_find_nothing_cached(tmp_path, capsys, prompts, hits):
+    """Issue 15 item 6: with ``--prompts fresh`` no rate finds an earlier rate's (or the warm-up's) prompts in
+    the server's prefix cache; with ``--prompts same`` the second rate finds them all."""
+    import httpx
+
+    from goodserve.cli import build_parser
+    from goodserve.engine.args import EngineArgs
+    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.engine import Engine
+    from goodserve.server.app import build_app
+    from server_fixtures import ServerThread, metric_samples
+
+    engine = AsyncEngine(Engine(EngineArgs(dtype="float32", num_blocks=128, max_num_batched_tokens=256,
+                                           max_model_len=256, log_stats_interval=0)))
+    try:
+        with ServerThread(build_app(engine, served_model_name="smol")) as srv:
+            out = tmp_path / "res.json"
+            args = build_parser().parse_args([
+                "bench", "sweep", "--base-url", srv.base_url, "--dataset", "random", "--num-prompts", "3",
+                "--input-len", "40", "--output-len", "2", "--request-rates", "inf,inf", "--num-warmups", "2",
+                "--prompts", prompts, "--save-result", str(out), "--no-progress"])
+            assert args.func(args) == 0
+            with httpx.Client(base_url=srv.base_url) as http:
+                cached = sum(v for (name, _), v in metric_samples(http).items()
+                             if name == "goodserve:prefix_cache_hits_total")
+    finally:
+        engine.shutdown()
+    text = capsys.readouterr().out
+    assert ("prompts: fresh per rate" if prompts == "fresh" else "prompts: same at every rate") in text
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["config"]["seed"] for r in runs] == ([1, 2] if prompts == "fresh" else [0, 0])
+    # 40-token prompts fill two 16-token blocks: the same prompts again hit 2 blocks each (3 x 32 tokens
+    # at the second rate, plus the 2 warm-up prompts measured again at the first rate).
+    assert cached == (32 * (3 + 2) if hits else 0)
+
+
 def test_launch_failure_is_reported_fast():
     from goodserve.bench.serve import LaunchedServer
 

@@ -145,3 +145,26 @@ def test_padded_rows_change_nothing_and_never_touch_the_cache(monkeypatch):
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
     k_cache = caches[0][0].view(-1, cfg.num_key_value_heads, cfg.head_dim)
     assert k_cache[:131].abs().sum(dim=(1, 2)).gt(0).all() and k_cache[131:].abs().sum() == 0
+
+
+def test_lone_decode_on_consecutive_blocks_reads_the_cache_in_place():
+    """Issue 15: a single decode whose blocks are consecutive ids attends over a view of the cache (no
+    gather); the result equals the gathered path's, and scattered or batched decodes still gather."""
+    torch.manual_seed(3)
+    nkv, hd, heads = 2, 16, 4
+    k_cache, v_cache = torch.randn(12, BLOCK, nkv, hd), torch.randn(12, BLOCK, nkv, hd)
+    q, k, v = torch.randn(1, heads, hd), torch.randn(1, nkv, hd), torch.randn(1, nkv, hd)
+    seq_len = 3 * BLOCK - 1
+    slot = torch.tensor([(5 + 2) * BLOCK + (seq_len - 1) % BLOCK])
+    meta = AttentionMetadata.build(BLOCK, [[5, 6, 7]], [seq_len], [], slot, torch.device("cpu"))
+    assert meta.decode_groups[0].first_block == 5
+    backend = TorchAttentionBackend()
+    got = backend(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    meta.decode_groups[0].first_block = None  # force the gather
+    want = backend(q, k, v, k_cache.clone(), v_cache.clone(), meta)
+    assert torch.equal(got, want)
+    scattered = AttentionMetadata.build(BLOCK, [[5, 7, 6]], [seq_len], [], slot, torch.device("cpu"))
+    batched = AttentionMetadata.build(BLOCK, [[1, 2], [5, 6]], [2 * BLOCK, 2 * BLOCK], [],
+                                      torch.tensor([0, 1]), torch.device("cpu"))
+    assert scattered.decode_groups[0].first_block is None
+    assert all(g.first_block is None for g in batched.decode_groups)

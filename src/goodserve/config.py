@@ -30,6 +30,12 @@ HF_CLASS_TO_MODEL_TYPE = {
 HF_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
 
+#: ``--quantization`` values (``goodserve.models.quant.make_linear``): ``auto`` runs a GGUF's Q4_0/Q4_1 blocks
+#: on PyTorch's int4 CPU kernel when the dtype is bfloat16 and everything else in the dtype; ``none``
+#: dequantizes every weight to the dtype; ``int4`` / ``int8`` run every linear layer on that kernel,
+#: re-quantizing weights the file does not hold that way.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2).
@@ -232,6 +238,8 @@ class EngineConfig:
         cache: The KV pool.
         scheduler: Step limits (``max_model_len`` resolved).
         dtype: ``"float32"`` or ``"bfloat16"``.
+        quantization: How linear layers run: ``"auto"``, ``"none"``, ``"int8"`` or ``"int4"`` (see
+            ``goodserve.models.quant``).
         device: ``"cpu"`` or ``"cuda"``.
         seed: Seed of the engine-wide generator used by unseeded sampled requests.
         log_stats_interval: Seconds between periodic stats log lines (``0`` disables them).
@@ -242,6 +250,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     dtype: str = "bfloat16"
+    quantization: str = "none"
     device: str = "cpu"
     seed: int = 0
     log_stats_interval: float = 10.0

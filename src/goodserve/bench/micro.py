@@ -56,6 +56,28 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 2048) -> float:
     return 2 * n**3 / t
 
 
+def weight_bytes_per_step(model) -> tuple[int, int]:
+    """``(bytes of weights a batch-1 decode step reads, parameters of the linear layers)``.
+
+    Quantized layers count their codes and scales (what the kernel reads), dense ones their weight; the
+    embedding table counts only when it is also the LM head.
+    """
+    from goodserve.models.quant import QuantLinear
+
+    weight_bytes = linear_params = 0
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            weight_bytes += module.nbytes
+            linear_params += module.in_features * module.out_features
+    for name, p in model.named_parameters():
+        if name == "embed_tokens.weight" and model.lm_head is not None:
+            continue
+        weight_bytes += p.numel() * p.element_size()
+        if name.endswith("proj.weight"):
+            linear_params += p.numel()
+    return weight_bytes, linear_params
+
+
 def run_micro(args: argparse.Namespace) -> int:
     """Measure and print; returns an exit code."""
     from goodserve.llm import LLM
@@ -68,16 +90,15 @@ def run_micro(args: argparse.Namespace) -> int:
     llm = LLM(**vars(eargs))
     engine = llm.engine
     model = engine.core.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                       if not (name == "embed_tokens.weight" and model.lm_head is not None))
-    linear_params = sum(p.numel() for name, p in model.named_parameters() if name.endswith("proj.weight"))
+    weight_bytes, linear_params = weight_bytes_per_step(model)
     bandwidth = measure_gemv_bandwidth(dtype)
     flops = measure_matmul_flops(dtype)
-    result = {"dtype": eargs.dtype, "weight_bytes": weight_bytes, "gemv_bandwidth_GBps": bandwidth / 1e9,
+    result = {"dtype": eargs.dtype, "quantization": eargs.quantization, "weight_bytes": weight_bytes, "gemv_bandwidth_GBps": bandwidth / 1e9,
               "matmul_TFLOPs": flops / 1e12, "decode": [], "threads": torch.get_num_threads()}
     bound = weight_bytes / bandwidth
     print(f"weights read per decode step: {weight_bytes / 1e6:.1f} MB; GEMV bandwidth {bandwidth / 1e9:.1f} GB/s "
-          f"-> bound {bound * 1e3:.2f} ms/step; matmul {flops / 1e9:.0f} GFLOP/s ({eargs.dtype})")
+          f"-> bound {bound * 1e3:.2f} ms/step; matmul {flops / 1e9:.0f} GFLOP/s ({eargs.dtype}, "
+          f"quantization {eargs.quantization})")
 
     vocab = engine.config.model.vocab_size
     for batch in (int(b) for b in args.decode_batches.split(",")):

@@ -14,6 +14,7 @@ they never share the CPU while measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import asyncio
 import logging
 import math
@@ -72,8 +73,12 @@ def _add_common(p: argparse.ArgumentParser, two_servers: bool) -> None:
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     w.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     w.add_argument("--num-warmups", type=int, default=4,
-                   help="unmeasured requests sent first (the first N of the workload, 8 output tokens)")
+                   help="unmeasured requests sent first (8 output tokens; own prompts under --prompts fresh)")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--prompts", default="fresh", choices=["fresh", "same"],
+                   help="fresh (default): each rate and the warm-up get prompts of their own (seed + 1 + rate "
+                        "index), so no rate finds an earlier rate's prompts in a prefix cache; same: the "
+                        "--seed prompts at every rate")
     o = p.add_argument_group("metrics and output")
     o.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
@@ -154,6 +159,7 @@ class LaunchedServer:
 
 
 # ---------------------------------------------------------------------------------------------- workload
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(path: Optional[str]) -> Any:
     """A ``transformers`` tokenizer from a GGUF file or HF directory (default: the default model's GGUF)."""
     if path is None:
@@ -180,8 +186,12 @@ class Workload:
     config: dict[str, Any]
 
 
-def build_from_server(args: argparse.Namespace, base_url: str) -> Workload:
-    """Resolve tokenizer, model name and context length (from ``base_url`` unless given) and build requests."""
+def build_from_server(args: argparse.Namespace, base_url: str, seed: Optional[int] = None) -> Workload:
+    """Resolve tokenizer, model name and context length (from ``base_url`` unless given) and build requests.
+
+    ``seed`` (default ``--seed``) draws the synthetic prompts and lengths: a different seed, other prompts.
+    """
+    seed = args.seed if seed is None else seed
     info = server_info(base_url)
     model = args.model or info.get("id")
     max_model_len = args.max_model_len or info.get("max_model_len") or (info.get("meta") or {}).get("n_ctx_train")
@@ -200,12 +210,12 @@ def build_from_server(args: argparse.Namespace, base_url: str) -> Workload:
         max_model_len=int(max_model_len) - (64 if chat else 0), dataset_path=args.dataset_path,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         max_input_len=args.max_input_len, max_output_len=args.max_output_len, length_scale=args.length_scale,
-        start=args.trace_start, text_prompts=chat, seed=args.seed)
+        start=args.trace_start, text_prompts=chat, seed=seed)
     config = {k: getattr(args, k, None) for k in (
         "endpoint", "dataset", "dataset_path", "num_prompts", "input_len", "output_len", "range_ratio",
         "max_input_len", "max_output_len", "length_scale", "trace_start", "burstiness", "max_concurrency",
         "seed", "tokenizer")}
-    config.update(model=model, max_model_len=int(max_model_len),
+    config.update(model=model, max_model_len=int(max_model_len), seed=seed,
                   mean_prompt_len=sum(r.prompt_len for r in requests) / len(requests),
                   mean_output_len=sum(r.output_len for r in requests) / len(requests))
     return Workload(requests, model, int(max_model_len), config)
@@ -239,9 +249,10 @@ def run_one(args: argparse.Namespace, label: str, base_url: str, workload: Workl
 
 
 def warm_up(args: argparse.Namespace, base_url: str, workload: Workload) -> None:
-    """Send the first ``--num-warmups`` requests at once, outputs cut to 8 tokens, unmeasured.
+    """Send the first ``--num-warmups`` requests of ``workload`` at once, outputs cut to 8 tokens, unmeasured.
 
-    Full-size prompts warm the kernels and allocator for the shapes the benchmark will use.
+    Full-size prompts warm the kernels and allocator for the shapes the benchmark will use; with
+    ``--prompts fresh`` the warm-up workload has prompts of its own (no measured prompt is cached by it).
 
     Raises:
         RuntimeError: if a warm-up request fails (the server is not usable).
@@ -257,24 +268,43 @@ def warm_up(args: argparse.Namespace, base_url: str, workload: Workload) -> None
         raise RuntimeError(f"warm-up request failed against {base_url}: {bad[0]}")
 
 
+#: Seed offset of the warm-up prompts under ``--prompts fresh`` (rate ``i`` uses ``--seed + 1 + i``).
+WARMUP_SEED_OFFSET = 1_000_003
+
+
 def run_servers(args: argparse.Namespace, servers: list[ServerSpec], rates: list[float]) -> list[RunResult]:
-    """Every server (one at a time; launched ones are started and stopped around their runs) x every rate."""
+    """Every server (one at a time; launched ones are started and stopped around their runs) x every rate.
+
+    ``--prompts fresh`` (default): rate ``i`` sends prompts drawn with seed ``--seed + 1 + i`` and the warm-up
+    prompts of their own, so a server with a prefix cache finds none of a rate's prompts cached by an
+    earlier rate or by the warm-up; both servers get the same prompts at the same rate. ``--prompts same``
+    sends the ``--seed`` prompts at every rate (and warms up on the first of them), as before. Each result's
+    ``config`` records ``prompts`` and ``seed``.
+    """
     results: list[RunResult] = []
-    workload: Optional[Workload] = None
+    workloads: dict[int, Workload] = {}
+    fresh = getattr(args, "prompts", "fresh") == "fresh"
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
+
+    def workload_for(key: int, base_url: str) -> Workload:
+        if key not in workloads:
+            seed = args.seed if not fresh else args.seed + (WARMUP_SEED_OFFSET if key < 0 else 1 + key)
+            workloads[key] = build_from_server(args, base_url, seed)
+            workloads[key].config["prompts"] = "fresh per rate" if fresh else "same at every rate"
+            logger.info("%d requests (seed %d), mean prompt %.0f, mean output %.0f tokens",
+                        len(workloads[key].requests), seed, workloads[key].config["mean_prompt_len"],
+                        workloads[key].config["mean_output_len"])
+        return workloads[key]
+
     for spec in servers:
         launched = LaunchedServer(spec.launch, args.launch_timeout, spec.label) if spec.launch else None
         if launched is not None:
             launched.__enter__()
         try:
             base_url = launched.base_url if launched else spec.base_url
-            if workload is None:
-                workload = build_from_server(args, base_url)
-                logger.info("%d requests, mean prompt %.0f, mean output %.0f tokens", len(workload.requests),
-                            workload.config["mean_prompt_len"], workload.config["mean_output_len"])
-            warm_up(args, base_url, workload)
-            for rate in rates:
-                result = run_one(args, spec.label, base_url, workload, rate)
+            warm_up(args, base_url, workload_for(-1 if fresh else 0, base_url))
+            for i, rate in enumerate(rates):
+                result = run_one(args, spec.label, base_url, workload_for(i if fresh else 0, base_url), rate)
                 if launched is not None:
                     result.config["launch"] = launched.command
                 results.append(result)

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES
+from goodserve.config import QUANTIZATIONS, SCHEDULING_MODES, SCHEDULING_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,10 @@ class EngineArgs:
     Attributes:
         model: GGUF file or HF model directory; ``None`` is the default model (SmolLM2-135M-Instruct).
         dtype: ``"bfloat16"`` (default: faster on this class of CPU and on GPUs) or ``"float32"``.
+        quantization: How linear layers run (``goodserve.models.quant``): ``"auto"`` (default: a GGUF's
+            Q4_0/Q4_1 weights run as they are in the file on PyTorch's int4 CPU kernel for small steps,
+            in bfloat16 only; everything else in ``dtype``), ``"none"`` (dequantize to ``dtype``), ``"int4"``
+            / ``"int8"`` (every linear layer on that kernel, re-quantizing what the file holds otherwise).
         device: ``"cpu"`` or ``"cuda"``; ``None`` picks CUDA when available.
         block_size: Tokens per KV block.
         num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
@@ -47,6 +51,7 @@ class EngineArgs:
 
     model: Optional[str] = None
     dtype: str = "bfloat16"
+    quantization: str = "auto"
     device: Optional[str] = None
     block_size: int = 16
     num_blocks: Optional[int] = None
@@ -64,6 +69,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -85,6 +92,9 @@ class EngineArgs:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+        g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                       help="auto (default): a GGUF's Q4_0/Q4_1 weights as they are, on the int4 CPU kernel "
+                            "(bfloat16 only); none: dequantize to --dtype; int4/int8: every linear layer")
         g.add_argument("--device", default=None, choices=["cpu", "cuda"])
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")

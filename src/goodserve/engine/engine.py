@@ -83,7 +83,7 @@ class Engine:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = args.model or default_model_path()
         t0 = time.perf_counter()
-        loaded = load_model(path, DTYPES[args.dtype])
+        loaded = load_model(path, DTYPES[args.dtype], keep_quantized=args.quantization != "none")
         logger.info("loaded %s (%s) in %.1f s", path, loaded.config.architecture, time.perf_counter() - t0)
         num_blocks, max_model_len = resolve_pool(args, loaded.config, device)
         self.config = EngineConfig(
@@ -94,7 +94,7 @@ class Engine:
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                       policy=args.scheduling_policy, mode=args.scheduler),
-            dtype=args.dtype, device=device, seed=args.seed, log_stats_interval=args.log_stats_interval)
+            dtype=args.dtype, quantization=args.quantization, device=device, seed=args.seed, log_stats_interval=args.log_stats_interval)
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.core = EngineCore(self.config, loaded.weights)

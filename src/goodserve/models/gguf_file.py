@@ -1,6 +1,7 @@
 """Read a GGUF file (llama.cpp format): metadata, quantized tensors and the embedded tokenizer.
 
-Tensors are dequantized with numpy (``gguf.quants``) and renamed to Hugging Face parameter names
+Tensors are dequantized with numpy (``gguf.quants``), or kept as the file's Q4_0/Q4_1/Q8_0 blocks for the
+low-bit kernels (:mod:`goodserve.models.quant`), and renamed to Hugging Face parameter names
 (``model.layers.0.self_attn.q_proj.weight``, shape ``[out_features, in_features]``).
 
 GGUF notes:
@@ -20,12 +21,13 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from goodserve.config import ModelConfig, token_id_list, unique_ids
+from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, unpack_gguf_blocks
 from goodserve.models.checkpoint import LoadedModel, load_gguf_tokenizer, tokenizer_chat_template, with_tokenizer_eos
 
 logger = logging.getLogger(__name__)
@@ -141,8 +143,17 @@ def _gguf_hf_name(name: str) -> Optional[str]:
     return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantize one GGUF tensor to a torch tensor in HF layout (``[out, in]`` for linear weights)."""
+def _rotary_heads(config: ModelConfig, hf_name: str) -> Optional[int]:
+    """Heads whose rows llama.cpp reordered in this tensor (Q/K of ``llama``), else ``None``."""
+    if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        return config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+    return None
+
+
+def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dtype,
+                 keep_quantized: bool) -> Union[torch.Tensor, BlockQuantized]:
+    """One GGUF tensor in HF layout (``[out, in]`` for linear weights): dequantized to ``dtype``, or as the
+    file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q8_0 linear weight."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -150,6 +161,13 @@ def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dt
     # torch shape is GGUF's ne order reversed: ne = [in, out] -> [out, in].
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     data = np.asarray(tensor.data)  # plain ndarray view of the memory map (memmap views are slow)
+    heads = _rotary_heads(config, hf_name)
+    if keep_quantized and qtype.name in BLOCK_TYPES and hf_name.endswith("proj.weight") and len(shape) == 2:
+        weight = unpack_gguf_blocks(data, qtype.name, shape)
+        if heads is not None:
+            index = _unpermute_rotary_rows(np.arange(shape[0]), heads)
+            weight = weight.permute_rows(torch.from_numpy(index))
+        return weight
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         array = np.array(data).reshape(shape)
     else:
@@ -157,13 +175,13 @@ def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dt
             array = dequantize(data, qtype).reshape(shape)  # float32
         except NotImplementedError as exc:
             raise ValueError(f"GGUF tensor {tensor.name}: unsupported type {qtype.name}") from exc
-    if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
-        n_heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
-        array = _unpermute_rotary_rows(array, n_heads)
+    if heads is not None:
+        array = _unpermute_rotary_rows(array, heads)
     return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
 
-def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype,
+                  keep_quantized: bool) -> dict[str, Union[torch.Tensor, BlockQuantized]]:
     named = []
     for tensor in reader.tensors:
         hf_name = _gguf_hf_name(tensor.name)
@@ -175,16 +193,18 @@ def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype) -> dict[
     # numpy releases the GIL in its array kernels, so a few threads overlap the per-tensor dequantization.
     workers = min(8, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_gguf_tensor, tensor, name, config, dtype) for name, tensor in named]
+        futures = [pool.submit(_gguf_tensor, tensor, name, config, dtype, keep_quantized) for name, tensor in named]
         return {name: future.result() for (name, _), future in zip(named, futures)}
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
-    """Load a GGUF file: metadata, tensors (dequantized with numpy) and the embedded tokenizer.
+def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> LoadedModel:
+    """Load a GGUF file: metadata, tensors (dequantized with numpy, or kept as blocks) and the tokenizer.
 
     Args:
         path: The ``.gguf`` file.
-        dtype: Dtype every weight is cast to (quantized tensors are dequantized to float32 first).
+        dtype: Dtype every dense weight is cast to (quantized tensors are dequantized to float32 first).
+        keep_quantized: Keep Q4_0/Q4_1/Q8_0 linear weights (``*proj.weight``) as
+            :class:`~goodserve.models.quant.BlockQuantized` codes, scales and minimums, as in the file.
 
     Returns:
         The :class:`LoadedModel` (weights on CPU, HF names); ``vocab_size`` is the embedding's rows.
@@ -202,7 +222,7 @@ def load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
     # Build the transformers tokenizer (~0.5 s, mostly outside the GIL) while we dequantize.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(load_gguf_tokenizer, path)
-        weights = _gguf_weights(reader, config, dtype)
+        weights = _gguf_weights(reader, config, dtype, keep_quantized)
         del reader
         tokenizer = tokenizer_future.result()
 

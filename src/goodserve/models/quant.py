@@ -1,0 +1,286 @@
+"""Weight-only low-bit linear layers for CPU, fed from GGUF blocks as they are in the file.
+
+A GGUF ``Q4_0`` / ``Q4_1`` tensor stores each row in blocks of 32 weights with an fp16 scale ``d`` (and, for
+``Q4_1``, an fp16 minimum ``m``) and 4-bit codes ``q`` in 0..15 (llama.cpp ``ggml-quants.c``):
+
+* ``Q4_0``: ``w = d * (q - 8)``
+* ``Q4_1``: ``w = d * q + m``
+* ``Q8_0``: ``w = d * q`` with ``q`` in -128..127.
+
+PyTorch's CPU kernel ``aten._weight_int4pack_mm_for_cpu`` computes with ``w = (q - 8) * scale + zero`` per
+group of ``group_size`` input features, an affine int4 group: ``Q4_0`` maps to ``scale = d, zero = 0`` and
+``Q4_1`` to ``scale = d, zero = m + 8d``, so the codes are used as they are in the file, never re-rounded.
+The scales are held in the activation dtype (bfloat16 on the fast path: ``d`` and ``zero`` are rounded to
+bfloat16's 8 significant bits, the same relative error as widening the dequantized weight to bfloat16).
+``aten._weight_int8pack_mm`` holds one scale per output row, so int8 is a re-quantization (per row,
+symmetric, round to nearest) and never exact.
+
+These kernels are matrix-vector kernels: fast while a step has few rows, far slower than oneDNN's bfloat16
+GEMM for a prefill chunk. :class:`QuantLinear` therefore runs steps of at most ``max_rows`` rows on the
+kernel and larger ones on a dense copy of the same weight, made from the codes on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from goodserve.config import QUANTIZATIONS
+
+GROUP_SIZE = 32  # weights per GGUF block (QK4_0 = QK4_1 = QK8_0 = 32)
+
+#: Steps of more rows than this run on the dense copy: on this class of CPU the int4 kernel is faster than
+#: bfloat16 GEMM up to a handful of rows and several times slower at prefill sizes (BENCHMARKS.md).
+DEFAULT_MAX_ROWS = 4
+
+# Byte layout of one block (ggml-common.h): fp16 d [, fp16 m], then the codes.
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+#: GGUF tensor types :func:`unpack_gguf_blocks` reads.
+BLOCK_TYPES = tuple(_BLOCK_BYTES)
+
+
+@dataclass
+class BlockQuantized:
+    """A weight in GGUF block form, unpacked: row ``n``, group ``g`` holds ``scale[n, g] * (q - offset) + min``.
+
+    Attributes:
+        qtype: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
+        q: ``[out_features, in_features]`` codes, ``uint8`` 0..15 for Q4, ``int8`` for Q8.
+        scales: ``[out_features, in_features // 32]`` float32 (the file's fp16 ``d``).
+        mins: ``[out_features, in_features // 32]`` float32 (Q4_1's ``m``), or ``None``.
+    """
+
+    qtype: str
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: Optional[torch.Tensor] = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """``[out, in]`` float32 weights computed as llama.cpp / ``gguf.quants`` do (``d * q + m``)."""
+        n, k = self.q.shape
+        q = self.q.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        if self.qtype == "Q4_0":
+            q = q - 8
+        w = self.scales[..., None] * q
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.view(n, k)
+
+    def permute_rows(self, index: torch.Tensor) -> "BlockQuantized":
+        """The same weight with its rows reordered (``index``: ``[out_features]`` new -> old row)."""
+        mins = None if self.mins is None else self.mins[index]
+        return BlockQuantized(self.qtype, self.q[index], self.scales[index], mins)
+
+    @staticmethod
+    def cat(parts: list["BlockQuantized"]) -> "BlockQuantized":
+        """Stack weights of one type along the output rows (q/k/v or gate/up fusion).
+
+        Raises:
+            ValueError: when the parts are of different types.
+        """
+        kinds = {p.qtype for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse weights of different quantization types {sorted(kinds)}")
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return BlockQuantized(parts[0].qtype, torch.cat([p.q for p in parts]),
+                              torch.cat([p.scales for p in parts]), mins)
+
+
+def unpack_gguf_blocks(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> BlockQuantized:
+    """Split a GGUF tensor's raw bytes into codes, scales and minimums.
+
+    Args:
+        data: ``[out_features, bytes_per_row]`` uint8 as the GGUF reader maps it.
+        qtype: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
+        shape: ``(out_features, in_features)``.
+
+    Returns:
+        The :class:`BlockQuantized` weight (codes in the file's order: within a Q4 block, byte ``j`` holds
+        weight ``j`` in its low nibble and weight ``j + 16`` in its high nibble).
+
+    Raises:
+        ValueError: for another type, or a byte count that does not match ``shape``.
+    """
+    if qtype not in _BLOCK_BYTES:
+        raise ValueError(f"no block layout for GGUF type {qtype}")
+    n, k = shape
+    if k % GROUP_SIZE or data.size != n * (k // GROUP_SIZE) * _BLOCK_BYTES[qtype]:
+        raise ValueError(f"GGUF {qtype} tensor of {data.size} bytes does not hold a [{n}, {k}] weight")
+    blocks = np.ascontiguousarray(data).reshape(n, k // GROUP_SIZE, _BLOCK_BYTES[qtype])
+    scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if qtype == "Q8_0":
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
+        return BlockQuantized(qtype, q, scales)
+    mins = None
+    if qtype == "Q4_1":
+        mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    codes = torch.from_numpy(blocks[..., -16:].copy())  # [n, groups, 16]
+    q = torch.cat([codes & 15, codes >> 4], dim=-1).reshape(n, k)
+    return BlockQuantized(qtype, q, scales, mins)
+
+
+def quantize_int4(weight: torch.Tensor) -> BlockQuantized:
+    """Round-to-nearest asymmetric int4 in groups of 32 (a Q4_1-like block) for weights the file holds dense.
+
+    Args:
+        weight: ``[out_features, in_features]`` with ``in_features % 32 == 0``.
+    """
+    n, k = weight.shape
+    w = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scales = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((w - lo[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.uint8).view(n, k)
+    return BlockQuantized("Q4_1", q, scales, lo)
+
+
+def pack_int4(weight: BlockQuantized, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 kernel's operands for a Q4_0/Q4_1 weight.
+
+    Returns:
+        ``(packed, scales_and_zeros)``: ``[out, in // 2]`` uint8 and ``[in // 32, out, 2]`` in ``dtype``
+        (``scale = d``; ``zero = m + 8d`` for Q4_1, ``0`` for Q4_0).
+
+    Raises:
+        ValueError: for another type, or ``out_features`` not a multiple of 64 (the kernel's row tile).
+    """
+    if weight.qtype not in ("Q4_0", "Q4_1"):
+        raise ValueError(f"{weight.qtype} weights do not map to the int4 kernel")
+    n, _ = weight.shape
+    if n % 64:
+        raise ValueError(f"int4 packing needs out_features to be a multiple of 64, got {n}")
+    zeros = torch.zeros_like(weight.scales) if weight.mins is None else weight.mins + 8 * weight.scales
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
+    scales_and_zeros = torch.stack([weight.scales.t(), zeros.t()], dim=-1).contiguous().to(dtype)
+    return packed, scales_and_zeros
+
+
+def unpack_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dense ``[out, in]`` weight of :func:`pack_int4`'s operands: ``(q - 8) * scale + zero`` in float32.
+
+    The CPU packing stores, per tile of 64 output rows and per input feature, rows ``r`` and ``r + 32`` of
+    the tile in the low and high nibble of one byte (``[out / 64, in, 32]``); ``tests/test_quant.py`` checks
+    the round trip against the kernel.
+    """
+    n, k = packed.shape[0], packed.shape[1] * 2
+    tiles = packed.view(n // 64, k, 32)
+    q = torch.cat([tiles & 15, tiles >> 4], dim=-1).permute(0, 2, 1).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    sz = scales_and_zeros.float()  # [groups, n, 2]
+    w = (q.float() - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+    return w.view(n, k).to(dtype)
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 (round to nearest) for ``aten._weight_int8pack_mm``.
+
+    Returns:
+        ``(q, scales)``: ``[out, in]`` int8 and ``[out]`` in ``dtype``.
+    """
+    w = weight.float()
+    scales = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales.to(dtype)
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` held as int4 groups or int8 rows.
+
+    Args:
+        kind: ``"int4"`` or ``"int8"``.
+        weight: For int4, a Q4_0/Q4_1 :class:`BlockQuantized`; for int8, a dense ``[out, in]`` tensor.
+        dtype: Activation dtype (the kernels are fast in bfloat16).
+        bias: ``[out]`` or ``None``.
+        max_rows: Steps of more rows run on a dense ``dtype`` copy of the weight, made on first use.
+
+    Raises:
+        ValueError: see :func:`pack_int4`.
+    """
+
+    def __init__(self, kind: str, weight, dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+                 max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        super().__init__()
+        self.kind, self.dtype, self.max_rows = kind, dtype, max_rows
+        if kind == "int4":
+            self.out_features, self.in_features = weight.shape
+            packed, extra = pack_int4(weight, dtype)
+        elif kind == "int8":
+            self.out_features, self.in_features = weight.shape
+            packed, extra = quantize_int8(weight, dtype)
+        else:
+            raise ValueError(f"unknown kernel {kind!r}; expected 'int4' or 'int8'")
+        self.register_buffer("packed", packed)
+        self.register_buffer("extra", extra)  # int4: scales_and_zeros [groups, out, 2]; int8: scales [out]
+        self.bias = None if bias is None else bias.to(dtype)
+        self._dense: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel call reads for the weight (codes + scales)."""
+        return self.packed.numel() * self.packed.element_size() + self.extra.numel() * self.extra.element_size()
+
+    def dense_weight(self) -> torch.Tensor:
+        """``[out, in]`` in the activation dtype (made once, kept)."""
+        if self._dense is None:
+            if self.kind == "int4":
+                self._dense = unpack_int4(self.packed, self.extra, self.dtype)
+            else:
+                self._dense = (self.packed.float() * self.extra.float()[:, None]).to(self.dtype)
+        return self._dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[rows, in_features]`` in the activation dtype -> ``[rows, out_features]``."""
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, self.dense_weight(), self.bias)
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.extra)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.extra)
+        return y if self.bias is None else y + self.bias
+
+
+def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quantization: str) -> nn.Module:
+    """The linear layer that runs ``weight`` under ``--quantization`` (rules in :data:`QUANTIZATIONS`).
+
+    ``auto`` keeps each weight as the file holds it where a kernel exists: Q4_0/Q4_1 blocks run on the int4
+    kernel when ``dtype`` is bfloat16 (PyTorch 2.13's kernels have no fast float32 path on CPU: ~30x
+    slower); every other weight is dequantized to ``dtype``.
+
+    Args:
+        weight: ``[out, in]`` tensor or :class:`BlockQuantized`.
+        bias: ``[out]`` or ``None``.
+        dtype: Activation dtype.
+        quantization: One of :data:`QUANTIZATIONS`.
+
+    Returns:
+        An ``nn.Linear`` (dense, ``dtype``) or a :class:`QuantLinear`.
+
+    Raises:
+        ValueError: on an unknown ``quantization``, or ``int4`` for a weight the kernel cannot hold.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    q4 = isinstance(weight, BlockQuantized) and weight.qtype in ("Q4_0", "Q4_1")
+    if quantization == "auto":
+        quantization = "int4" if q4 and dtype == torch.bfloat16 and weight.shape[0] % 64 == 0 else "none"
+    if quantization == "int4":
+        return QuantLinear("int4", weight if q4 else quantize_int4(_dense(weight)), dtype, bias)
+    if quantization == "int8":
+        return QuantLinear("int8", _dense(weight), dtype, bias)
+    dense = _dense(weight)
+    layer = nn.Linear(dense.shape[1], dense.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(dense.to(dtype), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    return layer
+
+
+def _dense(weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, BlockQuantized) else weight

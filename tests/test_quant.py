@@ -1,0 +1,164 @@
+"""Low-bit weights (``goodserve.models.quant``): the file's blocks, the kernels' layouts, and their accuracy.
+
+Synthetic tensors are quantized with ``gguf.quants`` (llama.cpp's reference quantizers, in numpy), so the
+expected values are the file's own dequantization, not ours.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from goodserve.models.quant import (BlockQuantized, QuantLinear, make_linear, pack_int4, quantize_int4,
+                                    unpack_gguf_blocks, unpack_int4)
+
+
+def _gguf_weight(qtype: str, n: int = 128, k: int = 96, seed: int = 0):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05 + rng.uniform(-0.02, 0.02, (n, 1))).astype(np.float32)
+    t = GGMLQuantizationType[qtype]
+    data = quantize(w, t)  # [n, bytes_per_row] uint8, the file's bytes
+    return data, torch.from_numpy(dequantize(data, t).reshape(n, k))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_unpacked_blocks_dequantize_exactly_as_gguf(qtype):
+    data, ref = _gguf_weight(qtype)
+    w = unpack_gguf_blocks(data, qtype, (128, 96))
+    assert w.q.shape == (128, 96) and w.scales.shape == (128, 3)
+    assert torch.equal(w.dequantize(), ref)
+
+
+def test_unpack_rejects_wrong_sizes():
+    data, _ = _gguf_weight("Q4_1")
+    with pytest.raises(ValueError, match="does not hold"):
+        unpack_gguf_blocks(data, "Q4_1", (128, 64))
+    with pytest.raises(ValueError, match="no block layout"):
+        unpack_gguf_blocks(data, "Q5_K", (128, 96))
+
+
+def _kernel_weight(packed, sz):
+    """The weight the int4 kernel multiplies by, read back through the kernel: ``I @ W^T`` in float32."""
+    k = packed.shape[1] * 2
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k), packed, 32, sz).t()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_kernel_holds_the_file_weights(qtype):
+    """The packed layout with float32 scales is the file's dequantized weight: Q4_0 bit for bit, Q4_1 up to
+    the float32 rounding of ``zero = m + 8d`` (the kernel computes ``(q - 8) * d + zero``, the file
+    ``d * q + m``)."""
+    data, ref = _gguf_weight(qtype)
+    packed, sz = pack_int4(unpack_gguf_blocks(data, qtype, (128, 96)), torch.float32)
+    got = _kernel_weight(packed, sz)
+    if qtype == "Q4_0":
+        assert torch.equal(got, ref)
+    else:
+        eps = torch.finfo(torch.float32).eps
+        bound = 2 * eps * sz[..., 1].abs().max() + 2 * eps * ref.abs().max()
+        assert (got - ref).abs().max() <= bound
+    # The dense copy for large steps is read from the packed bytes: the same weight.
+    assert torch.equal(unpack_int4(packed, sz, torch.float32), got)
+
+
+def test_int4_rotary_row_permutation_and_fusion_commute_with_packing():
+    data, ref = _gguf_weight("Q4_1", n=64)
+    data2, ref2 = _gguf_weight("Q4_1", n=64, seed=1)
+    a, b = unpack_gguf_blocks(data, "Q4_1", (64, 96)), unpack_gguf_blocks(data2, "Q4_1", (64, 96))
+    index = torch.randperm(64)
+    fused = BlockQuantized.cat([a.permute_rows(index), b])
+    assert torch.equal(fused.dequantize(), torch.cat([ref[index], ref2]))
+    with pytest.raises(ValueError, match="different quantization types"):
+        BlockQuantized.cat([a, unpack_gguf_blocks(_gguf_weight("Q4_0", n=64)[0], "Q4_0", (64, 96))])
+
+
+def test_int4_packing_needs_rows_in_tiles_of_64():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_int4(quantize_int4(torch.randn(96, 64)), torch.bfloat16)
+
+
+def test_quantize_int4_is_round_to_nearest_within_half_a_step():
+    w = torch.randn(64, 128)
+    q = quantize_int4(w)
+    step = q.scales.repeat_interleave(32, dim=1)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quant_linear_kernel_and_dense_paths_agree(kind):
+    """Small steps run the kernel, large ones the dense copy: both compute with the same weight."""
+    torch.manual_seed(0)
+    data, ref = _gguf_weight("Q4_1", n=128, k=96)
+    weight = unpack_gguf_blocks(data, "Q4_1", (128, 96)) if kind == "int4" else ref
+    bias = torch.randn(128)
+    layer = QuantLinear(kind, weight, torch.bfloat16, bias, max_rows=4)
+    x = torch.randn(8, 96).to(torch.bfloat16)
+    small = torch.cat([layer(x[i:i + 4]) for i in (0, 4)])  # kernel
+    large = layer(x)  # dense copy
+    expect = x.float() @ ref.t() + bias
+    scale = expect.abs().max()
+    assert (small.float() - large.float()).abs().max() <= 0.02 * scale
+    assert (large.float() - expect).abs().max() <= (0.02 if kind == "int4" else 0.05) * scale
+
+
+def test_make_linear_auto_keeps_4bit_blocks_only_in_bfloat16():
+    data, ref = _gguf_weight("Q4_1", n=128)
+    w = unpack_gguf_blocks(data, "Q4_1", (128, 96))
+    assert isinstance(make_linear(w, None, torch.bfloat16, "auto"), QuantLinear)
+    dense = make_linear(w, None, torch.float32, "auto")
+    assert isinstance(dense, nn.Linear) and torch.equal(dense.weight, ref)
+    q8 = unpack_gguf_blocks(_gguf_weight("Q8_0")[0], "Q8_0", (128, 96))
+    assert isinstance(make_linear(q8, None, torch.bfloat16, "auto"), nn.Linear)
+    assert isinstance(make_linear(q8, None, torch.bfloat16, "int8"), QuantLinear)
+    assert isinstance(make_linear(ref, None, torch.bfloat16, "int4"), QuantLinear)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        make_linear(ref, None, torch.bfloat16, "int3")
+
+
+def _stepwise_logits(weights, config, dtype, quantization, ids):
+    """Logits at every position of ``ids`` fed one token per step (the decode path: one row per step)."""
+    from goodserve.models.attention import AttentionMetadata, TorchAttentionBackend
+    from goodserve.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_weights(weights, dtype, quantization)
+    block = 16
+    shape = (4, block, config.num_key_value_heads, config.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+              for _ in range(config.num_hidden_layers)]
+    attn, out = TorchAttentionBackend(), []
+    with torch.inference_mode():
+        for p, t in enumerate(ids):
+            table = list(range(p // block + 1))
+            meta = AttentionMetadata.build(block, [table], [p + 1], [], torch.tensor([p]), torch.device("cpu"))
+            h = model(torch.tensor([t]), torch.tensor([p]), caches, meta, attn)
+            out.append(model.compute_logits(h)[0])
+    return torch.stack(out)
+
+
+@pytest.mark.slow
+def test_default_model_int4_logits_close_to_the_float32_dequantized_model():
+    """Issue 15: the default model's Q4_1 blocks on the int4 kernel (bfloat16 activations) against the same
+    file dequantized to float32, on the 28 decode steps of a real prompt.
+
+    Documented tolerance: the int4 path's largest logit error is at most 1.5x that of the dense bfloat16
+    path (the file dequantized, then rounded to bfloat16) and below 5% of the largest logit; the greedy
+    (argmax) token agrees with float32 at >= 90% of positions. Measured (2026-12-01): largest error 0.84
+    (int4) vs 0.77 (bf16) on logits up to 32.7; argmax agreement 27/28 (int4), 26/28 (bf16)."""
+    from goodserve.models.loader import default_model_path, load_model
+    from tiny_models import smollm2_tokenizer
+
+    loaded = load_model(default_model_path(), torch.float32, keep_quantized=True)
+    ids = smollm2_tokenizer().encode("The quick brown fox jumps over the lazy dog. In 1969, the first humans "
+                                     "walked on the Moon, and since then")[:40]
+    ref = _stepwise_logits(loaded.weights, loaded.config, torch.float32, "none", ids)
+    bf16 = _stepwise_logits(loaded.weights, loaded.config, torch.bfloat16, "none", ids)
+    int4 = _stepwise_logits(loaded.weights, loaded.config, torch.bfloat16, "auto", ids)
+    err_bf16, err_int4 = (bf16 - ref).abs().max(), (int4 - ref).abs().max()
+    assert err_int4 <= 1.5 * err_bf16 and err_int4 <= 0.05 * ref.abs().max(), (err_bf16, err_int4)
+    agree = (int4.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agree >= 0.9, agree
