@@ -10,6 +10,7 @@ JSON result and plots, so a simulated run reads like a measured one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import sys
@@ -26,8 +27,9 @@ from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_b
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
 from goodserve.workload.arrivals import poisson_arrivals
 from goodserve.workload.datasets import AZURE_FILES, clip_specs, load_azure, random_lengths
-from goodserve.workload.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
-from goodserve.workload.slo import parse_slos
+from goodserve.workload.report import (RunResult, class_results, format_classes, format_summary, format_sweep,
+                                       max_rate_meeting, plot, rate_str, save_json)
+from goodserve.workload.slo import assign_slo_classes, parse_slo_class_mix, parse_slos
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                  "with >= 90%% SLO attainment")
     w.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs in ms, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    w.add_argument("--slo-class", action="append", default=None, metavar="NAME:TTFT_MS:TPOT_MS:SHARE",
+                   help="mixed SLO classes (repeatable; shares sum to 1): each request is drawn into one (seeded) "
+                        "and carries its SLOs; attainment and goodput are also reported per class")
     s = p.add_argument_group("engine (as in serve)")
     s.add_argument("--scheduler", default="chunked",
                    help=f"batching mode, or several comma-separated to compare: {', '.join(SCHEDULING_MODES)}")
@@ -221,10 +226,16 @@ def simulate_once(args: argparse.Namespace, arch: ArchSpec, mode: str, rate: flo
     cluster = build_cluster(args, arch, mode, policy)
     if requests is None:
         requests = build_workload(args, rate, cluster.scheduler.max_model_len)
+    classes = parse_slo_class_mix(getattr(args, "slo_class", None))
+    assigned = assign_slo_classes(len(requests), classes, args.seed) if classes else []
+    requests = [dataclasses.replace(r, slo_ttft=c.slos.get("ttft"), slo_tpot=c.slos.get("tpot"))
+                for r, c in zip(requests, assigned)] or requests
     result = Simulator(cluster, build_cost_model(args, arch), requests, slos).run()
     config = {"mode": mode, "policy": policy, "instances": result.instances, "num_instances": cluster.num_instances,
               "num_blocks": cluster.cache.num_blocks, "num_preemptions": result.num_preemptions,
               "mean_kv_transfer_s": result.mean_kv_transfer_s}
+    if assigned:
+        config["slo_classes"] = class_results(result.records, assigned, result.summary.duration)
     label = label or mode
     return RunResult(label=label if not cluster.disaggregation else f"{label}-disagg", rate=rate,
                      summary=result.summary, records=result.records, config=config)
@@ -321,6 +332,8 @@ def _report(args: argparse.Namespace, arch: ArchSpec, results: list[RunResult], 
             if best is not None:
                 print(f"{label}: goodput {best:g} req/s at >= 90% attainment = {best / n:g} req/s per instance",
                       file=out)
+    if any(r.config.get("slo_classes") for r in results):
+        print(format_classes(results), file=out)
     for text in comparisons:
         print(text, file=out)
     meta = {"model": arch.name, "hardware": args.hardware, "cost_model": args.cost_model, "dtype": args.dtype,
