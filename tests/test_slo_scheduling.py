@@ -112,6 +112,15 @@ def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():
     assert all((r.e2e - r.ttft) / (r.output_tokens - 1) > 0.0135 for r in fcfs.records)
 
 
+def test_a_tpot_slo_no_step_can_meet_is_not_protected():
+    """A 5-ms TPOT SLO when a one-token step takes 11 ms: nobody can meet it, so slo neither stops admission
+    nor cuts chunks for it (it would serve one request at a time for nothing); it schedules as fcfs does."""
+    reqs = [SimRequest(f"r{i}", 0.0, 2, 10, slo_tpot=0.005) for i in range(5)]
+    (fsim, fcfs), (ssim, slo) = run("fcfs", reqs), run("slo", reqs)
+    assert ssim.instances[0].max_running == fsim.instances[0].max_running == 5
+    assert [r.e2e for r in slo.records] == [r.e2e for r in fcfs.records]
+
+
 # -------------------------------------------------------------------------------------- preemption
 def _two_decoding(policy: str) -> tuple[Scheduler, list[str]]:
     """B (no SLO) and then A (TPOT SLO 1 s) fill a 4-block pool with their 8-token prompts; their first

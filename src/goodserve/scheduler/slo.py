@@ -15,11 +15,15 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    :class:`SLOUnattainableError` (HTTP 429), and a queued one ends with ``finish_reason="shed"``.
 3. **Token budget from the TPOT SLO** (Sarathi-Serve §4.3 derives a fixed budget from the TBT SLO; here it is
    decided per step): decodes are scheduled first, and each prefill chunk is cut to the largest size whose
-   predicted step time stays within the tightest TPOT SLO of the running requests. A step with no decodes
-   still gets at least one block of prefill, so a step is never empty.
+   predicted step time stays within the tightest TPOT SLO of the running requests. The first prefill chunk
+   of a step still gets at least one block, so prompts always progress and a step is never empty.
 4. **Admission stop**: a waiting request is admitted only while a decode step over all running requests
    plus it is predicted to stay within the tightest TPOT SLO (its own included); the first running request
    is always admitted.
+
+A TPOT SLO that even a one-token step cannot meet (the model predicts ``overhead + per token + per sampled``
+above it) cannot be protected: rules 3 and 4 then ignore it, and the step is as large as the token budget
+allows (maximum throughput), rather than serving one request at a time for nothing.
 5. **Preemption victim**: the running list is ordered by slack, so the request preempted under memory
    pressure (the tail) is the one with the most slack. Slack: for a request that has streamed ``k`` tokens,
    ``first_token_time + slo_tpot · k - now`` (when its next token is due for its TPOT to hold); for one
@@ -84,6 +88,7 @@ class SLOPolicy:
         # Set by begin_step for the step being built.
         self.tpot_limit = INF
         self.acc = StepAccumulator()
+        self._prefill_in_step = False
 
     # ----------------------------------------------------------------------------------- predictions
     def prefill_time(self, num_tokens: int) -> float:
@@ -150,8 +155,10 @@ class SLOPolicy:
         """Order ``running`` by slack (tail = most slack, the preemption victim), take the tightest TPOT
         SLO as the step's time limit, and count the decodes into the step being built."""
         running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
-        self.tpot_limit = min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF)
+        self.tpot_limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
+                                                default=INF))
         self.acc = StepAccumulator()
+        self._prefill_in_step = False
         for r in running:
             if r.num_tokens - r.num_computed_tokens == 1:
                 self.acc.add(1, r.num_computed_tokens, True)
@@ -159,21 +166,26 @@ class SLOPolicy:
     def chunk_size(self, num_computed: int, n: int, sample: bool) -> int:
         """Cut a prefill chunk of ``n`` tokens to the step's time limit (rule 3) and count it in the step.
 
-        A step holding no tokens yet gets at least ``min(n, block_size)``."""
+        The step's first prefill chunk gets at least ``min(n, block_size)``."""
         cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.tpot_limit)
-        if self.acc.tokens == 0:
+        if not self._prefill_in_step:
             cut = max(cut, min(n, self.block_size))
         return cut
 
     def count(self, num_computed: int, n: int, sample: bool) -> None:
         """Record a chunk scheduled in this step (decodes were counted by :meth:`begin_step`)."""
         self.acc.add(n, num_computed, sample)
+        self._prefill_in_step = True
+
+    def _protectable(self, limit: float) -> float:
+        """``limit``, or infinity if not even a one-token step is predicted to meet it."""
+        return limit if limit == INF or self.model.predict(1, 1, 1) <= limit else INF
 
     def may_admit(self, req: Request, running: list[Request]) -> bool:
         """Rule 4: one more decode keeps the predicted decode step within the tightest TPOT SLO."""
         if not running:
             return True
-        limit = min(self.tpot_limit, req.slo_tpot if req.slo_tpot is not None else INF)
+        limit = min(self.tpot_limit, self._protectable(req.slo_tpot if req.slo_tpot is not None else INF))
         if limit == INF:
             return True
         n, pairs = self._decode_figures(running)
@@ -185,7 +197,7 @@ class SLOPolicy:
         acc = StepAccumulator()
         for r in decodes:
             acc.add(1, r.num_tokens - 1, True)
-        limit = min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF)
+        limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
         room = max(1, self.max_num_batched_tokens - acc.tokens)
         n = self.max_chunk(acc, 0, room, True, limit) or room
         return n, self.model.predict(acc.tokens + n, acc.sampled + 1, acc.pairs + chunk_pairs(n, 0))
