@@ -257,8 +257,11 @@ def warm_up(args: argparse.Namespace, base_url: str, workload: Workload) -> None
 
     Full-size prompts warm the kernels and allocator for the shapes the benchmark will use.
 
+    A warm-up the server refuses by admission control (HTTP 429, or shed by the ``slo`` policy) is not a
+    failure: the server answered as designed.
+
     Raises:
-        RuntimeError: if a warm-up request fails (the server is not usable).
+        RuntimeError: if a warm-up request fails otherwise (the server is not usable).
     """
     n = min(args.num_warmups, len(workload.requests))
     if n <= 0:
@@ -266,7 +269,8 @@ def warm_up(args: argparse.Namespace, base_url: str, workload: Workload) -> None
     reqs = [BenchRequest(r.prompt, r.prompt_len, min(r.output_len, 8)) for r in workload.requests[:n]]
     target = Target(base_url, args.endpoint, workload.model)
     records, _ = asyncio.run(run_requests(target, reqs, [0.0] * n))
-    bad = [r.error for r in records if not r.success]
+    bad = [r.error for r in records if not r.success and not r.error.startswith("HTTP 429")
+           and "slo_unattainable" not in r.error and "shed:" not in r.error]
     if bad:
         raise RuntimeError(f"warm-up request failed against {base_url}: {bad[0]}")
 

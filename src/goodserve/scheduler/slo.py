@@ -10,30 +10,37 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    time of their own prefill. Requests without a TTFT SLO follow, in arrival order; a preempted request that
    already streamed tokens goes first, as under ``fcfs``.
 2. **Triage**: each step predicts when every waiting request would get its first token if served in that
-   order at the current prefill pace (below). One that can no longer meet its TTFT SLO is put behind all the
-   others (it is *late*), or, with ``shed_load``, refused at once: on arrival the request is refused with
+   order at the prefill pace (below). One that can no longer meet its TTFT SLO is put behind all the others
+   (it is *late*), or, with ``shed_load``, refused at once: on arrival the request is refused with
    :class:`SLOUnattainableError` (HTTP 429), and a queued one ends with ``finish_reason="shed"``.
 3. **Token budget from the TPOT SLO** (Sarathi-Serve §4.3 derives a fixed budget from the TBT SLO; here it is
-   decided per step): decodes are scheduled first, and each prefill chunk is cut to the largest size whose
-   predicted step time stays within the tightest TPOT SLO of the running requests. The first prefill chunk
-   of a step still gets at least one block, so prompts always progress and a step is never empty.
+   decided per step, from each request's own TPOT deadlines): decodes are scheduled first, and each prefill
+   chunk is cut to the largest size whose predicted step time ends before the earliest *next-token
+   deadline* of the decoding requests. TPOT is an average, so a request that has streamed ``k`` tokens since
+   its first at ``t1`` keeps its SLO as long as token ``k + 1`` comes by ``t1 + slo_tpot · k``: a request
+   that went faster than its SLO has banked time that a longer prefill step may use. A request behind that
+   schedule still allows a step of ``slo_tpot``. The first prefill chunk of a step gets at least one block,
+   so prompts always progress and a step is never empty.
 4. **Admission stop**: a waiting request is admitted only while a decode step over all running requests
-   plus it is predicted to stay within the tightest TPOT SLO (its own included); the first running request
-   is always admitted.
+   plus it is predicted to stay within the tightest TPOT SLO (its own included): in steady state every
+   step is a decode step, and a TPOT average above the step time cannot hold. The first running request is
+   always admitted.
 
 A TPOT SLO that even a one-token step cannot meet (the model predicts ``overhead + per token + per sampled``
 above it) cannot be protected: rules 3 and 4 then ignore it, and the step is as large as the token budget
 allows (maximum throughput), rather than serving one request at a time for nothing.
+
 5. **Preemption victim**: the running list is ordered by slack, so the request preempted under memory
    pressure (the tail) is the one with the most slack. Slack: for a request that has streamed ``k`` tokens,
    ``first_token_time + slo_tpot · k - now`` (when its next token is due for its TPOT to hold); for one
    still prefilling, its TTFT deadline minus now minus its predicted remaining prefill; infinite without SLOs.
 
 **Prefill pace.** With the running decodes ``D`` (one token each) in every step, a step's prefill share is
-the largest chunk ``n*`` that rule 3 allows next to them, and a step then takes ``T* = predict(D + chunk)``.
-``W`` tokens of prefill (the unfinished prompts ahead in the queue, and one's own) give a first token after
-``ceil(W / n*)`` such steps. If the decodes alone exceed the TPOT limit, ``n*`` is what the token budget
-leaves (the limit cannot hold then anyway).
+what the token budget leaves, ``n* = max_num_batched_tokens - D``, and a step then takes
+``T* = predict(D + chunk of n*)``. ``W`` tokens of prefill (the unfinished prompts ahead in the queue, and
+one's own) give a first token after ``ceil(W / n*)`` such steps. This errs on the side of serving: rule 3
+may cut chunks below ``n*``, but decodes also finish and leave, and a request refused that could have made
+it is a loss the policy never recovers, while one admitted that misses costs only the work spent on it.
 """
 
 from __future__ import annotations
@@ -86,7 +93,8 @@ class SLOPolicy:
         self.shed_load = shed_load
         self.num_shed = 0
         # Set by begin_step for the step being built.
-        self.tpot_limit = INF
+        self.tpot_limit = INF  # the tightest TPOT SLO of the running requests (rule 4)
+        self.step_limit = INF  # seconds the step being built may take (rule 3)
         self.acc = StepAccumulator()
         self._prefill_in_step = False
 
@@ -152,22 +160,33 @@ class SLOPolicy:
 
     # ----------------------------------------------------------------------------------- step rules
     def begin_step(self, running: list[Request], now: float) -> None:
-        """Order ``running`` by slack (tail = most slack, the preemption victim), take the tightest TPOT
-        SLO as the step's time limit, and count the decodes into the step being built."""
+        """Order ``running`` by slack (tail = most slack, the preemption victim), set the step's time limit
+        (rule 3) and the tightest TPOT SLO (rule 4), and count the decodes into the step being built."""
         running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
         self.tpot_limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
                                                 default=INF))
+        self.step_limit = min((self.next_token_allowance(r, now) for r in running), default=INF)
         self.acc = StepAccumulator()
         self._prefill_in_step = False
         for r in running:
             if r.num_tokens - r.num_computed_tokens == 1:
                 self.acc.add(1, r.num_computed_tokens, True)
 
+    def next_token_allowance(self, req: Request, now: float) -> float:
+        """Seconds the next step may take for ``req``'s TPOT SLO (rule 3): until its next token is due, at
+        least ``slo_tpot``; infinite before its first token, without a TPOT SLO, or when no step could meet
+        it."""
+        if req.num_output_tokens == 0 or req.first_token_time is None or req.slo_tpot is None:
+            return INF
+        if self._protectable(req.slo_tpot) == INF:
+            return INF
+        return max(req.first_token_time + req.slo_tpot * req.num_output_tokens - now, req.slo_tpot)
+
     def chunk_size(self, num_computed: int, n: int, sample: bool) -> int:
         """Cut a prefill chunk of ``n`` tokens to the step's time limit (rule 3) and count it in the step.
 
         The step's first prefill chunk gets at least ``min(n, block_size)``."""
-        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.tpot_limit)
+        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.step_limit)
         if not self._prefill_in_step:
             cut = max(cut, min(n, self.block_size))
         return cut
@@ -193,13 +212,11 @@ class SLOPolicy:
 
     def prefill_pace(self, running: list[Request]) -> tuple[int, float]:
         """``(n*, T*)``: prefill tokens per step next to the running decodes, and that step's seconds."""
-        decodes = [r for r in running if r.num_output_tokens > 0]
         acc = StepAccumulator()
-        for r in decodes:
-            acc.add(1, r.num_tokens - 1, True)
-        limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
-        room = max(1, self.max_num_batched_tokens - acc.tokens)
-        n = self.max_chunk(acc, 0, room, True, limit) or room
+        for r in running:
+            if r.num_output_tokens > 0:
+                acc.add(1, r.num_tokens - 1, True)
+        n = max(1, self.max_num_batched_tokens - acc.tokens)
         return n, self.model.predict(acc.tokens + n, acc.sampled + 1, acc.pairs + chunk_pairs(n, 0))
 
     def first_token_time(self, work_tokens: int, pace: tuple[int, float], now: float) -> float:
