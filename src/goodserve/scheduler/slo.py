@@ -14,13 +14,12 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    (it is *late*), or, with ``shed_load``, refused at once: on arrival the request is refused with
    :class:`SLOUnattainableError` (HTTP 429), and a queued one ends with ``finish_reason="shed"``.
 3. **Token budget from the TPOT SLO** (Sarathi-Serve §4.3 derives a fixed budget from the TBT SLO; here it is
-   decided per step, from each request's own TPOT deadlines): decodes are scheduled first, and each prefill
-   chunk is cut to the largest size whose predicted step time ends before the earliest *next-token
-   deadline* of the decoding requests. TPOT is an average, so a request that has streamed ``k`` tokens since
-   its first at ``t1`` keeps its SLO as long as token ``k + 1`` comes by ``t1 + slo_tpot · k``: a request
-   that went faster than its SLO has banked time that a longer prefill step may use. A request behind that
-   schedule still allows a step of ``slo_tpot``. The first prefill chunk of a step gets at least one block,
-   so prompts always progress and a step is never empty.
+   decided per step): decodes are scheduled first, and each prefill chunk is cut to the largest size whose
+   predicted step time stays within the tightest TPOT SLO of the running requests. Every step, not just
+   the average, is held to it: the margin absorbs the model's prediction error (letting a step use the time
+   a request banked by running faster than its SLO measured better in simulation and worse on a real CPU,
+   whose step times scatter; BENCHMARKS.md). The first prefill chunk of a step gets at least one block, so
+   prompts always progress and a step is never empty.
 4. **Admission stop**: a waiting request is admitted only while a decode step over all running requests
    plus it is predicted to stay within the tightest TPOT SLO (its own included): in steady state every
    step is a decode step, and a TPOT average above the step time cannot hold. The first running request is
@@ -93,8 +92,7 @@ class SLOPolicy:
         self.shed_load = shed_load
         self.num_shed = 0
         # Set by begin_step for the step being built.
-        self.tpot_limit = INF  # the tightest TPOT SLO of the running requests (rule 4)
-        self.step_limit = INF  # seconds the step being built may take (rule 3)
+        self.tpot_limit = INF  # the tightest TPOT SLO of the running requests: the step's time limit
         self.acc = StepAccumulator()
         self._prefill_in_step = False
 
@@ -160,33 +158,22 @@ class SLOPolicy:
 
     # ----------------------------------------------------------------------------------- step rules
     def begin_step(self, running: list[Request], now: float) -> None:
-        """Order ``running`` by slack (tail = most slack, the preemption victim), set the step's time limit
-        (rule 3) and the tightest TPOT SLO (rule 4), and count the decodes into the step being built."""
+        """Order ``running`` by slack (tail = most slack, the preemption victim), take the tightest TPOT SLO
+        as the step's time limit, and count the decodes into the step being built."""
         running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
         self.tpot_limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
                                                 default=INF))
-        self.step_limit = min((self.next_token_allowance(r, now) for r in running), default=INF)
         self.acc = StepAccumulator()
         self._prefill_in_step = False
         for r in running:
             if r.num_tokens - r.num_computed_tokens == 1:
                 self.acc.add(1, r.num_computed_tokens, True)
 
-    def next_token_allowance(self, req: Request, now: float) -> float:
-        """Seconds the next step may take for ``req``'s TPOT SLO (rule 3): until its next token is due, at
-        least ``slo_tpot``; infinite before its first token, without a TPOT SLO, or when no step could meet
-        it."""
-        if req.num_output_tokens == 0 or req.first_token_time is None or req.slo_tpot is None:
-            return INF
-        if self._protectable(req.slo_tpot) == INF:
-            return INF
-        return max(req.first_token_time + req.slo_tpot * req.num_output_tokens - now, req.slo_tpot)
-
     def chunk_size(self, num_computed: int, n: int, sample: bool) -> int:
         """Cut a prefill chunk of ``n`` tokens to the step's time limit (rule 3) and count it in the step.
 
         The step's first prefill chunk gets at least ``min(n, block_size)``."""
-        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.step_limit)
+        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.tpot_limit)
         if not self._prefill_in_step:
             cut = max(cut, min(n, self.block_size))
         return cut
