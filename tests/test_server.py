@@ -24,6 +24,7 @@ from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.engine import Engine
 from goodserve.scheduler.output import SchedulerStats
 from goodserve.server.app import build_app
+from goodserve.server.slo_classes import parse_slo_classes
 from server_fixtures import ServerThread, metric_samples, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -317,8 +318,12 @@ def test_metrics_match_traffic(http, client, engine):
                  "goodserve:prefix_cache_queries_total", "goodserve:prefix_cache_hits_total",
                  "goodserve:request_queue_time_seconds_count", "goodserve:request_prefill_time_seconds_count",
                  "goodserve:request_decode_time_seconds_count", "goodserve:request_prompt_tokens_count",
-                 "goodserve:request_time_per_output_token_seconds_count", "goodserve:request_slo_attained_total"):
+                 "goodserve:request_time_per_output_token_seconds_count", "goodserve:num_requests_shed_total",
+                 "goodserve:step_time_predicted_seconds_total", "goodserve:step_time_actual_seconds_total"):
         assert (name, frozenset()) in after, name
+    # No SLO set on this server: the default class's series exists and counts nothing.
+    assert delta("goodserve:request_slo_attained_total", slo_class="default") == 0
+    assert after[("goodserve:steps_observed_total", frozenset())] > before[("goodserve:steps_observed_total", frozenset())]
     assert after[("goodserve:kv_cache_usage_perc", frozenset())] == 0.0
 
 
@@ -334,14 +339,16 @@ def test_grafana_dashboard_uses_served_metrics(http):
 
 def test_waiting_queue_full_429_and_slo(engine, client):
     """429 with Retry-After while the waiting queue is full; admitted requests are unaffected."""
-    app = build_app(engine, served_model_name=MODEL, max_waiting_requests=1, slo_ttft=600.0, slo_tpot=600.0)
+    app = build_app(engine, served_model_name=MODEL, max_waiting_requests=1,
+                    slo_classes=parse_slo_classes(["relaxed:600000:600000", "tight:1:-"]))
     with ServerThread(app) as srv:
         c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
         engine.pause()
         result = {}
         try:
             t = threading.Thread(target=lambda: result.setdefault(
-                "r", c.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)))
+                "r", c.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                          extra_body={"slo_class": "relaxed"})))
             t.start()
             deadline = time.monotonic() + 10
             while engine.num_waiting_total() < 1:
@@ -356,9 +363,21 @@ def test_waiting_queue_full_429_and_slo(engine, client):
             engine.resume()
         t.join(60)
         assert result["r"].choices[0].finish_reason == "length"
+        # A TTFT SLO of 1 ms is missed; the per-request field overrides its class's TTFT.
+        c.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"slo_class": "tight"})
+        c.completions.create(model=MODEL, prompt="Hello", max_tokens=2,
+                             extra_body={"slo_class": "tight", "slo_ttft_ms": 600000})
+        c.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"slo_ttft_ms": 600000})
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"slo_class": "nope"})
+        assert e.value.body["param"] == "slo_class" and "relaxed, tight" in e.value.body["message"]
         m = metric_samples(httpx.Client(base_url=srv.base_url))
-        assert m[("goodserve:request_slo_attained_total", frozenset())] == 1
-        assert m[("goodserve:request_slo_missed_total", frozenset())] == 0
+        assert m[("goodserve:request_slo_attained_total", frozenset({("slo_class", "relaxed")}))] == 1
+        assert m[("goodserve:request_slo_missed_total", frozenset({("slo_class", "relaxed")}))] == 0
+        assert m[("goodserve:request_slo_missed_total", frozenset({("slo_class", "tight")}))] == 1
+        assert m[("goodserve:request_slo_attained_total", frozenset({("slo_class", "tight")}))] == 1
+        assert m[("goodserve:request_slo_attained_total", frozenset({("slo_class", "custom")}))] == 1
+        assert m[("goodserve:request_slo_attained_total", frozenset({("slo_class", "default")}))] == 0
     wait_idle(engine)
 
 
@@ -368,6 +387,7 @@ class _BrokenEngine:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.chat_template, self.max_model_len = tokenizer, None, 64
+        self.slo_ttft = self.slo_tpot = None
         self.config = SimpleNamespace(model_path="/models/broken.gguf")
         self._pending = False
 

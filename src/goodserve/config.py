@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 # How batches form: "chunked" is continuous batching with chunked prefill (Sarathi-Serve); "static" is
 # request-level batching, where a batch runs to completion before the next is admitted (pre-Orca);
 # "reserve" is continuous batching that reserves KV for prompt + max_tokens at admission (Orca's memory
@@ -205,8 +205,11 @@ class SchedulerConfig:
         max_num_batched_tokens: Token budget of one step (prefill chunks + decodes), Sarathi-Serve §4.
         max_num_seqs: Most requests in the running batch.
         max_model_len: Longest sequence (prompt + output) in tokens a request may reach.
-        policy: ``"fcfs"`` (arrival order) or ``"priority"`` (lower value first, then arrival).
+        policy: ``"fcfs"`` (arrival order), ``"priority"`` (lower value first, then arrival) or ``"slo"``
+            (goodput first, :mod:`goodserve.scheduler.slo`; ``chunked`` mode only).
         mode: How batches form, one of ``SCHEDULING_MODES``.
+        shed_load: Under ``slo``, refuse a request whose TTFT SLO can no longer be met instead of serving it
+            late.
     """
 
     max_num_batched_tokens: int = 2048
@@ -214,6 +217,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     policy: str = "fcfs"
     mode: str = "chunked"
+    shed_load: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -226,6 +230,10 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         if self.mode not in SCHEDULING_MODES:
             raise ValueError(f"mode must be one of {SCHEDULING_MODES}, got {self.mode!r}")
+        if self.policy == "slo" and self.mode != "chunked":
+            raise ValueError(f"policy 'slo' needs scheduler mode 'chunked', got {self.mode!r}")
+        if self.shed_load and self.policy != "slo":
+            raise ValueError("shed_load needs policy 'slo' (it sheds by predicted TTFT)")
 
 
 @dataclass(frozen=True)

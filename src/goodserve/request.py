@@ -24,15 +24,16 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # its own processing raised (our fault); the engine serves on without it
+    FINISHED_SHED = "shed"  # refused while queued: its TTFT SLO could no longer be met (``slo`` + shed_load)
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_SHED)
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """``stop`` | ``length`` (OpenAI's), ``abort`` | ``error`` (ours), ``None`` while unfinished."""
+        """``stop`` | ``length`` (OpenAI's), ``abort`` | ``error`` | ``shed`` (ours), ``None`` while unfinished."""
         return self.value if self.is_finished else None
 
 
@@ -49,16 +50,22 @@ class Request:
         max_tokens: Resolved output limit in tokens (``sampling_params.max_tokens`` or what the context
             leaves).
         cache_salt: Isolates prefix-cache entries: only requests with the same salt share KV blocks.
+        slo_ttft: TTFT SLO in seconds (``None``: none); the ``slo`` policy schedules by it.
+        slo_tpot: TPOT SLO in seconds (``None``: none); the ``slo`` policy schedules by it.
 
     Raises:
-        ValueError: on an empty prompt.
+        ValueError: on an empty prompt or an SLO that is not a positive finite number.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
-                 max_tokens: Optional[int] = None, cache_salt: Optional[str] = None) -> None:
+                 max_tokens: Optional[int] = None, cache_salt: Optional[str] = None,
+                 slo_ttft: Optional[float] = None, slo_tpot: Optional[float] = None) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt must contain at least one token")
+        for name, value in (("slo_ttft", slo_ttft), ("slo_tpot", slo_tpot)):
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -73,6 +80,10 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = arrival_time  # seconds, monotonic: orders the waiting queue
         self.first_scheduled_time: Optional[float] = None  # when a step first scheduled it
+        self.first_token_time: Optional[float] = None  # when its first output token was sampled
+        self.slo_ttft = slo_ttft
+        self.slo_tpot = slo_tpot
+        self.slo_late = False  # ``slo`` policy: its TTFT SLO can no longer be met (queued behind the others)
         self.stop_reason: Optional[int] = None  # the stop token id that ended it
         self.cache_salt = cache_salt  # mixed into every block hash (kv_cache.hashing)
 

@@ -56,6 +56,8 @@ def request_body(target: Target, req: BenchRequest) -> dict[str, Any]:
                             "stream": True, "stream_options": {"include_usage": True}}
     if target.model:
         body["model"] = target.model
+    if req.slo_class is not None:
+        body["slo_class"] = req.slo_class
     if target.endpoint.endswith("chat/completions"):
         content = req.prompt if isinstance(req.prompt, str) else " ".join(str(t) for t in req.prompt)
         body["messages"] = [{"role": "user", "content": content}]

@@ -43,12 +43,14 @@ class BenchRequest:
         prompt_len: Prompt length in tokens (of the ids; for text, as counted by the tokenizer).
         output_len: Forced output length in tokens (``max_tokens`` with ``ignore_eos``).
         arrival: The trace's arrival offset in seconds (0 for datasets without a clock).
+        slo_class: The server-side SLO class to name in the body (``slo_class``), or ``None``.
     """
 
     prompt: Union[str, tuple[int, ...]]
     prompt_len: int
     output_len: int
     arrival: float = 0.0
+    slo_class: Optional[str] = None
 
 
 def load_sharegpt(path: str, num_prompts: int, tokenizer: Any, max_model_len: int,

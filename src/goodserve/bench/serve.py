@@ -14,8 +14,9 @@ they never share the CPU while measured.
 from __future__ import annotations
 
 import argparse
-import functools
 import asyncio
+import dataclasses
+import functools
 import logging
 import math
 import os
@@ -31,9 +32,9 @@ from goodserve.bench.client import Target, run_requests, server_info, server_tok
 from goodserve.bench.datasets import DATASETS, BenchRequest, build_workload
 from goodserve.workload import arrivals as A
 from goodserve.workload.metrics import summarize
-from goodserve.workload.report import (RunResult, format_ratios, format_summary, format_sweep, plot, rate_str,
-                                       save_json)
-from goodserve.workload.slo import parse_slos
+from goodserve.workload.report import (RunResult, class_results, format_classes, format_ratios, format_summary,
+                                       format_sweep, plot, rate_str, save_json)
+from goodserve.workload.slo import assign_slo_classes, parse_slo_class_mix, parse_slos
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,10 @@ def _add_common(p: argparse.ArgumentParser, two_servers: bool) -> None:
     o.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
     o.add_argument("--min-attainment", type=float, default=0.9, help="attainment that counts as meeting SLOs")
+    o.add_argument("--slo-class", action="append", default=None, metavar="NAME:TTFT_MS:TPOT_MS:SHARE",
+                   help="mixed SLO classes (repeatable; shares sum to 1): each request is drawn into one (seeded) "
+                        "and sends slo_class NAME, which the server must know (serve --slo-class "
+                        "NAME:TTFT_MS:TPOT_MS); attainment and goodput are also reported per class")
     o.add_argument("--save-result", default=None, help="JSON with every per-request record")
     o.add_argument("--plot", default=None, help="PNG: TTFT/TPOT CDFs (+ goodput/attainment vs rate)")
     o.add_argument("--no-progress", action="store_true")
@@ -215,6 +220,11 @@ def build_from_server(args: argparse.Namespace, base_url: str, seed: Optional[in
         "endpoint", "dataset", "dataset_path", "num_prompts", "input_len", "output_len", "range_ratio",
         "max_input_len", "max_output_len", "length_scale", "trace_start", "burstiness", "max_concurrency",
         "seed", "tokenizer")}
+    classes = parse_slo_class_mix(args.slo_class)
+    if classes:
+        assigned = assign_slo_classes(len(requests), classes, args.seed)
+        requests = [dataclasses.replace(r, slo_class=c.name) for r, c in zip(requests, assigned)]
+        config["slo_class_mix"] = [{"name": c.name, "slos": c.slos, "share": c.share} for c in classes]
     config.update(model=model, max_model_len=int(max_model_len), seed=seed,
                   mean_prompt_len=sum(r.prompt_len for r in requests) / len(requests),
                   mean_output_len=sum(r.output_len for r in requests) / len(requests))
@@ -245,6 +255,10 @@ def run_one(args: argparse.Namespace, label: str, base_url: str, workload: Workl
     summary = summarize(records, duration, slos)
     config = dict(workload.config, base_url=base_url, request_rate=rate_str(rate),
                   trace_time_scale=getattr(args, "trace_time_scale", None))
+    classes = parse_slo_class_mix(args.slo_class)
+    if classes:
+        by_name = {c.name: c for c in classes}
+        config["slo_classes"] = class_results(records, [by_name[r.slo_class] for r in workload.requests], duration)
     return RunResult(label, rate, summary, records, config)
 
 
@@ -254,8 +268,11 @@ def warm_up(args: argparse.Namespace, base_url: str, workload: Workload) -> None
     Full-size prompts warm the kernels and allocator for the shapes the benchmark will use; with
     ``--prompts fresh`` the warm-up workload has prompts of its own (no measured prompt is cached by it).
 
+    A warm-up the server refuses by admission control (HTTP 429, or shed by the ``slo`` policy) is not a
+    failure: the server answered as designed.
+
     Raises:
-        RuntimeError: if a warm-up request fails (the server is not usable).
+        RuntimeError: if a warm-up request fails otherwise (the server is not usable).
     """
     n = min(args.num_warmups, len(workload.requests))
     if n <= 0:
@@ -263,7 +280,8 @@ def warm_up(args: argparse.Namespace, base_url: str, workload: Workload) -> None
     reqs = [BenchRequest(r.prompt, r.prompt_len, min(r.output_len, 8)) for r in workload.requests[:n]]
     target = Target(base_url, args.endpoint, workload.model)
     records, _ = asyncio.run(run_requests(target, reqs, [0.0] * n))
-    bad = [r.error for r in records if not r.success]
+    bad = [r.error for r in records if not r.success and not r.error.startswith("HTTP 429")
+           and "slo_unattainable" not in r.error and "shed:" not in r.error]
     if bad:
         raise RuntimeError(f"warm-up request failed against {base_url}: {bad[0]}")
 
@@ -347,6 +365,8 @@ def _finish(args: argparse.Namespace, results: list[RunResult], servers: list[Se
         print(format_sweep(results, args.min_attainment))
     if len(servers) > 1:
         print(format_ratios(results, servers[0].label, servers[1].label))
+    if any(r.config.get("slo_classes") for r in results):
+        print(format_classes(results))
     if args.save_result:
         save_json(args.save_result, results, {"argv": sys.argv, "servers": [vars(s) for s in servers]})
         print(f"saved {args.save_result}")
@@ -362,6 +382,7 @@ def _finish(args: argparse.Namespace, results: list[RunResult], servers: list[Se
 def run_serve_cmd(args: argparse.Namespace) -> int:
     """``bench serve``."""
     parse_slos(args.goodput)  # fail fast on a bad SLO
+    parse_slo_class_mix(args.slo_class)
     if args.trace_time_scale is not None:
         if args.dataset not in ("azure-conv", "azure-code", "mooncake", "jsonl"):
             raise ValueError(f"--trace-time-scale needs a dataset with arrival times, not {args.dataset!r}")
@@ -378,6 +399,7 @@ def run_serve_cmd(args: argparse.Namespace) -> int:
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     """``bench sweep`` (with ``--baseline-url``/``--baseline-launch``: also the baseline, and ratios)."""
     parse_slos(args.goodput)
+    parse_slo_class_mix(args.slo_class)
     args.trace_time_scale = None
     servers = _servers(args, need_baseline=False)
     return _finish(args, run_servers(args, servers, _rates(args.request_rates)), servers)
@@ -386,6 +408,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 def run_compare_cmd(args: argparse.Namespace) -> int:
     """``bench compare``: two servers, same workload, ratios."""
     parse_slos(args.goodput)
+    parse_slo_class_mix(args.slo_class)
     args.trace_time_scale = None
     servers = _servers(args, need_baseline=True)
     results = run_servers(args, servers, _rates(args.request_rates))

@@ -33,7 +33,8 @@ class EngineArgs:
         max_num_batched_tokens: Token budget per step.
         max_num_seqs: Most running requests.
         max_model_len: Longest prompt + output in tokens; default the model's context length.
-        scheduling_policy: ``"fcfs"`` or ``"priority"``.
+        scheduling_policy: ``"fcfs"``, ``"priority"`` or ``"slo"`` (goodput first: orders, sizes steps and
+            admits by predicted step times and each request's SLOs, :mod:`goodserve.scheduler.slo`).
         scheduler: Batching mode, one of ``SCHEDULING_MODES``: ``"chunked"`` (continuous batching with
             chunked prefill, the default), or a baseline: ``"static"`` (request-level batches, pre-Orca),
             ``"reserve"`` (continuous, reserving prompt + max_tokens at admission), ``"prefill-first"``
@@ -44,9 +45,14 @@ class EngineArgs:
             the engine); ``None`` keeps torch's default, one per core. On a small machine shared with a
             server and clients, fewer threads than cores avoids steps stalling on a descheduled thread.
         log_stats_interval: Seconds between engine stats log lines; ``0`` disables them.
+        slo_ttft: Default TTFT SLO of a request, seconds (a request may give its own); ``None``: none.
+        slo_tpot: Default TPOT SLO of a request, seconds (a request may give its own); ``None``: none.
+        shed_load: Under ``slo``, refuse requests whose TTFT SLO can no longer be met (HTTP 429).
+        step_time_profile: A ``goodserve profile`` JSON whose coefficients seed the online step-time model.
 
     Raises:
-        ValueError: on an unknown dtype, device, policy or mode, a size below 1, or a negative interval.
+        ValueError: on an unknown dtype, device, policy or mode, a size below 1, a negative interval, an SLO
+            that is not a positive number, or ``shed_load`` without the ``slo`` policy.
     """
 
     model: Optional[str] = None
@@ -65,6 +71,10 @@ class EngineArgs:
     seed: int = 0
     num_threads: Optional[int] = None
     log_stats_interval: float = 10.0
+    slo_ttft: Optional[float] = None
+    slo_tpot: Optional[float] = None
+    shed_load: bool = False
+    step_time_profile: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
@@ -85,6 +95,12 @@ class EngineArgs:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not self.log_stats_interval >= 0:
             raise ValueError(f"log_stats_interval must be >= 0 seconds, got {self.log_stats_interval!r}")
+        for name in ("slo_ttft", "slo_tpot"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.shed_load and self.scheduling_policy != "slo":
+            raise ValueError("shed_load needs scheduling_policy 'slo'")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +118,17 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
         g.add_argument("--max-num-seqs", type=int, default=128, help="most running requests")
         g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
+        g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                       help="waiting order: fcfs, priority, or slo (goodput first: order, step size, admission "
+                            "and preemption from predicted step times and each request's SLOs)")
+        g.add_argument("--slo-ttft", type=float, default=None,
+                       help="default TTFT SLO of a request, seconds (requests may set slo_ttft_ms)")
+        g.add_argument("--slo-tpot", type=float, default=None,
+                       help="default TPOT SLO of a request, seconds (requests may set slo_tpot_ms)")
+        g.add_argument("--shed-load", action="store_true",
+                       help="with --scheduling-policy slo: refuse (429) requests whose TTFT SLO can no longer be met")
+        g.add_argument("--step-time-profile", default=None,
+                       help="goodserve profile JSON seeding the online step-time model")
         g.add_argument("--scheduler", default="chunked", choices=list(SCHEDULING_MODES),
                        help="batching mode: chunked (default: continuous, chunked prefill); baselines: static "
                             "(request-level), reserve (reserve max length), prefill-first (vLLM v0: unchunked, "

@@ -65,6 +65,8 @@ class AsyncEngine:
         chat_template: The model's chat template (or ``None``: the tokenizer's).
         max_model_len: Longest prompt + output in tokens.
         model_path: Where the model came from.
+        slo_ttft: The engine's default TTFT SLO in seconds (``None``: none).
+        slo_tpot: The engine's default TPOT SLO in seconds (``None``: none).
         (With ``build``, these are ``None`` until the engine is built.)
 
     Raises:
@@ -83,6 +85,8 @@ class AsyncEngine:
         self.chat_template: Optional[str] = None
         self.max_model_len: Optional[int] = None
         self.model_path: Optional[str] = None
+        self.slo_ttft: Optional[float] = None
+        self.slo_tpot: Optional[float] = None
         if engine is not None:
             self._adopt(engine)
         self._engine_thread = EngineThread(engine, build, self._adopt, step_trace, on_dead, inject_step_fault)
@@ -95,6 +99,7 @@ class AsyncEngine:
         self.chat_template = engine.chat_template
         self.max_model_len = engine.max_model_len
         self.model_path = engine.config.model_path
+        self.slo_ttft, self.slo_tpot = engine.slo_ttft, engine.slo_tpot
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, step_trace: Optional[str] = None, **kwargs: Any) -> "AsyncEngine":
@@ -164,7 +169,8 @@ class AsyncEngine:
 
     async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                           request_id: Optional[str] = None, priority: int = 0,
-                          cache_salt: Optional[str] = None) -> RequestStream:
+                          cache_salt: Optional[str] = None, slo_ttft: Optional[float] = None,
+                          slo_tpot: Optional[float] = None) -> RequestStream:
         """Queue a request and wait (without blocking the loop) until the engine has accepted it.
 
         Args:
@@ -173,14 +179,18 @@ class AsyncEngine:
             request_id: Unique id; a random one when ``None``.
             priority: Lower runs first under the ``priority`` policy.
             cache_salt: Prefix-cache isolation key (see :meth:`Engine.add_request`).
+            slo_ttft: TTFT SLO in seconds; ``None``: the engine's default.
+            slo_tpot: TPOT SLO in seconds; ``None``: the engine's default.
 
         Returns:
-            The request's output stream.
+            The request's output stream (iterating it raises :class:`SLOUnattainableError` if the ``slo``
+            policy sheds the request while it is queued).
 
         Raises:
             ValueError: on invalid parameters, an empty or invalid prompt or a prompt over the context length
                 (the engine's message, e.g. "... the maximum context length is N tokens ...").
             EngineDeadError: if the engine loop is not running.
+            SLOUnattainableError: if load shedding refuses it on arrival.
             Exception: whatever else tokenising raises (a fault of ours).
         """
         arrival = time.monotonic()
@@ -190,7 +200,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._engine_thread.submit(AddCommand(prompt, ids, params or SamplingParams(), request_id, priority,
-                                              cache_salt, arrival, stream, future))
+                                              cache_salt, arrival, stream, future, slo_ttft, slo_tpot))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller went away while the engine was accepting it

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Union
 
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
+from goodserve.scheduler.slo import SLOUnattainableError
 
 
 class EngineDeadError(RuntimeError):
@@ -69,6 +70,8 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+            if item.finish_reason == "shed":
+                raise SLOUnattainableError(item.error)
             if item.error is not None:
                 raise RequestFailedError(item.error)
         return item
@@ -87,6 +90,8 @@ class AddCommand:
     arrival_time: float
     stream: RequestStream
     future: concurrent.futures.Future
+    slo_ttft: Optional[float] = None  # seconds; None: the engine's default
+    slo_tpot: Optional[float] = None
 
 
 @dataclass

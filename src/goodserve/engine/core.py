@@ -19,6 +19,7 @@ from goodserve.request import Request, RequestStatus
 from goodserve.runner.model_runner import ModelRunner
 from goodserve.scheduler.output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from goodserve.scheduler.scheduler import Scheduler
+from goodserve.scheduler.step_time import StepTimeModel
 
 
 class EngineCore:
@@ -27,12 +28,15 @@ class EngineCore:
     Args:
         config: The resolved engine config.
         weights: HF-named weights for the runner.
+        step_model: The scheduler's online step-time model (a fresh one when ``None``).
     """
 
-    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor]) -> None:
-        self.scheduler = Scheduler(config.scheduler, config.cache)
+    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor],
+                 step_model: Optional[StepTimeModel] = None) -> None:
+        self.scheduler = Scheduler(config.scheduler, config.cache, step_model)
         self.runner = ModelRunner(config, weights)
         self.last_schedule: Optional[SchedulerOutput] = None  # what the latest non-empty step computed
+        self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
 
     def add_request(self, request: Request) -> None:
         """Queue a request (see :meth:`Scheduler.add_request` for the ``ValueError``\\ s)."""
@@ -48,22 +52,36 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute and update once.
 
+        Each step's time goes to the scheduler's step-time model one step late: when the loop went straight
+        on to the next step, the time from one step's start to the next one's, so the work the engine does
+        between steps (output processing, the server's hand-off) counts as requests see it; after an idle
+        gap, the step alone.
+
         Returns:
-            A result for every request that sampled a token or finished.
+            A result for every request that sampled a token or finished (shed ones included).
 
         Raises:
             RuntimeError: if requests are pending but nothing could be scheduled (a broken invariant).
             Exception: whatever the forward pass raises (a fault of the engine).
         """
-        sched = self.scheduler.schedule(time.monotonic())
+        start = time.monotonic()
+        if self._last_step is not None:
+            prev, prev_start, prev_end = self._last_step
+            back_to_back = start - prev_end < prev_end - prev_start
+            self.scheduler.observe_step_time(prev, (start if back_to_back else prev_end) - prev_start)
+            self._last_step = None
+        sched = self.scheduler.schedule(start)
         sampled = self.runner.execute(sched)  # also when empty: the runner drops finished requests' state
         if sched.is_empty:
             self.last_schedule = None
+            outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic())  # shed requests
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("requests are pending but the scheduler scheduled nothing")
-            return []
+            return outputs
         self.last_schedule = sched
-        return self.scheduler.update_from_output(sched, sampled, time.monotonic())
+        outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic())
+        self._last_step = (sched, start, time.monotonic())
+        return outputs
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state (see :class:`SchedulerStats`)."""

@@ -27,6 +27,7 @@ from goodserve.request import Request, RequestStatus
 from goodserve.runner.model_runner import DTYPES
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SchedulerOutput, SchedulerStats
+from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients, StepTimeModel
 from goodserve.validation import check_text
 
 logger = logging.getLogger(__name__)
@@ -93,11 +94,15 @@ class Engine:
                               enable_prefix_caching=args.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                      policy=args.scheduling_policy, mode=args.scheduler),
-            dtype=args.dtype, quantization=args.quantization, device=device, seed=args.seed, log_stats_interval=args.log_stats_interval)
+                                      policy=args.scheduling_policy, mode=args.scheduler,
+                                      shed_load=args.shed_load),
+            dtype=args.dtype, quantization=args.quantization, device=device, seed=args.seed,
+            log_stats_interval=args.log_stats_interval)
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
-        self.core = EngineCore(self.config, loaded.weights)
+        self.slo_ttft, self.slo_tpot = args.slo_ttft, args.slo_tpot
+        seed = StepCoefficients.load(args.step_time_profile) if args.step_time_profile else DEFAULT_SEED
+        self.core = EngineCore(self.config, loaded.weights, StepTimeModel(seed))
         del loaded
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.stats = EngineStats(args.log_stats_interval)
@@ -139,7 +144,8 @@ class Engine:
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, arrival_time: Optional[float] = None,
                     priority: int = 0, cache_salt: Optional[str] = None,
-                    prompt_token_ids: Optional[list[int]] = None) -> str:
+                    prompt_token_ids: Optional[list[int]] = None, slo_ttft: Optional[float] = None,
+                    slo_tpot: Optional[float] = None) -> str:
         """Queue a request.
 
         Args:
@@ -150,6 +156,8 @@ class Engine:
             priority: Lower runs first under the ``priority`` policy.
             cache_salt: Prefix-cache isolation key: only requests with the same salt share KV blocks.
             prompt_token_ids: A text prompt's ids from :meth:`tokenize`, when the caller tokenised it already.
+            slo_ttft: This request's TTFT SLO in seconds; ``None``: the engine's ``slo_ttft``.
+            slo_tpot: This request's TPOT SLO in seconds; ``None``: the engine's ``slo_tpot``.
 
         Returns:
             The request id.
@@ -157,6 +165,7 @@ class Engine:
         Raises:
             ValueError: on bad parameters, an empty or invalid prompt, or a request that can never fit (its
                 prompt plus ``max_tokens`` exceeds the maximum context length or the KV pool).
+            SLOUnattainableError: under the ``slo`` policy with ``shed_load``, if its TTFT SLO cannot be met.
             Exception: whatever else the tokenizer or detokenizer raise on this input (our fault, not the
                 user's). Nothing is queued when it raises.
         """
@@ -176,7 +185,9 @@ class Engine:
         eos = () if params.ignore_eos else self.config.model.eos_token_ids
         arrival_time = arrival_time or time.monotonic()
         request = Request(request_id, ids, params, arrival_time, priority=priority, eos_token_ids=eos,
-                          max_tokens=max_tokens, cache_salt=cache_salt)
+                          max_tokens=max_tokens, cache_salt=cache_salt,
+                          slo_ttft=self.slo_ttft if slo_ttft is None else slo_ttft,
+                          slo_tpot=self.slo_tpot if slo_tpot is None else slo_tpot)
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                           arrival_time)
         try:

@@ -25,6 +25,7 @@ from goodserve.engine.engine import Engine
 from goodserve.engine.step_trace import StepTraceWriter, TracedStep
 from goodserve.outputs import RequestOutput
 from goodserve.scheduler.output import SchedulerStats, StepShape
+from goodserve.scheduler.slo import SLOUnattainableError
 
 logger = logging.getLogger(__name__)
 
@@ -286,9 +287,10 @@ class EngineThread:
         try:
             self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
                                     arrival_time=command.arrival_time, priority=command.priority,
-                                    cache_salt=command.cache_salt, prompt_token_ids=command.prompt_token_ids)
+                                    cache_salt=command.cache_salt, prompt_token_ids=command.prompt_token_ids,
+                                    slo_ttft=command.slo_ttft, slo_tpot=command.slo_tpot)
         except Exception as e:  # noqa: BLE001 - this request alone fails (C19)
-            if not isinstance(e, ValueError):
+            if not isinstance(e, (ValueError, SLOUnattainableError)):
                 logger.exception("adding request %s failed", command.request_id)
             command.future.set_exception(e)
             return

@@ -134,7 +134,8 @@ class EngineCoreOutput:
         new_token_ids: Tokens sampled this step (one, or none for a request that failed).
         timestamp: When the step ended (seconds, the engine's monotonic clock).
         first_scheduled_time: When a step first scheduled the request (its queueing ended).
-        finish_reason: ``"stop"``, ``"length"`` or ``"error"`` if it finished this step, else ``None``.
+        finish_reason: ``"stop"``, ``"length"``, ``"error"`` or ``"shed"`` if it finished this step, else
+            ``None``.
         stop_reason: The stop token id that ended it, if one did.
         logprobs: Per new token, its logprob (when asked for).
         top_logprobs: Per new token, the most likely ``(token_id, logprob)`` (when asked for).
@@ -174,6 +175,12 @@ class SchedulerStats:
         num_preemptions_total: Preemptions since start.
         prefix_cache_queries: Prompt tokens looked up in the prefix cache since start.
         prefix_cache_hits: Of which found (tokens).
+        num_shed_total: Requests refused by the ``slo`` policy's load shedding since start (on arrival or
+            while queued).
+        num_steps_observed: Steps whose time the step-time model observed.
+        step_time_predicted_s_total: Sum of the model's predictions for those steps, made before each ran (s).
+        step_time_actual_s_total: Sum of their measured times (s).
+        step_time_abs_error_s_total: Sum of ``|predicted - actual|`` (s).
     """
 
     num_running: int
@@ -183,6 +190,11 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_shed_total: int = 0
+    num_steps_observed: int = 0
+    step_time_predicted_s_total: float = 0.0
+    step_time_actual_s_total: float = 0.0
+    step_time_abs_error_s_total: float = 0.0
 
     @classmethod
     def idle(cls) -> "SchedulerStats":

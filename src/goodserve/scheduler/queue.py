@@ -3,6 +3,8 @@
 * ``fcfs``: arrival order; a preempted request goes back to the head, so it is readmitted first.
 * ``priority``: by ``(priority, arrival_time, insertion seq)``, lower priority value first; a preempted
   request is re-inserted under its original priority and arrival time, so it precedes later arrivals.
+* ``slo``: by a key the SLO policy computes (:meth:`goodserve.scheduler.slo.SLOPolicy.queue_key`: latest
+  start first, late requests last); a request whose key changes is removed and added again.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import bisect
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from goodserve.request import Request
 
@@ -85,20 +87,23 @@ class FCFSQueue(RequestQueue):
         return iter(self._q)
 
 
-class PriorityQueue(RequestQueue):
-    """Ordered by ``(priority, arrival_time, insertion seq)``; lower priority value is admitted first.
+class SortedQueue(RequestQueue):
+    """Ordered by ``(key(request), insertion seq)``, smallest first; preempted requests are re-inserted by key.
 
     A sorted list kept with :mod:`bisect`: O(log n) search and an O(n) memmove per insert, cheap at the
     queue lengths of a serving engine, and iteration in admission order is free.
+
+    Args:
+        key: The request's sort key, computed once when it is inserted.
     """
 
-    def __init__(self) -> None:
-        self._entries: list[tuple[int, float, int, Request]] = []
+    def __init__(self, key: Callable[[Request], Any]) -> None:
+        self._key = key
+        self._entries: list[tuple[Any, int, Request]] = []
         self._seq = itertools.count()
 
     def _insert(self, request: Request) -> None:
-        entry = (request.priority, request.arrival_time, next(self._seq), request)
-        bisect.insort(self._entries, entry, key=lambda e: e[:3])
+        bisect.insort(self._entries, (self._key(request), next(self._seq), request), key=lambda e: e[:2])
 
     def add(self, request: Request) -> None:
         self._insert(request)
@@ -107,14 +112,14 @@ class PriorityQueue(RequestQueue):
         self._insert(request)
 
     def peek(self) -> Request:
-        return self._entries[0][3]
+        return self._entries[0][2]
 
     def pop(self) -> Request:
-        return self._entries.pop(0)[3]
+        return self._entries.pop(0)[2]
 
     def remove(self, request: Request) -> None:
         for i, entry in enumerate(self._entries):
-            if entry[3] is request:
+            if entry[2] is request:
                 del self._entries[i]
                 return
         raise ValueError(f"request {request.request_id} is not in the waiting queue")
@@ -123,20 +128,28 @@ class PriorityQueue(RequestQueue):
         return len(self._entries)
 
     def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in self._entries)
+        return (e[2] for e in self._entries)
 
 
-def create_request_queue(policy: str) -> RequestQueue:
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+def create_request_queue(policy: str, key: Callable[[Request], Any] | None = None) -> RequestQueue:
     """Build the waiting queue of a scheduling policy.
 
     Args:
-        policy: ``"fcfs"`` or ``"priority"``.
+        policy: ``"fcfs"``, ``"priority"`` or ``"slo"``.
+        key: The ``slo`` policy's sort key.
 
     Raises:
-        ValueError: on an unknown policy.
+        ValueError: on an unknown policy, or ``slo`` without a key.
     """
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":
-        return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}; expected 'fcfs' or 'priority'")
+        return SortedQueue(_priority_key)
+    if policy == "slo" and key is not None:
+        return SortedQueue(key)
+    raise ValueError(f"unknown scheduling policy {policy!r} (or 'slo' without a key); expected 'fcfs', "
+                     "'priority' or 'slo'")

@@ -23,6 +23,12 @@ Baselines (``SchedulerConfig.mode``), for comparison in the simulator and the be
 * ``prefill-first``: unchunked, prefill-prioritising batching (vLLM v0): a waiting prompt is admitted only
   whole, and a step that admits prompts schedules no decodes. The first prompt of a step may exceed the token budget so that
   prompts longer than ``max_num_batched_tokens`` can run.
+
+Policies (``SchedulerConfig.policy``) order the waiting queue: ``fcfs``, ``priority``, and ``slo``
+(:mod:`goodserve.scheduler.slo`), which also sizes each step's prefill, stops admission and picks the
+preemption victim from predicted step times. Every policy feeds the online step-time model
+(:mod:`goodserve.scheduler.step_time`) the steps' measured times (:meth:`Scheduler.observe_step_time`); its
+prediction error is in :meth:`make_stats`.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_cache.manager import KVCacheManager
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import (EngineCoreOutput, NewRequestData, SampledToken, ScheduledRequest,
-                                        SchedulerOutput, SchedulerStats)
+                                        SchedulerOutput, SchedulerStats, StepShape)
 from goodserve.scheduler.queue import RequestQueue, create_request_queue
+from goodserve.scheduler.slo import SLOPolicy
+from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.scheduler.stop import check_stop
 
 logger = logging.getLogger(__name__)
@@ -49,9 +57,11 @@ class Scheduler:
         scheduler_config: Step limits and the waiting-queue policy.
         cache_config: The KV pool (``reserve`` mode runs without prefix caching: a reserved block would be
             registered before its K/V is written).
+        step_model: The online step-time model (a fresh :class:`StepTimeModel` when ``None``).
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 step_model: Optional[StepTimeModel] = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -61,7 +71,13 @@ class Scheduler:
             enable_prefix_caching = False
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                enable_prefix_caching)
-        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        self.step_model = step_model if step_model is not None else StepTimeModel()
+        self.slo: Optional[SLOPolicy] = None
+        if scheduler_config.policy == "slo":
+            self.slo = SLOPolicy(self.step_model, scheduler_config.max_num_batched_tokens, self.block_size,
+                                 scheduler_config.shed_load)
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy,
+                                                          self.slo.queue_key if self.slo else None)
         self.running: list[Request] = []
         self.num_preemptions_total = 0
         self._requests: dict[str, Request] = {}  # unfinished requests by id
@@ -72,6 +88,7 @@ class Scheduler:
         self._runner_num_blocks: dict[str, int] = {}
         self._preempted_since_scheduled: set[str] = set()
         self._finished_req_ids: list[str] = []
+        self._shed_outputs: list[EngineCoreOutput] = []  # shed while queued; handed out by the next update
 
     # ------------------------------------------------------------------------------------------- state
     def has_unfinished_requests(self) -> bool:
@@ -90,6 +107,8 @@ class Scheduler:
             ValueError: on a duplicate ``request_id``; if ``max_tokens`` is not a positive int; if prompt +
                 ``max_tokens`` exceeds ``max_model_len`` tokens; or if those tokens need more KV blocks
                 than the whole pool holds. Nothing changes when it raises.
+            SLOUnattainableError: under ``slo`` with ``shed_load``, if its TTFT SLO cannot be met behind the
+                work queued ahead of it (judged at its ``arrival_time``).
         """
         rid = request.request_id
         if rid in self._requests:
@@ -111,6 +130,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r} needs {blocks_needed} KV blocks ({total} tokens at "
                              f"block_size {self.block_size}), but the KV pool has only {num_blocks} blocks; "
                              "shorten the prompt, lower max_tokens or give the cache more memory")
+        if self.slo is not None:
+            self.slo.check_arrival(request, self.waiting, self.running, request.arrival_time)
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
         self.waiting.add(request)
@@ -139,6 +160,8 @@ class Scheduler:
 
     def _schedule_continuous(self, out: SchedulerOutput, now: float) -> None:
         """``chunked``, ``reserve`` and ``static``: running requests first, then admissions."""
+        if self.slo is not None:
+            self.slo.begin_step(self.running, now)
         budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
         if not out.scheduled and out.preempted_req_ids:
             # Prefills that reserved budget for a decode that was then preempted get a second pass.
@@ -148,6 +171,8 @@ class Scheduler:
                 self._admit_static_batch(out, budget, now)
         elif not out.preempted_req_ids or not self.running:
             # No admission in a step that preempted (it would thrash) unless nothing else can run.
+            if self.slo is not None:
+                self._triage(now)
             self._schedule_waiting(out, budget, now)
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
@@ -186,6 +211,8 @@ class Scheduler:
                 n = 1
             else:
                 n = min(remaining, budget - decodes_left)
+                if self.slo is not None and n > 0:
+                    n = self.slo.chunk_size(req.num_computed_tokens, n, n == remaining)
             if n <= 0:
                 i += 1
                 continue
@@ -196,6 +223,8 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is req:
                     return budget
+            if self.slo is not None and remaining != 1:
+                self.slo.count(req.num_computed_tokens, n, n == remaining)
             self._record(out, req, req.num_computed_tokens, n)
             budget -= n
             i += 1
@@ -204,9 +233,12 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         """Admit waiting requests in queue order while budget, ``max_num_seqs`` and free blocks allow.
 
-        Stops at the first request whose blocks do not fit (no preemption on behalf of waiting ones).
+        Stops at the first request whose blocks do not fit (no preemption on behalf of waiting ones), and under
+        ``slo`` at the first one whose decode would break the tightest TPOT SLO.
         """
         while budget > 0 and self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
+            if self.slo is not None and not self.slo.may_admit(self.waiting.peek(), self.running):
+                break
             n = self._admit(out, budget, now)
             if n is None:
                 break
@@ -240,6 +272,10 @@ class Scheduler:
         n = max(0, min(req.num_tokens - num_hit, budget))
         if whole and n < req.num_tokens - num_hit:
             return None
+        if self.slo is not None and n > 0:
+            n = self.slo.chunk_size(num_hit, n, num_hit + n == req.num_tokens)
+            if n == 0:
+                return None  # the step's time limit leaves it no room
         if kv.allocate_slots(req, self._slots_to_allocate(req, num_hit, n), hit_blocks) is None:
             return None
         self.waiting.pop()
@@ -252,6 +288,8 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self._add_running(req)
         if n:
+            if self.slo is not None:
+                self.slo.count(num_hit, n, num_hit + n == req.num_tokens)
             self._record(out, req, num_hit, n)
         return n
 
@@ -285,6 +323,24 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(rid, num_computed, n, sample=num_computed + n == req.num_tokens,
                                               new_block_ids=new_block_ids, resumed_from_preemption=resumed))
         self._runner_num_blocks[rid] = known + len(new_block_ids)
+
+    def _triage(self, now: float) -> None:
+        """``slo``: move waiting requests that can no longer meet their TTFT SLO behind the others, or shed
+        them under ``shed_load`` (their outputs go out with the next :meth:`update_from_output`)."""
+        for req in self.slo.triage(list(self.waiting), self.running, now):
+            if self.scheduler_config.shed_load:
+                self.slo.num_shed += 1
+                self._finish(req, RequestStatus.FINISHED_SHED)
+                self._shed_outputs.append(self._core_output(req, [], now, error=self.slo.shed_message(req, now)))
+            else:
+                self.waiting.remove(req)
+                req.slo_late = True
+                self.waiting.add(req)
+
+    def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """Tell the step-time model how long a step took (wall seconds, as the requests saw it)."""
+        if not scheduler_output.is_empty:
+            self.step_model.observe(StepShape.of(scheduler_output), seconds)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free a running request's blocks and send it back to the waiting queue to be recomputed."""
@@ -320,13 +376,14 @@ class Scheduler:
 
         Returns:
             An :class:`EngineCoreOutput` for every request that sampled a token or finished in this call
-            (stop token, EOS, length or error), in batch order.
+            (stop token, EOS, length or error), in batch order, after those shed while queued since the last
+            call (``finish_reason="shed"``).
 
         Raises:
             RuntimeError: if a request that had to sample has no entry in ``sampled``.
         """
         self._in_flight = set()
-        outputs = []
+        outputs, self._shed_outputs = self._shed_outputs, []
         for sched in scheduler_output.scheduled:
             req = self._requests.get(sched.request_id)
             if req is None:
@@ -342,6 +399,8 @@ class Scheduler:
                 outputs.append(self._core_output(req, [], now, error=token.error))
                 continue
             req.append_output_token(token.token_id)
+            if req.first_token_time is None:
+                req.first_token_time = now
             status = check_stop(req, token.token_id, self.scheduler_config.max_model_len)
             if status is not None:
                 self._finish(req, status)
@@ -364,10 +423,15 @@ class Scheduler:
         kv = self.kv_cache_manager
         tokens_waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
         tokens_waiting += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
+        m = self.step_model
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               num_tokens_waiting=tokens_waiting, kv_cache_usage=kv.usage,
                               num_preemptions_total=self.num_preemptions_total,
-                              prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits)
+                              prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+                              num_shed_total=self.slo.num_shed if self.slo else 0,
+                              num_steps_observed=m.num_observed, step_time_predicted_s_total=m.predicted_s_total,
+                              step_time_actual_s_total=m.actual_s_total,
+                              step_time_abs_error_s_total=m.abs_error_s_total)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
         """Finish waiting or running requests from outside (abort, stop string found downstream, a failure

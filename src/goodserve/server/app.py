@@ -22,6 +22,7 @@ from goodserve.server import protocol as P
 from goodserve.server.choices import chat_logprobs, completion_logprobs
 from goodserve.server.errors import APIError, install_error_handlers
 from goodserve.server.metrics import ServerMetrics
+from goodserve.server.slo_classes import SLOTarget
 from goodserve.server.openapi import install_schema, responses
 from goodserve.server.serving import OpenAIServing, Shapes
 
@@ -91,7 +92,7 @@ async def completions(body: P.CompletionRequest, request: Request) -> Response:
     body.check_n(len(prompts))
     params = [body.build_params(body.max_tokens, body.logprobs, j) for j in range(body.n)]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    choices = await s.start(prompts, params, rid, body.priority, body.cache_salt)
+    choices = await s.start(prompts, params, rid, body.priority, body.cache_salt, s.slo_of(body))
     echo = {}
     if body.echo:
         for p, prompt in enumerate(prompts):
@@ -115,7 +116,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> R
     params = [body.build_params(body.resolved_max_tokens, body.num_logprobs, j) for j in range(body.n)]
     prompt_ids = s.chat_prompt(body.conversation())
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = await s.start([prompt_ids], params, rid, body.priority, body.cache_salt)
+    choices = await s.start([prompt_ids], params, rid, body.priority, body.cache_salt, s.slo_of(body))
     tok = s.tokenizer
     shapes = Shapes(P.ChatCompletionResponse, P.ChatCompletionChunk, full=lambda c: P.ChatChoice(
         index=c.index, message=P.ChatMessage(content=c.text), logprobs=chat_logprobs(tok, c),
@@ -127,8 +128,8 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> R
 
 
 def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
-              max_waiting_requests: Optional[int] = None, slo_ttft: Optional[float] = None,
-              slo_tpot: Optional[float] = None) -> FastAPI:
+              max_waiting_requests: Optional[int] = None,
+              slo_classes: Optional[dict[str, SLOTarget]] = None) -> FastAPI:
     """Build the FastAPI app.
 
     Args:
@@ -136,17 +137,17 @@ def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,
         served_model_name: The model name clients must use (default: the model's file name).
         max_waiting_requests: Answer 429 (with ``Retry-After``) while this many requests wait; ``None``: no
             limit.
-        slo_ttft: TTFT SLO in seconds for the goodput counters.
-        slo_tpot: TPOT SLO in seconds for the goodput counters.
+        slo_classes: Named SLO classes requests may pick with ``slo_class`` (see :func:`parse_slo_classes`); the
+            engine's ``slo_ttft`` / ``slo_tpot`` are the default class.
 
     Returns:
         The app; ``app.state`` holds ``engine``, ``metrics``, ``served_model_name`` and ``serving``.
     """
     app = FastAPI(title="goodserve", description="OpenAI-compatible LLM server", max_body_size=MAX_BODY_BYTES)
-    metrics = ServerMetrics(engine, slo_ttft, slo_tpot)
+    metrics = ServerMetrics(engine, slo_classes)
     model_name = served_model_name or engine.model_name
     app.state.engine, app.state.metrics, app.state.served_model_name = engine, metrics, model_name
-    app.state.serving = OpenAIServing(engine, metrics, model_name, max_waiting_requests)
+    app.state.serving = OpenAIServing(engine, metrics, model_name, max_waiting_requests, slo_classes)
     install_error_handlers(app, lambda scope, err: metrics.count(scope, "error", err.status, err.reason),
                            lambda scope: metrics.count(scope, "aborted"))
     app.include_router(router)

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Optional
 
 from goodserve.engine.async_types import RequestFailedError, RequestStream
 from goodserve.outputs import RequestMetrics, RequestOutput
+from goodserve.scheduler.slo import SLOUnattainableError
 from goodserve.server import protocol as P
 from goodserve.server.metrics import RequestTracker
 
@@ -93,6 +94,8 @@ async def iterate_choices(choices: list[Choice]) -> AsyncIterator[tuple[Choice, 
             if isinstance(item, BaseException):
                 if isinstance(item, RequestFailedError):
                     choice.tracker.ended("error")
+                elif isinstance(item, SLOUnattainableError):
+                    choice.tracker.ended("shed")
                 raise item
             choice.tracker.observe(item)
             choice.add(item)

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from goodserve.engine.async_types import EngineDeadError, EngineShutdownError, RequestFailedError
+from goodserve.scheduler.slo import SLOUnattainableError
 from goodserve.server import protocol as P
 from goodserve.validation import safe_text
 
@@ -109,6 +110,8 @@ def to_api_error(e: BaseException) -> APIError:
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, SLOUnattainableError):
+        return APIError(429, str(e), code="slo_unattainable", headers={"Retry-After": "1"})
     if isinstance(e, RequestFailedError):
         return APIError(500, f"the server failed while processing this request: {e}", code="request_failed")
     if isinstance(e, StarletteHTTPException):

@@ -10,9 +10,14 @@ Latencies are in seconds, measured on the engine's monotonic clock:
 TTFT = first token - arrival; ITL = gap between successive tokens; TPOT = (last - first) / (n - 1);
 queue = first scheduled - arrival; prefill = first token - first scheduled; decode = last - first token.
 
-Goodput (Zhong et al., DistServe, OSDI 2024, §2): with ``slo_ttft`` and/or ``slo_tpot`` set, every request
-that finishes (stop or length) counts in ``request_slo_attained_total`` when it met all the SLOs set, else
-in ``request_slo_missed_total``.
+Goodput (Zhong et al., DistServe, OSDI 2024, §2): every request with an SLO set (the engine's
+``--slo-ttft`` / ``--slo-tpot``, a ``--slo-class`` it names, or its own ``slo_*_ms``) that finishes (stop or
+length) counts in ``request_slo_attained_total`` when it met all its SLOs, else in
+``request_slo_missed_total``, labelled by SLO class (:mod:`goodserve.server.slo_classes`); a request shed by
+the ``slo`` policy counts in ``num_requests_shed``. The scheduler's online step-time model reports its
+predictions beside the measured step times (``step_time_predicted_seconds_total``,
+``step_time_actual_seconds_total``, ``step_time_prediction_abs_error_seconds_total``): their ratio is the
+model's relative error.
 
 Every HTTP call to an API endpoint ends in exactly one of four counters, so a load test can account for all
 it sent: ``api_requests_finished_total`` (answered in full), ``api_requests_rejected_total`` (429, by
@@ -33,6 +38,7 @@ from prometheus_client.registry import Collector
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.workload.slo import meets_slo
 from goodserve.outputs import RequestOutput
+from goodserve.server.slo_classes import SLOTarget
 
 PREFIX = "goodserve:"
 # The API calls whose outcomes are counted (one of finished, aborted, rejected, failed each).
@@ -71,22 +77,31 @@ class _EngineCollector(Collector):
                                   value=s.prefix_cache_queries)
         yield CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   value=s.prefix_cache_hits)
+        yield CounterMetricFamily(PREFIX + "num_requests_shed",
+                                  "Requests refused by load shedding (slo policy): their TTFT SLO could not be met.",
+                                  value=s.num_shed_total)
+        yield CounterMetricFamily(PREFIX + "steps_observed", "Engine steps the step-time model observed.",
+                                  value=s.num_steps_observed)
+        yield CounterMetricFamily(PREFIX + "step_time_predicted_seconds",
+                                  "Sum of the step-time model's predictions, made before each step ran (s).",
+                                  value=s.step_time_predicted_s_total)
+        yield CounterMetricFamily(PREFIX + "step_time_actual_seconds", "Sum of the measured step times (s).",
+                                  value=s.step_time_actual_s_total)
+        yield CounterMetricFamily(PREFIX + "step_time_prediction_abs_error_seconds",
+                                  "Sum of |predicted - measured| step time (s).", value=s.step_time_abs_error_s_total)
 
 
 class ServerMetrics:
     """All metrics of one app.
 
     Args:
-        engine: The engine whose scheduler stats feed the gauges.
-        slo_ttft: TTFT SLO in seconds, or ``None``.
-        slo_tpot: TPOT SLO in seconds, or ``None``.
+        engine: The engine whose scheduler stats feed the gauges (and whose default SLOs are class ``default``).
+        slo_classes: The server's named SLO classes (their attainment series exist from the start).
     """
 
-    def __init__(self, engine: AsyncEngine, slo_ttft: Optional[float] = None,
-                 slo_tpot: Optional[float] = None) -> None:
+    def __init__(self, engine: AsyncEngine, slo_classes: Optional[dict[str, SLOTarget]] = None) -> None:
         self.registry = CollectorRegistry()
-        self.slo_ttft = slo_ttft
-        self.slo_tpot = slo_tpot
+        self.default_slo = SLOTarget(engine.slo_ttft, engine.slo_tpot)
         r = self.registry
         r.register(_EngineCollector(engine))
 
@@ -99,9 +114,14 @@ class ServerMetrics:
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                        ["finished_reason"], registry=r)
         self.slo_attained = Counter(PREFIX + "request_slo_attained",
-                                    "Finished requests that met every SLO set (--slo-ttft, --slo-tpot).", registry=r)
+                                    "Finished requests that met every SLO they had, by SLO class.", ["slo_class"],
+                                    registry=r)
         self.slo_missed = Counter(PREFIX + "request_slo_missed",
-                                  "Finished requests that missed an SLO set (--slo-ttft, --slo-tpot).", registry=r)
+                                  "Finished requests that missed an SLO they had, by SLO class.", ["slo_class"],
+                                  registry=r)
+        for name in ["default", *(slo_classes or {})]:
+            self.slo_attained.labels(slo_class=name)
+            self.slo_missed.labels(slo_class=name)
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (s).", LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Gap between successive output tokens (s).",
                         LATENCY_BUCKETS)
@@ -114,7 +134,7 @@ class ServerMetrics:
         self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self.req_generation_tokens = hist("request_generation_tokens", "Generated tokens per finished request.",
                                           TOKEN_BUCKETS)
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in ("stop", "length", "abort", "error", "shed"):
             self.request_success.labels(finished_reason=reason)
         self.api_finished = Counter(PREFIX + "api_requests_finished", "API calls answered in full.", ["endpoint"],
                                     registry=r)
@@ -153,16 +173,17 @@ class ServerMetrics:
             self.api_failed.labels(endpoint=endpoint, status_code=str(status), reason=reason).inc()
         self.outcomes[outcome] += 1
 
-    def tracker(self) -> "RequestTracker":
-        """A tracker for one new engine request."""
-        return RequestTracker(self)
+    def tracker(self, slo: Optional[SLOTarget] = None) -> "RequestTracker":
+        """A tracker for one new engine request with these SLOs (the engine's defaults when ``None``)."""
+        return RequestTracker(self, slo or self.default_slo)
 
 
 class RequestTracker:
     """Feeds one request's outputs into the metrics (event loop thread)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, slo: SLOTarget) -> None:
         self.m = metrics
+        self.slo = slo
         self.num_tokens = 0
         self.last_token_time: Optional[float] = None
         self.prompt_counted = False
@@ -199,9 +220,10 @@ class RequestTracker:
                 m.decode.observe(met.last_token_time - met.first_token_time)
             m.req_prompt_tokens.observe(len(out.prompt_token_ids))
             m.req_generation_tokens.observe(self.num_tokens)
-            if out.finish_reason in ("stop", "length") and (m.slo_ttft is not None or m.slo_tpot is not None):
-                met_slo = meets_slo(met.ttft, met.tpot, m.slo_ttft, m.slo_tpot)
-                (m.slo_attained if met_slo else m.slo_missed).inc()
+            slo = self.slo
+            if out.finish_reason in ("stop", "length") and slo.is_set:
+                met_slo = meets_slo(met.ttft, met.tpot, slo.ttft, slo.tpot)
+                (m.slo_attained if met_slo else m.slo_missed).labels(slo_class=slo.name).inc()
 
     def ended(self, reason: str) -> None:
         """The request ended without a finished output: ``"abort"`` (client gone) or ``"error"`` (failed)."""

@@ -97,6 +97,9 @@ class SamplingRequest(OpenAIRequest):
     priority: Int = 0
     cache_salt: Optional[str] = None
     user: Optional[str] = None
+    slo_ttft_ms: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    slo_tpot_ms: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    slo_class: Optional[str] = None
 
     @property
     def include_usage(self) -> bool:

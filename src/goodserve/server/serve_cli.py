@@ -10,6 +10,7 @@ import signal
 from typing import Optional
 
 from goodserve.engine.args import EngineArgs
+from goodserve.server.slo_classes import parse_slo_classes
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: file name)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 429 while this many requests wait (default: no limit)")
-    g.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput counters")
-    g.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput counters")
+    g.add_argument("--slo-class", action="append", default=None, metavar="NAME:TTFT_MS:TPOT_MS",
+                   help="a named SLO class requests may pick with slo_class (repeatable); attainment is counted "
+                        "per class on /metrics")
     g.add_argument("--step-trace", default=None, metavar="FILE",
                    help="write one JSON line per engine step (shape and seconds), for `goodserve profile "
                         "--from-step-trace`")
@@ -61,7 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-    for name in ("slo_ttft", "slo_tpot", "shutdown_timeout"):
+    for name in ("shutdown_timeout",):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number of seconds > 0, got {value}")
@@ -77,7 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                           on_dead=on_dead, inject_step_fault=args.inject_step_fault)
     logger.debug("froze %d startup objects out of the garbage collector", freeze_startup_objects())
     app = build_app(engine, served_model_name=args.served_model_name,
-                    max_waiting_requests=args.max_waiting_requests, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
+                    max_waiting_requests=args.max_waiting_requests, slo_classes=parse_slo_classes(args.slo_class))
     # uvicorn's own limit comes later: by then the engine has failed every in-flight request (a 503 body
     # or an error event), so the clients get an answer rather than a cut connection.
     config = uvicorn.Config(app, host=args.host, port=args.port,

@@ -29,6 +29,7 @@ from goodserve.server import protocol as P
 from goodserve.server.choices import Choice, iterate_choices, usage
 from goodserve.server.errors import APIError, internal_error
 from goodserve.server.metrics import ServerMetrics
+from goodserve.server.slo_classes import SLOTarget, resolve_slo
 from goodserve.server.streaming import EventStreamResponse, sse
 
 @dataclass(frozen=True)
@@ -51,12 +52,16 @@ class OpenAIServing:
         model_name: The model name clients must use.
         max_waiting_requests: Answer 429 (with ``Retry-After``) while this many requests wait; ``None``: no
             limit.
+        slo_classes: Named SLO classes a request may pick with ``slo_class``.
     """
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
-                 max_waiting_requests: Optional[int] = None) -> None:
+                 max_waiting_requests: Optional[int] = None,
+                 slo_classes: Optional[dict[str, SLOTarget]] = None) -> None:
         self.engine, self.metrics, self.model_name = engine, metrics, model_name
         self.max_waiting_requests = max_waiting_requests
+        self.slo_classes = dict(slo_classes or {})
+        self.default_slo = SLOTarget(engine.slo_ttft, engine.slo_tpot)
         self.tokenizer = engine.tokenizer
 
     def check_model(self, name: Optional[str]) -> None:
@@ -64,6 +69,10 @@ class OpenAIServing:
         if name and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
+
+    def slo_of(self, body: P.SamplingRequest) -> SLOTarget:
+        """The request's SLOs (raises ``ValueError`` naming ``slo_class`` for an unknown class)."""
+        return resolve_slo(body.slo_class, body.slo_ttft_ms, body.slo_tpot_ms, self.slo_classes, self.default_slo)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt token ids of a conversation (see :func:`render_chat`)."""
@@ -83,13 +92,19 @@ class OpenAIServing:
         return response
 
     async def start(self, prompts: list[Union[str, list[int]]], params: list[SamplingParams], request_id: str,
-                    priority: int, cache_salt: Optional[str] = None) -> list[Choice]:
+                    priority: int, cache_salt: Optional[str] = None,
+                    slo: Optional[SLOTarget] = None) -> list[Choice]:
         """Add ``len(prompts) * len(params)`` engine requests; all accepted, or none (error raised).
+
+        Args:
+            slo: The requests' SLOs (the engine's defaults when ``None``).
 
         Raises:
             APIError: 429 while ``max_waiting_requests`` wait.
+            SLOUnattainableError: when load shedding refuses one (answered 429).
             ValueError, EngineDeadError, Exception: as :meth:`AsyncEngine.add_request` (nothing is left queued).
         """
+        slo = slo or self.default_slo
         limit = self.max_waiting_requests
         if limit is not None and self.engine.num_waiting_total() >= limit:
             raise APIError(429, f"The server is busy: {limit} requests are already waiting. Retry later.",
@@ -98,14 +113,15 @@ class OpenAIServing:
         for p, prompt in enumerate(prompts):
             for j, sp in enumerate(params):
                 rid = f"{request_id}-{p * len(params) + j}"
-                jobs.append((p, j, self.engine.add_request(prompt, sp, rid, priority, cache_salt)))
+                jobs.append((p, j, self.engine.add_request(prompt, sp, rid, priority, cache_salt, slo.ttft,
+                                                           slo.tpot)))
         results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             self.engine.abort([s.request_id for s in streams])
             raise failure
-        return [Choice(index=i, stream=s, tracker=self.metrics.tracker(), prompt_index=p, first_of_prompt=j == 0)
+        return [Choice(index=i, stream=s, tracker=self.metrics.tracker(slo), prompt_index=p, first_of_prompt=j == 0)
                 for i, ((p, j, _), s) in enumerate(zip(jobs, streams))]
 
     def finish(self, choices: list[Choice]) -> None:

@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from goodserve.engine.async_types import EngineDeadError, RequestFailedError
+from goodserve.scheduler.slo import SLOUnattainableError
 from goodserve.server.errors import APIError, internal_error, to_api_error
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class EventStreamResponse(StreamingResponse):
         except Exception as e:  # noqa: BLE001 - reported to the client in the stream
             # Once a stream is open the client's input was accepted: only the engine's own errors keep their
             # status; anything else is a fault of ours (a 500, logged with its traceback), never a 400.
-            if isinstance(e, (APIError, EngineDeadError, RequestFailedError)):
+            if isinstance(e, (APIError, EngineDeadError, RequestFailedError, SLOUnattainableError)):
                 err = to_api_error(e)
                 logger.warning("stream failed: %s", err.message)
             else:

@@ -42,6 +42,10 @@ class CostModel(Protocol):
         """Seconds the model takes to compute ``out`` (including the fixed per-step overhead)."""
         ...
 
+    def predict(self, shape: StepShape) -> float:
+        """Seconds for a non-empty step of this shape (what seeds the scheduler's step-time model)."""
+        ...
+
 
 class ConstantCostModel:
     """Every non-empty step takes ``step_s`` seconds.
@@ -57,6 +61,9 @@ class ConstantCostModel:
 
     def step_time(self, out: SchedulerOutput) -> float:
         return self.step_s if out.scheduled else 0.0
+
+    def predict(self, shape: StepShape) -> float:
+        return self.step_s
 
 
 class RooflineCostModel:
@@ -103,7 +110,9 @@ class RooflineCostModel:
     def step_time(self, out: SchedulerOutput) -> float:
         if not out.scheduled:
             return 0.0
-        shape = StepShape.of(out)
+        return self.predict(StepShape.of(out))
+
+    def predict(self, shape: StepShape) -> float:
         return self.overhead_s + self.gemm_time(shape) + self.attention_time(shape)
 
 

@@ -43,6 +43,7 @@ class StepEnd(Event):
 
     instance: "Instance"
     output: SchedulerOutput
+    start: float  # when the step started (seconds)
 
     def apply(self, sim: "Simulator") -> None:
         sim.on_step_end(self)

@@ -10,6 +10,7 @@ JSON result and plots, so a simulated run reads like a measured one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import sys
@@ -26,8 +27,9 @@ from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_b
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
 from goodserve.workload.arrivals import poisson_arrivals
 from goodserve.workload.datasets import AZURE_FILES, clip_specs, load_azure, random_lengths
-from goodserve.workload.report import RunResult, format_summary, format_sweep, max_rate_meeting, plot, rate_str, save_json
-from goodserve.workload.slo import parse_slos
+from goodserve.workload.report import (RunResult, class_results, format_classes, format_summary, format_sweep,
+                                       max_rate_meeting, plot, rate_str, save_json)
+from goodserve.workload.slo import assign_slo_classes, parse_slo_class_mix, parse_slos
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +73,16 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                  "with >= 90%% SLO attainment")
     w.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs in ms, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    w.add_argument("--slo-class", action="append", default=None, metavar="NAME:TTFT_MS:TPOT_MS:SHARE",
+                   help="mixed SLO classes (repeatable; shares sum to 1): each request is drawn into one (seeded) "
+                        "and carries its SLOs; attainment and goodput are also reported per class")
     s = p.add_argument_group("engine (as in serve)")
     s.add_argument("--scheduler", default="chunked",
                    help=f"batching mode, or several comma-separated to compare: {', '.join(SCHEDULING_MODES)}")
-    s.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES))
+    s.add_argument("--scheduling-policy", default="fcfs",
+                   help=f"waiting-queue policy, or several comma-separated to compare: {', '.join(SCHEDULING_POLICIES)}")
+    s.add_argument("--shed-load", action="store_true",
+                   help="with the slo policy: refuse requests whose TTFT SLO can no longer be met")
     s.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
     s.add_argument("--max-num-seqs", type=int, default=128, help="most running requests per instance")
     s.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -180,7 +188,7 @@ def build_cost_model(args: argparse.Namespace, arch: ArchSpec) -> CostModel:
     return RooflineCostModel(arch, get_hardware(args.hardware), args.dtype, args.tp)
 
 
-def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str) -> ClusterConfig:
+def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str, policy: str = "fcfs") -> ClusterConfig:
     """Scheduler, KV pool and instances of one run from the flags (pool from the planner by default).
 
     Raises:
@@ -204,23 +212,32 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str) -> Cluste
     return ClusterConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                  policy=args.scheduling_policy, mode=mode),
+                                  policy=policy, mode=mode, shed_load=args.shed_load and policy == "slo"),
         cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size),
         enable_prefix_caching=args.enable_prefix_caching, num_replicas=args.replicas, routing=args.routing,
         disaggregation=disagg)
 
 
 def simulate_once(args: argparse.Namespace, arch: ArchSpec, mode: str, rate: float,
-                  slos: dict[str, float], requests: Optional[list[SimRequest]] = None) -> RunResult:
-    """One simulated run with scheduler mode ``mode``: of ``requests``, or of the flags' workload at ``rate``."""
-    cluster = build_cluster(args, arch, mode)
+                  slos: dict[str, float], requests: Optional[list[SimRequest]] = None,
+                  policy: str = "fcfs", label: Optional[str] = None) -> RunResult:
+    """One simulated run with scheduler mode ``mode`` and ``policy``: of ``requests``, or of the flags'
+    workload at ``rate``."""
+    cluster = build_cluster(args, arch, mode, policy)
     if requests is None:
         requests = build_workload(args, rate, cluster.scheduler.max_model_len)
+    classes = parse_slo_class_mix(getattr(args, "slo_class", None))
+    assigned = assign_slo_classes(len(requests), classes, args.seed) if classes else []
+    requests = [dataclasses.replace(r, slo_ttft=c.slos.get("ttft"), slo_tpot=c.slos.get("tpot"))
+                for r, c in zip(requests, assigned)] or requests
     result = Simulator(cluster, build_cost_model(args, arch), requests, slos).run()
-    config = {"mode": mode, "instances": result.instances, "num_instances": cluster.num_instances,
+    config = {"mode": mode, "policy": policy, "instances": result.instances, "num_instances": cluster.num_instances,
               "num_blocks": cluster.cache.num_blocks, "num_preemptions": result.num_preemptions,
               "mean_kv_transfer_s": result.mean_kv_transfer_s}
-    return RunResult(label=mode if not cluster.disaggregation else f"{mode}-disagg", rate=rate,
+    if assigned:
+        config["slo_classes"] = class_results(result.records, assigned, result.summary.duration)
+    label = label or mode
+    return RunResult(label=label if not cluster.disaggregation else f"{label}-disagg", rate=rate,
                      summary=result.summary, records=result.records, config=config)
 
 
@@ -249,6 +266,14 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         bad = [m for m in modes if m not in SCHEDULING_MODES]
         if bad:
             raise ValueError(f"unknown scheduler mode(s) {bad}; choose from {SCHEDULING_MODES}")
+        policies = [p.strip() for p in args.scheduling_policy.split(",")]
+        bad = [p for p in policies if p not in SCHEDULING_POLICIES]
+        if bad:
+            raise ValueError(f"unknown scheduling policy(ies) {bad}; choose from {SCHEDULING_POLICIES}")
+        if args.shed_load and "slo" not in policies:
+            raise ValueError("--shed-load needs --scheduling-policy slo")
+        variants = [(m, p, m if len(policies) == 1 else (p if len(modes) == 1 else f"{m}/{p}"))
+                    for m in modes for p in policies]
         slos = parse_slos(args.goodput)
         jobs: list[tuple[float, Optional[MeasuredRun]]]
         if args.replay:
@@ -261,12 +286,12 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
         else:
             jobs = [(rate, None) for rate in parse_rates(args.sweep or args.request_rate)]
         results, comparisons = [], []
-        for mode in modes:
+        for mode, policy, name in variants:
             for rate, run in jobs:
                 t0 = time.perf_counter()
-                result = simulate_once(args, arch, mode, rate, slos, run.requests if run else None)
+                result = simulate_once(args, arch, mode, rate, slos, run.requests if run else None, policy, name)
                 if run is not None:
-                    result.label = f"{mode}/{run.label}" if several_labels else mode
+                    result.label = f"{name}/{run.label}" if several_labels else name
                     rows = compare(run.summary, result.summary.to_dict())
                     result.config["replay"] = {
                         "measured_label": run.label, "num_failed_not_replayed": run.num_failed,
@@ -274,7 +299,7 @@ def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
                                        for name, m, sim, err in rows]}
                     comparisons.append(format_comparison(f"{result.label} (measured: {run.label})", rate, rows))
                 results.append(result)
-                logger.info("simulated %s at rate %s in %.1f s", mode, rate_str(rate), time.perf_counter() - t0)
+                logger.info("simulated %s at rate %s in %.1f s", name, rate_str(rate), time.perf_counter() - t0)
     except ValueError as exc:
         print(f"goodserve simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -307,6 +332,8 @@ def _report(args: argparse.Namespace, arch: ArchSpec, results: list[RunResult], 
             if best is not None:
                 print(f"{label}: goodput {best:g} req/s at >= 90% attainment = {best / n:g} req/s per instance",
                       file=out)
+    if any(r.config.get("slo_classes") for r in results):
+        print(format_classes(results), file=out)
     for text in comparisons:
         print(text, file=out)
     meta = {"model": arch.name, "hardware": args.hardware, "cost_model": args.cost_model, "dtype": args.dtype,

@@ -35,8 +35,10 @@ from typing import Optional
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
-from goodserve.scheduler.output import SampledToken
+from goodserve.scheduler.output import EngineCoreOutput, SampledToken
 from goodserve.scheduler.scheduler import Scheduler
+from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.sim.cost_model import CostModel
 from goodserve.sim.events import Event, KVTransferDone, RequestArrival, StepEnd
 from goodserve.workload.metrics import RequestRecord, Summary, record_from_timeline, summarize
@@ -59,6 +61,8 @@ class SimRequest:
         output_len: Output tokens it generates: the simulated model samples EOS as token ``output_len``.
         max_tokens: The cap the client asks for (``None``: exactly ``output_len``). Only a scheduler that
             reserves memory by it (``reserve``) behaves differently with a larger cap.
+        slo_ttft: Its own TTFT SLO in seconds (``None``: the simulation's ``ttft`` SLO, if any).
+        slo_tpot: Its own TPOT SLO in seconds (``None``: the simulation's ``tpot`` SLO, if any).
     """
 
     request_id: str
@@ -66,6 +70,8 @@ class SimRequest:
     prompt_len: int
     output_len: int
     max_tokens: Optional[int] = None
+    slo_ttft: Optional[float] = None
+    slo_tpot: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
@@ -143,7 +149,9 @@ class ClusterConfig:
 
 
 class Instance:
-    """One model instance: a real scheduler, a cost model and step counters.
+    """One model instance: a real scheduler (whose step-time model is seeded from the cost model and then
+    learns from the step times the cost model gives, as the engine's learns from measured ones), a cost
+    model and step counters.
 
     Args:
         name: Display name, e.g. ``"replica0"``, ``"prefill1"``.
@@ -259,7 +267,8 @@ class Simulator:
 
     def _instance(self, name: str, role: str, prefix_caching: bool, cost_model: CostModel) -> Instance:
         cache = dataclasses.replace(self.config.cache, enable_prefix_caching=prefix_caching)
-        return Instance(name, role, Scheduler(self.config.scheduler, cache), cost_model)
+        step_model = StepTimeModel.seeded_by(cost_model.predict)
+        return Instance(name, role, Scheduler(self.config.scheduler, cache, step_model), cost_model)
 
     # ------------------------------------------------------------------------------------------ loop
     def push(self, event: Event) -> None:
@@ -286,7 +295,10 @@ class Simulator:
     def _start_step(self, inst: Instance) -> None:
         out = inst.scheduler.schedule(self.now)
         if out.is_empty:
-            raise RuntimeError(f"{inst.name}: requests are pending but the scheduler scheduled nothing")
+            self._finish_results(inst, inst.scheduler.update_from_output(out, {}, self.now))  # shed requests
+            if inst.scheduler.has_unfinished_requests():
+                raise RuntimeError(f"{inst.name}: requests are pending but the scheduler scheduled nothing")
+            return
         step_s = inst.cost_model.step_time(out)
         inst.busy = True
         inst.num_steps += 1
@@ -295,7 +307,7 @@ class Simulator:
         inst.max_running = max(inst.max_running, inst.scheduler.make_stats().num_running)
         if out.num_decode_tokens and out.num_prefill_tokens:
             inst.num_mixed_steps += 1
-        self.push(StepEnd(self.now + step_s, inst, out))
+        self.push(StepEnd(self.now + step_s, inst, out, self.now))
 
     # ---------------------------------------------------------------------------------------- events
     def on_request_arrival(self, ev: RequestArrival) -> None:
@@ -306,25 +318,31 @@ class Simulator:
         self._progress[spec.request_id] = prog
         disaggregated = self.config.disaggregation is not None
         max_tokens = 1 if disaggregated else spec.cap
-        req = _make_request(spec.request_id, prog.prompt_token_ids, max_tokens, self.now)
+        req = self._make_request(spec, prog.prompt_token_ids, max_tokens)
         try:
             self._route(self.front, "front").scheduler.add_request(req)
-        except ValueError as exc:
+        except (ValueError, SLOUnattainableError) as exc:
             prog.error = str(exc)
 
     def on_step_end(self, ev: StepEnd) -> None:
         inst, out = ev.instance, ev.output
         inst.busy = False
         sampled = {s.request_id: SampledToken(self._next_token(s.request_id)) for s in out.sampling()}
+        inst.scheduler.observe_step_time(out, self.now - ev.start)
         results = inst.scheduler.update_from_output(out, sampled, self.now)
         for rid in sampled:
             self._progress[rid].token_times.append(self.now)
+        self._finish_results(inst, results)
+
+    def _finish_results(self, inst: Instance, results: list[EngineCoreOutput]) -> None:
         for result in results:
             if not result.finished:
                 continue
             prog = self._progress[result.request_id]
             prog.num_preemptions += result.num_preemptions
-            if inst.role == "prefill" and prog.spec.output_len > 1:
+            if result.finish_reason == "shed":
+                prog.error = result.error or "shed"
+            elif inst.role == "prefill" and prog.spec.output_len > 1:
                 self._start_transfer(inst, prog)
             else:
                 prog.finished = self.now
@@ -347,7 +365,7 @@ class Simulator:
         prog = self._progress[ev.request_id]
         spec = prog.spec
         ev.instance.num_incoming -= 1
-        req = _make_request(spec.request_id, prog.prompt_token_ids + [SIM_TOKEN], spec.cap - 1, self.now)
+        req = self._make_request(spec, prog.prompt_token_ids + [SIM_TOKEN], spec.cap - 1)
         if not _install_transferred_kv(ev.instance, req):
             ev.instance.num_kv_installs_failed += 1
         ev.instance.scheduler.add_request(req)
@@ -380,10 +398,18 @@ class Simulator:
         )
 
 
-def _make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int, now: float) -> Request:
+    def _make_request(self, spec: SimRequest, prompt_token_ids: list[int], max_tokens: int) -> Request:
+        """The scheduler's request for ``spec`` arriving now, with its SLOs (or the simulation's)."""
+        slo_ttft = spec.slo_ttft if spec.slo_ttft is not None else self.slos.get("ttft")
+        slo_tpot = spec.slo_tpot if spec.slo_tpot is not None else self.slos.get("tpot")
+        return _make_request(spec.request_id, prompt_token_ids, max_tokens, self.now, slo_ttft, slo_tpot)
+
+
+def _make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int, now: float,
+                  slo_ttft: Optional[float] = None, slo_tpot: Optional[float] = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens)
     return Request(request_id, prompt_token_ids, params, arrival_time=now, eos_token_ids=(SIM_EOS,),
-                   max_tokens=max_tokens)
+                   max_tokens=max_tokens, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
 
 
 def _install_transferred_kv(inst: Instance, req: Request) -> bool:

@@ -211,3 +211,41 @@ def plot(path: str, results: Sequence[RunResult], title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def class_results(records: Sequence[RequestRecord], classes: Sequence[Any], duration: float) -> dict[str, dict]:
+    """Attainment and goodput per SLO class, each request judged by its own class's SLOs.
+
+    Args:
+        records: The run's records, in request order.
+        classes: Each request's :class:`~goodserve.workload.slo.SLOClass`, in the same order.
+        duration: The run's duration in seconds.
+
+    Returns:
+        ``{name: {"requests", "attainment", "goodput"}}`` plus ``"all"`` (every request by its own class).
+    """
+    from goodserve.workload.metrics import summarize
+
+    out: dict[str, dict] = {}
+    good = 0.0
+    for cls in {c.name: c for c in classes}.values():
+        mine = [r for r, c in zip(records, classes) if c.name == cls.name]
+        s = summarize(mine, duration, cls.slos)
+        out[cls.name] = {"requests": len(mine), "attainment": s.attainment, "goodput": s.goodput}
+        good += s.goodput * duration
+    out["all"] = {"requests": len(records), "attainment": good / len(records) if records else 0.0,
+                  "goodput": good / duration}
+    return out
+
+
+def format_classes(results: Sequence[RunResult]) -> str:
+    """One line per run and SLO class: attainment and goodput (runs without classes are skipped)."""
+    lines = []
+    for r in results:
+        for name, c in (r.config.get("slo_classes") or {}).items():
+            lines.append(f"{r.label:<12} {rate_str(r.rate):>6} {name:<12} {c['requests']:>5} "
+                         f"{c['attainment'] * 100:>7.1f} {c['goodput']:>8.3f}")
+    if not lines:
+        return ""
+    head = f"{'server':<12} {'rate':>6} {'SLO class':<12} {'reqs':>5} {'attain%':>7} {'goodput':>8}"
+    return "\n".join([head, "-" * len(head), *lines])

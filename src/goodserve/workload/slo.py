@@ -7,6 +7,10 @@ all decide attainment with :func:`meets_slo`, so the three agree on every edge c
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import random
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 #: SLO names accepted by ``parse_slos`` and the benchmark summary; values are limits in seconds.
@@ -65,3 +69,55 @@ def parse_slos(items: Optional[Sequence[str]]) -> dict[str, float]:
             raise ValueError(f"SLO {item!r} must be positive")
         slos[name] = ms / 1000.0
     return slos
+
+
+@dataclass(frozen=True)
+class SLOClass:
+    """A share of the traffic with SLOs of its own (e.g. tight interactive and loose batch requests).
+
+    Attributes:
+        name: The class name (the server's ``--slo-class`` name, sent as the ``slo_class`` field).
+        slos: Its limits in seconds, keyed ``"ttft"`` / ``"tpot"`` (a missing one: no limit).
+        share: Its fraction of the requests, in ``(0, 1]``.
+    """
+
+    name: str
+    slos: dict
+    share: float
+
+
+def parse_slo_class_mix(items: Optional[Sequence[str]]) -> list[SLOClass]:
+    """Parse ``["interactive:500:50:0.5", "batch:10000:500:0.5"]`` (NAME:TTFT_MS:TPOT_MS:SHARE; ``-`` for no
+    limit) into classes whose shares sum to 1.
+
+    Raises:
+        ValueError: on a malformed item, a duplicate name, a non-positive limit or share, or shares that do not
+            sum to 1.
+    """
+    classes: list[SLOClass] = []
+    for item in items or ():
+        parts = item.split(":")
+        if len(parts) != 4 or not parts[0]:
+            raise ValueError(f"bad SLO class {item!r}; expected NAME:TTFT_MS:TPOT_MS:SHARE")
+        try:
+            share = float(parts[3])
+            limits = [None if v == "-" else float(v) / 1000.0 for v in parts[1:3]]
+        except ValueError:
+            raise ValueError(f"bad SLO class {item!r}: limits and share must be numbers") from None
+        if not 0 < share <= 1 or any(v is not None and not v > 0 for v in limits):
+            raise ValueError(f"bad SLO class {item!r}: limits and share must be positive (share <= 1)")
+        if any(c.name == parts[0] for c in classes):
+            raise ValueError(f"SLO class {parts[0]!r} given twice")
+        slos = {k: v for k, v in zip(("ttft", "tpot"), limits) if v is not None}
+        classes.append(SLOClass(parts[0], slos, share))
+    if classes and abs(sum(c.share for c in classes) - 1.0) > 1e-6:
+        raise ValueError(f"SLO class shares must sum to 1, got {sum(c.share for c in classes):g}")
+    return classes
+
+
+def assign_slo_classes(num_requests: int, classes: Sequence[SLOClass], seed: int = 0) -> list[SLOClass]:
+    """Each request's class, drawn independently by share with a seeded generator (the same for every
+    server, rate and policy)."""
+    rng = random.Random(seed)
+    cut = list(itertools.accumulate(c.share for c in classes))
+    return [classes[min(bisect.bisect_right(cut, rng.random()), len(classes) - 1)] for _ in range(num_requests)]

@@ -1,0 +1,162 @@
+"""An online step-time model: how long the next step will take, learned from the steps that ran.
+
+The form is the simulator's fitted cost model (:class:`goodserve.sim.cost_model.LinearCostModel`, the one
+``goodserve profile`` measures)::
+
+    step_s = overhead + per_token · tokens + per_sampled · sampled + per_pair · attention_pairs
+
+with the figures of a :class:`~goodserve.scheduler.output.StepShape`. The SLO-aware policy
+(:mod:`goodserve.scheduler.slo`) asks it before each step how long a candidate step would take.
+
+Refitting: ordinary least squares over the last ``window`` observed steps plus a prior of a few
+pseudo-steps priced by the seed coefficients (ridge regression toward the seed, Hoerl & Kennard 1970).
+A sliding window rather than exponentially-forgotten recursive least squares: when a load regime excites
+only some directions (pure decode: ``tokens == sampled`` on every step), forgetting RLS lets the covariance
+of the unexcited directions grow without bound ("wind-up"); the prior keeps them pinned to the seed
+instead, while every direction the data does excite follows the data. Coefficients are kept non-negative
+(a step never gets cheaper by doing more). The model is plain Python + numpy (no torch): it runs in the
+simulator too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from goodserve.scheduler.output import StepShape
+
+COEFFICIENT_NAMES = ("overhead_s", "per_token_s", "per_sampled_s", "per_pair_s")
+# Feature scales keep the normal equations well conditioned (pairs reach 1e6 and more per step).
+_SCALE = np.array([1.0, 1e-3, 1e-2, 1e-6])
+# Pseudo-steps priced by the seed: decodes at batch 1 and 32 over 512-token contexts, a 512-token prompt, a
+# 2048-token chunk after 2048 cached tokens, and a step mixing 31 decodes with a 256-token prompt.
+_PRIOR_SHAPES = (StepShape(1, 1, 512, 512, 1), StepShape(32, 32, 32 * 512, 32 * 512, 32),
+                 StepShape(512, 1, 512 * 513 // 2, 512, 1),
+                 StepShape(2048, 1, 2048 * 2048 + 2048 * 2049 // 2, 4096, 1),
+                 StepShape(287, 32, 31 * 512 + 256 * 257 // 2, 31 * 512 + 256, 32))
+
+
+@dataclass(frozen=True)
+class StepCoefficients:
+    """Seconds per step, per computed token, per sampled token and per causal query-key pair."""
+
+    overhead_s: float
+    per_token_s: float
+    per_sampled_s: float
+    per_pair_s: float
+
+    def predict(self, tokens: int, sampled: int, pairs: int) -> float:
+        """Seconds for a step of this shape."""
+        return self.overhead_s + self.per_token_s * tokens + self.per_sampled_s * sampled + self.per_pair_s * pairs
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in COEFFICIENT_NAMES}
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "StepCoefficients":
+        """The ``coefficients`` of a ``goodserve profile`` JSON file.
+
+        Raises:
+            ValueError: if the file is unreadable or lacks a coefficient.
+        """
+        try:
+            c = json.loads(Path(path).read_text())["coefficients"]
+            return cls(*(float(c[name]) for name in COEFFICIENT_NAMES))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"cannot read step-time coefficients from {path}: {exc!r}") from None
+
+
+#: A seed for a ~100M-parameter model on a 2-core CPU (bf16); the first steps replace it.
+DEFAULT_SEED = StepCoefficients(overhead_s=0.015, per_token_s=4e-4, per_sampled_s=5e-4, per_pair_s=2e-8)
+
+
+class StepTimeModel:
+    """Predicts step times and refits itself on the steps that ran.
+
+    Args:
+        seed: Starting coefficients (a profile's, or :data:`DEFAULT_SEED`).
+        window: Observed steps the fit remembers.
+        prior_weight: Weight of each of the seed's pseudo-steps in the fit (an observed step weighs 1).
+        adapt: Refit on observations; ``False`` keeps the seed (tests, or a trusted profile).
+
+    Raises:
+        ValueError: on a negative coefficient, ``window < 1`` or ``prior_weight <= 0``.
+    """
+
+    def __init__(self, seed: StepCoefficients = DEFAULT_SEED, window: int = 256, prior_weight: float = 0.5,
+                 adapt: bool = True) -> None:
+        if min(seed.to_dict().values()) < 0:
+            raise ValueError(f"step-time coefficients must be >= 0, got {seed}")
+        if window < 1 or prior_weight <= 0:
+            raise ValueError(f"window must be >= 1 and prior_weight > 0, got {window}, {prior_weight}")
+        self.coefficients = seed
+        self.adapt = adapt
+        self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        xs = np.array([_features(x) for x in _PRIOR_SHAPES])
+        ys = np.array([seed.predict(x.num_tokens, x.num_sampled, x.attention_pairs) for x in _PRIOR_SHAPES])
+        self._prior_xtx = prior_weight * xs.T @ xs
+        self._prior_xty = prior_weight * xs.T @ ys
+        # Error bookkeeping (the prediction made before each observed step).
+        self.num_observed = 0
+        self.predicted_s_total = 0.0
+        self.actual_s_total = 0.0
+        self.abs_error_s_total = 0.0
+
+    @classmethod
+    def seeded_by(cls, price: Callable[[StepShape], float], **kwargs) -> "StepTimeModel":
+        """A model whose seed is the least-squares fit of another model's prices of the prior's pseudo-steps
+        (the simulator seeds each scheduler's model from its cost model this way; a linear cost model is
+        reproduced exactly).
+
+        Args:
+            price: Seconds of a step of a given shape.
+        """
+        xs = np.array([_features(x) for x in _PRIOR_SHAPES])
+        ys = np.array([price(x) for x in _PRIOR_SHAPES])
+        theta = np.clip(np.linalg.lstsq(xs, ys, rcond=None)[0] * _SCALE, 0.0, None)
+        return cls(StepCoefficients(*(float(v) for v in theta)), **kwargs)
+
+    def predict(self, tokens: int, sampled: int, pairs: int) -> float:
+        """Predicted seconds of a step computing ``tokens`` tokens, sampling ``sampled`` and attending over
+        ``pairs`` causal query-key pairs (:class:`StepShape`'s figures)."""
+        return self.coefficients.predict(tokens, sampled, pairs)
+
+    def predict_shape(self, shape: StepShape) -> float:
+        return self.predict(shape.num_tokens, shape.num_sampled, shape.attention_pairs)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Record a step that took ``seconds`` and refit.
+
+        Raises:
+            ValueError: if ``seconds`` is negative or not finite.
+        """
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"a step time must be a finite number of seconds >= 0, got {seconds}")
+        predicted = self.predict_shape(shape)
+        self.num_observed += 1
+        self.predicted_s_total += predicted
+        self.actual_s_total += seconds
+        self.abs_error_s_total += abs(predicted - seconds)
+        if not self.adapt:
+            return
+        self._window.append((_features(shape), seconds))
+        xs = np.array([x for x, _ in self._window])
+        ys = np.array([y for _, y in self._window])
+        theta = np.linalg.solve(self._prior_xtx + xs.T @ xs, self._prior_xty + xs.T @ ys) * _SCALE
+        self.coefficients = StepCoefficients(*(float(v) for v in np.clip(theta, 0.0, None)))
+
+    @property
+    def mean_abs_relative_error(self) -> Optional[float]:
+        """Sum of |predicted - actual| over the sum of actual step times so far (``None`` before any)."""
+        return self.abs_error_s_total / self.actual_s_total if self.actual_s_total > 0 else None
+
+
+def _features(shape: StepShape) -> np.ndarray:
+    """The scaled regressors ``[1, tokens, sampled, pairs]`` of a step."""
+    return np.array([1.0, shape.num_tokens, shape.num_sampled, shape.attention_pairs]) * _SCALE

@@ -1,0 +1,262 @@
+"""The ``slo`` scheduling policy (issue 14) on hand-made timelines through the simulator, whose cost model is
+fixed and linear, so the scheduler's own step-time model predicts every step exactly: EDF order, the late
+and shed decisions, the per-step token budget from the TPOT SLO, the admission stop and the preemption
+victim, each to the exact value. Plus the online step-time model, and the policy through the engine and the
+server."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.request import Request
+from goodserve.sampling_params import SamplingParams
+from goodserve.scheduler.output import SampledToken, StepShape
+from goodserve.scheduler.scheduler import Scheduler
+from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients, StepTimeModel
+from goodserve.sim.cost_model import LinearCostModel
+from goodserve.sim.simulator import ClusterConfig, SimRequest, Simulator
+
+# A step costs 10 ms plus 1 ms per computed token: a 100-token prefill step takes 0.11 s.
+COST = LinearCostModel(overhead_s=0.010, per_token_s=0.001, per_sampled_s=0.0, per_pair_s=0.0)
+
+
+def run(policy: str, requests: list[SimRequest], budget: int = 100, shed_load: bool = False,
+        max_num_seqs: int = 16, slos=None):
+    config = ClusterConfig(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                           max_model_len=1024, policy=policy, shed_load=shed_load),
+                           CacheConfig(num_blocks=256, block_size=4))
+    sim = Simulator(config, COST, requests, slos)
+    result = sim.run()
+    for inst in sim.instances:  # nothing leaks, whatever was shed
+        kv = inst.scheduler.kv_cache_manager
+        kv.check_integrity()
+        assert kv.num_free_blocks == kv.num_blocks
+    return sim, result
+
+
+def ttfts(result) -> list:
+    return [None if r.ttft is None else round(r.ttft, 9) for r in result.records]
+
+
+# ----------------------------------------------------------------------------------------- order
+def test_edf_order_by_ttft_slack():
+    """Three 100-token prompts at t=0, one prefill per step (0.11 s): fcfs serves them in arrival order, slo
+    by deadline minus own prefill time (C, then B, then A)."""
+    reqs = [SimRequest("A", 0.0, 100, 1, slo_ttft=10.0), SimRequest("B", 0.0, 100, 1, slo_ttft=5.0),
+            SimRequest("C", 0.0, 100, 1, slo_ttft=1.0)]
+    assert ttfts(run("fcfs", reqs)[1]) == [0.11, 0.22, 0.33]
+    assert ttfts(run("slo", reqs)[1]) == [0.33, 0.22, 0.11]
+
+
+def test_a_request_that_cannot_meet_its_ttft_goes_behind_the_others():
+    """B and C (TTFT SLO 0.15 s) and A (1 s): only one of B and C can have its first token by 0.15 s. fcfs
+    serves A first and both miss; slo serves B, then A (still in time), and C, now late, last."""
+    reqs = [SimRequest("A", 0.0, 100, 1, slo_ttft=1.0), SimRequest("B", 0.0, 100, 1, slo_ttft=0.15),
+            SimRequest("C", 0.0, 100, 1, slo_ttft=0.15)]
+    fcfs, slo = run("fcfs", reqs)[1], run("slo", reqs)[1]
+    assert ttfts(fcfs) == [0.11, 0.22, 0.33]
+    assert ttfts(slo) == [0.22, 0.11, 0.33]
+    assert [r.ttft <= s.slo_ttft for r, s in zip(slo.records, reqs)] == [True, True, False]
+
+
+def test_shed_load_refuses_on_arrival_when_the_queue_ahead_is_too_long():
+    """With shedding, C is refused as it arrives: B (same key, ahead) and C need 0.22 s > 0.15 s."""
+    reqs = [SimRequest("A", 0.0, 100, 1, slo_ttft=1.0), SimRequest("B", 0.0, 100, 1, slo_ttft=0.15),
+            SimRequest("C", 0.0, 100, 1, slo_ttft=0.15)]
+    sim, result = run("slo", reqs, shed_load=True)
+    assert ttfts(result) == [0.22, 0.11, None]
+    assert "cannot meet this request's TTFT SLO of 150 ms" in result.records[2].error
+    assert "predicted after 220 ms" in result.records[2].error
+    assert sim.instances[0].scheduler.make_stats().num_shed_total == 1
+
+
+def test_shed_load_sheds_a_queued_request_that_became_late():
+    """A (TTFT SLO 0.2 s) is in time when it arrives; B (0.12 s) arrives at the same instant and goes ahead
+    of it, after which A's first token would come at 0.22 s: the first schedule sheds A."""
+    reqs = [SimRequest("A", 0.0, 100, 1, slo_ttft=0.2), SimRequest("B", 0.0, 100, 1, slo_ttft=0.12)]
+    sim, result = run("slo", reqs, shed_load=True)
+    assert ttfts(result) == [None, 0.11]
+    assert result.records[0].error.startswith("shed: its TTFT SLO of 200 ms can no longer be met")
+    # Without shedding A is late, not dropped: served after B.
+    assert ttfts(run("slo", reqs)[1]) == [0.22, 0.11]
+
+
+# ------------------------------------------------------------------------------------- step budget
+def test_token_budget_from_the_tpot_slo():
+    """D decodes under a TPOT SLO of 50.5 ms; P's 200-token prompt arrives at 15 ms. The largest step within
+    50.5 ms holds 40 tokens (10 ms + 40 x 1 ms), so P gets 39-token chunks beside D's decode: five of them
+    (t = 0.02 .. 0.27) and a last chunk of 5 tokens (16 ms), so P's first token comes at 0.286 s. Under fcfs
+    P's whole prompt runs in one 211-ms step that D waits for."""
+    reqs = [SimRequest("D", 0.0, 10, 30, slo_tpot=0.0505), SimRequest("P", 0.015, 200, 2)]
+    fcfs, slo = run("fcfs", reqs, budget=512)[1], run("slo", reqs, budget=512)[1]
+    assert slo.records[1].ttft == pytest.approx(0.286 - 0.015, abs=1e-9)
+    assert [round(x, 9) for x in slo.records[0].itls[:6]] == [0.05] * 5 + [0.016]
+    assert max(slo.records[0].itls) == pytest.approx(0.050, abs=1e-9)
+    assert fcfs.records[1].ttft == pytest.approx(0.020 + 0.211 - 0.015, abs=1e-9)
+    assert max(fcfs.records[0].itls) == pytest.approx(0.211, abs=1e-9)
+
+
+def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():
+    """Five 2-token prompts with a TPOT SLO of 13.5 ms: a decode step of k requests takes 10 + k ms, so at
+    most three may run at once. fcfs runs all five (15-ms steps: every TPOT missed); slo never more than
+    three, and every request meets its TPOT."""
+    reqs = [SimRequest(f"r{i}", 0.0, 2, 10, slo_tpot=0.0135) for i in range(5)]
+    (fsim, fcfs), (ssim, slo) = run("fcfs", reqs), run("slo", reqs)
+    assert fsim.instances[0].max_running == 5 and ssim.instances[0].max_running == 3
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in slo.records]
+    assert max(tpot) <= 0.0135 + 1e-12
+    assert all((r.e2e - r.ttft) / (r.output_tokens - 1) > 0.0135 for r in fcfs.records)
+
+
+def test_a_tpot_slo_no_step_can_meet_is_not_protected():
+    """A 5-ms TPOT SLO when a one-token step takes 11 ms: nobody can meet it, so slo neither stops admission
+    nor cuts chunks for it (it would serve one request at a time for nothing); it schedules as fcfs does."""
+    reqs = [SimRequest(f"r{i}", 0.0, 2, 10, slo_tpot=0.005) for i in range(5)]
+    (fsim, fcfs), (ssim, slo) = run("fcfs", reqs), run("slo", reqs)
+    assert ssim.instances[0].max_running == fsim.instances[0].max_running == 5
+    assert [r.e2e for r in slo.records] == [r.e2e for r in fcfs.records]
+
+
+# -------------------------------------------------------------------------------------- preemption
+def _two_decoding(policy: str) -> tuple[Scheduler, list[str]]:
+    """B (no SLO) and then A (TPOT SLO 1 s) fill a 4-block pool with their 8-token prompts; their first
+    decodes each need a new block. Returns the scheduler and the ids preempted by the decode step."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, policy=policy),
+                      CacheConfig(num_blocks=4, block_size=4), StepTimeModel(DEFAULT_SEED, adapt=False))
+    params = SamplingParams(max_tokens=4)
+    sched.add_request(Request("B", list(range(8)), params, arrival_time=0.0, max_tokens=4))
+    sched.add_request(Request("A", list(range(100, 108)), params, arrival_time=0.001, max_tokens=4, slo_tpot=1.0))
+    first = sched.schedule(0.0)
+    assert [s.request_id for s in first.scheduled] == ["B", "A"]
+    sched.update_from_output(first, {"A": SampledToken(1), "B": SampledToken(1)}, 0.05)
+    return sched, sched.schedule(0.05).preempted_req_ids
+
+
+def test_preemption_victim_is_the_request_with_the_most_slack():
+    assert _two_decoding("fcfs")[1] == ["A"]  # the tail of arrival order
+    assert _two_decoding("slo")[1] == ["B"]  # no SLO: infinite slack
+
+
+# -------------------------------------------------------------------------------- step-time model
+def test_step_time_model_learns_a_linear_machine_and_reports_its_error():
+    true = StepCoefficients(0.02, 3e-4, 1e-3, 5e-9)
+    model = StepTimeModel()  # seeded with the default, far from the truth
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        b, pre = int(rng.integers(1, 64)), int(rng.choice([0, 0, 256, 512]))
+        shape = StepShape(b + pre, b + (pre > 0), b * 300 + pre * (pre + 1) // 2, 0, b)
+        model.observe(shape, true.predict(shape.num_tokens, shape.num_sampled, shape.attention_pairs))
+    for tokens, sampled, pairs in ((1, 1, 300), (64, 64, 64 * 300), (512 + 16, 17, 16 * 300 + 512 * 513 // 2)):
+        assert model.predict(tokens, sampled, pairs) == pytest.approx(true.predict(tokens, sampled, pairs), rel=0.03)
+    assert model.num_observed == 300 and 0 < model.mean_abs_relative_error < 0.2
+
+
+def test_step_time_model_keeps_the_seed_in_directions_the_load_never_excites():
+    """Pure decode (tokens == sampled) cannot separate per-token from per-sampled costs: the prior keeps the
+    prefill prediction near the seed's instead of drifting (no wind-up)."""
+    seed = StepCoefficients(0.01, 4e-4, 5e-4, 2e-8)
+    model = StepTimeModel(seed)
+    for b in range(1, 400):
+        n = 1 + b % 48
+        model.observe(StepShape(n, n, n * 500, 0, n), seed.predict(n, n, n * 500))
+    assert model.predict(512, 1, 512 * 513 // 2) == pytest.approx(seed.predict(512, 1, 512 * 513 // 2), rel=1e-6)
+
+
+def test_step_time_model_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="finite"):
+        StepTimeModel().observe(StepShape(1, 1, 1, 1, 1), math.nan)
+    with pytest.raises(ValueError, match=">= 0"):
+        StepTimeModel(StepCoefficients(-1.0, 0, 0, 0))
+    (tmp_path / "p.json").write_text('{"coefficients": {"overhead_s": 0.01}}')
+    with pytest.raises(ValueError, match="cannot read step-time coefficients"):
+        StepCoefficients.load(tmp_path / "p.json")
+
+
+def test_simulated_scheduler_model_matches_the_cost_model():
+    """The simulator seeds each scheduler's model from its cost model and feeds it the priced steps: a
+    linear cost model is reproduced, so predictions are exact."""
+    reqs = [SimRequest(f"q{i}", 0.01 * i, 20 + i, 5) for i in range(10)]
+    sim, _ = run("slo", reqs)
+    stats = sim.instances[0].scheduler.make_stats()
+    assert stats.num_steps_observed == sim.instances[0].num_steps
+    assert stats.step_time_abs_error_s_total == pytest.approx(0.0, abs=1e-9)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="needs scheduler mode 'chunked'"):
+        SchedulerConfig(policy="slo", mode="static")
+    with pytest.raises(ValueError, match="shed_load needs policy 'slo'"):
+        SchedulerConfig(shed_load=True)
+    with pytest.raises(ValueError, match="slo_ttft must be a positive"):
+        Request("x", [1], SamplingParams(max_tokens=1), 0.0, slo_ttft=0.0)
+    sched = Scheduler(SchedulerConfig(policy="slo", shed_load=True), CacheConfig(num_blocks=16, block_size=4))
+    with pytest.raises(SLOUnattainableError):  # no prefill takes under a microsecond
+        sched.add_request(Request("x", [1, 2], SamplingParams(max_tokens=1), 0.0, max_tokens=1, slo_ttft=1e-6))
+    assert not sched.has_unfinished_requests() and sched.make_stats().num_shed_total == 1
+
+
+# ------------------------------------------------------------------------------ engine and server
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tiny_models import make_tiny_hf_model
+
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def _engine_args(model: str, **kw):
+    from goodserve.engine.args import EngineArgs
+
+    return EngineArgs(model=model, dtype="float32", num_blocks=128, block_size=4, max_num_batched_tokens=64,
+                      max_model_len=256, log_stats_interval=0, **kw)
+
+
+def test_slo_policy_generates_the_same_tokens(tiny_model):
+    """The policy changes when tokens are computed, never which: greedy outputs equal fcfs's."""
+    from goodserve.llm import LLM
+
+    prompts = [[1 + (7 * i + j) % 50 for j in range(5 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(**vars(_engine_args(tiny_model))).generate(prompts, params)]
+    slo = LLM(**vars(_engine_args(tiny_model, scheduling_policy="slo", slo_ttft=5.0, slo_tpot=0.5)))
+    assert [o.token_ids for o in slo.generate(prompts, params)] == ref
+    stats = slo.engine.make_stats()
+    assert stats.num_steps_observed > 0 and stats.step_time_actual_s_total > 0
+
+
+def test_server_sheds_with_429_and_keeps_serving(tiny_model):
+    """--shed-load: a request whose TTFT SLO no prefill can meet (1 microsecond) is refused at once with
+    429 ``slo_unattainable`` and ``Retry-After``, counted; others, with SLOs they can meet, are served."""
+    import httpx
+
+    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.engine import Engine
+    from goodserve.server.app import build_app
+    from server_fixtures import ServerThread, metric_samples, wait_idle
+
+    eng = AsyncEngine(Engine(_engine_args(tiny_model, scheduling_policy="slo", shed_load=True, slo_ttft=60.0)))
+    try:
+        with ServerThread(build_app(eng, served_model_name="tiny")) as srv, \
+                httpx.Client(base_url=srv.base_url, timeout=60) as http:
+            body = {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 3}
+            for stream in (False, True):
+                r = http.post("/v1/completions", json={**body, "stream": stream, "slo_ttft_ms": 0.001})
+                assert r.status_code == 429 and r.headers["retry-after"] == "1"
+                err = r.json()["error"]
+                assert err["code"] == "slo_unattainable" and "TTFT SLO of 0 ms" in err["message"]
+            ok = http.post("/v1/completions", json=body)
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+            wait_idle(eng)
+            m = metric_samples(http)
+            assert m[("goodserve:num_requests_shed_total", frozenset())] == 2
+            assert m[("goodserve:api_requests_rejected_total",
+                      frozenset({("endpoint", "/v1/completions"), ("reason", "slo_unattainable")}))] == 2
+            assert m[("goodserve:request_slo_attained_total", frozenset({("slo_class", "default")}))] == 1
+            r = http.post("/v1/completions", json={**body, "slo_tpot_ms": -1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "slo_tpot_ms"
+    finally:
+        eng.shutdown()
