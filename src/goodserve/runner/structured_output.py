@@ -1,0 +1,121 @@
+"""Structured outputs: grammars compiled by xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient
+Structured Generation Engine for Large Language Models"), applied as a token bitmask in the sampler.
+
+A request's :class:`~goodserve.sampling_params.StructuredOutputsParams` (a JSON schema, or any JSON object) is
+compiled once per distinct grammar by a :class:`StructuredOutputCompiler` (xgrammar caches compiled grammars),
+which the engine uses to refuse an invalid schema up front (``ValueError``, an HTTP 400) and the runner to
+build each constrained request's :class:`GrammarState`. Each step, the sampler asks the constrained rows'
+states for their next-token bitmask and sets every forbidden token's logit to ``-inf``; rows without a
+grammar are never touched. After a token is sampled the runner advances the request's matcher by it.
+
+Compiled with ``any_whitespace=False`` (JSON written compactly, as ``json.dumps`` does), so a model cannot
+wander in an unbounded run of whitespace; the grammar accepts the model's EOS only where the JSON value is
+complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any, Optional, Sequence
+
+import torch
+import xgrammar as xgr
+
+from goodserve.sampling_params import StructuredOutputsParams
+from goodserve.validation import ParamError
+
+_PARAM = "response_format.json_schema.schema"
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed bitmask ``[num_rows, ceil(vocab_size / 32)]`` int32 on the CPU (xgrammar's layout)."""
+    return xgr.allocate_token_bitmask(num_rows, vocab_size)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set the logits of forbidden tokens to ``-inf`` on the given rows only, in place.
+
+    Args:
+        logits: ``[num_seqs, vocab_size]`` float32.
+        bitmask: ``[m, ceil(vocab_size / 32)]`` int32; row ``j`` belongs to ``logits[rows[j]]``.
+        rows: ``[m]`` int64 batch indices of the constrained rows.
+    """
+    sub = logits[rows]  # [m, V], a copy
+    xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=logits.shape[1])
+    logits[rows] = sub
+
+
+class GrammarState:
+    """One constrained request's position in its grammar (an xgrammar ``GrammarMatcher``).
+
+    Args:
+        compiled: Its compiled grammar.
+    """
+
+    def __init__(self, compiled: Any) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (``[*, ceil(V / 32)]`` int32, CPU)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; ``False`` (state unchanged) if the grammar does not allow it."""
+        return bool(self._matcher.accept_token(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        """Whether the output is complete (the grammar accepted a stop token)."""
+        return bool(self._matcher.is_terminated())
+
+
+class StructuredOutputCompiler:
+    """Compiles grammars for one tokenizer (thread-safe; the tokenizer's info is built on first use).
+
+    Args:
+        tokenizer: The model's ``transformers`` tokenizer.
+        vocab_size: ``V``, the width of the model's logits (may exceed the tokenizer's vocabulary).
+        stop_token_ids: The model's EOS ids: the only tokens the grammar allows once the output is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer, self.vocab_size, self._stop = tokenizer, vocab_size, list(stop_token_ids)
+        self._compiler: Optional[xgr.GrammarCompiler] = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of ``params`` (cached by xgrammar).
+
+        Raises:
+            ValueError: if the schema is not valid JSON, not a JSON schema, or uses what xgrammar cannot
+                compile (the message says which).
+        """
+        compiler = self._get()
+        if params.json_object:
+            return compiler.compile_builtin_json_grammar()
+        try:
+            schema = json.loads(params.json)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ParamError(f"{_PARAM} must be a JSON schema: {e}", param=_PARAM) from None
+        if not isinstance(schema, dict):
+            raise ParamError(f"{_PARAM} must be a JSON object", param=_PARAM)
+        try:
+            return compiler.compile_json_schema(params.json, any_whitespace=False)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for schemas it refuses
+            # Drop xgrammar's "[time] file.cc:line: " prefix: the client needs the reason only.
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
+            raise ParamError(f"{_PARAM} is not a JSON schema this server can enforce: {reason}", param=_PARAM) from None
+
+    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A fresh matcher for one request."""
+        return GrammarState(self.compile(params))
