@@ -308,3 +308,21 @@ def test_streamed_chat_logprobs_equal_full(client, engine):
         [(t.token, t.bytes, [e.token for e in t.top_logprobs]) for t in full]
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in full], abs=1e-4)
     wait_idle(engine)
+
+
+def test_structured_output_with_the_real_model(client):
+    """response_format json_schema on the real model: the answer validates (jsonschema)."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "country": {"type": "string", "maxLength": 40},
+                                               "population_millions": {"type": "number", "minimum": 0}},
+              "required": ["city", "country"], "additionalProperties": False}
+    for content in ("What is the capital of France? Answer in JSON.", "Name a big city in Japan, as JSON."):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)

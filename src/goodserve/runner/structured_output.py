@@ -11,6 +11,11 @@ grammar are never touched. After a token is sampled the runner advances the requ
 Compiled with ``any_whitespace=False`` (JSON written compactly, as ``json.dumps`` does), so a model cannot
 wander in an unbounded run of whitespace; the grammar accepts the model's EOS only where the JSON value is
 complete.
+
+One repair of xgrammar 0.2.9's output: for a string with ``minLength``/``maxLength`` it writes the characters as
+``[^"\\\r\n]``, which admits raw control characters that JSON forbids inside strings (RFC 8259 §7; Python's
+``json.loads`` refuses them). :meth:`StructuredOutputCompiler.compile` rewrites that class to exclude
+U+0000..U+001F, as xgrammar's own unbounded string rule does.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from goodserve.sampling_params import StructuredOutputsParams
 from goodserve.validation import ParamError
 
 _PARAM = "response_format.json_schema.schema"
+# xgrammar 0.2.9's character class for length-limited strings (admits control characters), and the fix.
+_RAW_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
+_CACHE_SIZE = 256  # compiled grammars kept (by schema text)
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -84,6 +93,7 @@ class StructuredOutputCompiler:
         self._tokenizer, self.vocab_size, self._stop = tokenizer, vocab_size, list(stop_token_ids)
         self._compiler: Optional[xgr.GrammarCompiler] = None
         self._lock = threading.Lock()
+        self._cache: dict[str, Any] = {}
 
     def _get(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -101,20 +111,33 @@ class StructuredOutputCompiler:
                 compile (the message says which).
         """
         compiler = self._get()
-        if params.json_object:
-            return compiler.compile_builtin_json_grammar()
+        if params.json_object:  # any JSON object (not any JSON value), written compactly
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         try:
             schema = json.loads(params.json)
         except (TypeError, json.JSONDecodeError) as e:
             raise ParamError(f"{_PARAM} must be a JSON schema: {e}", param=_PARAM) from None
         if not isinstance(schema, dict):
             raise ParamError(f"{_PARAM} must be a JSON object", param=_PARAM)
+        with self._lock:
+            cached = self._cache.get(params.json)
+        if cached is not None:
+            return cached
         try:
-            return compiler.compile_json_schema(params.json, any_whitespace=False)
+            grammar = xgr.Grammar.from_json_schema(params.json, any_whitespace=False)
+            ebnf = str(grammar)
+            if _RAW_STRING_CHARS in ebnf:
+                grammar = xgr.Grammar.from_ebnf(ebnf.replace(_RAW_STRING_CHARS, _JSON_STRING_CHARS))
+            compiled = compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for schemas it refuses
             # Drop xgrammar's "[time] file.cc:line: " prefix: the client needs the reason only.
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
             raise ParamError(f"{_PARAM} is not a JSON schema this server can enforce: {reason}", param=_PARAM) from None
+        with self._lock:
+            if len(self._cache) >= _CACHE_SIZE:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[params.json] = compiled
+        return compiled
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher for one request."""
