@@ -5,8 +5,10 @@ model (SmolLM2-135M) on CPU: logprobs that mean one thing (C15, C16), every para
 
 from __future__ import annotations
 
+import json
 import math
 
+import jsonschema
 import openai
 import pytest
 
@@ -312,13 +314,10 @@ def test_streamed_chat_logprobs_equal_full(client, engine):
 
 def test_structured_output_with_the_real_model(client):
     """response_format json_schema on the real model: the answer validates (jsonschema)."""
-    import json
-
-    import jsonschema
-
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                "country": {"type": "string", "maxLength": 40},
-                                               "population_millions": {"type": "number", "minimum": 0}},
+                                               "population_millions": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 100}},
               "required": ["city", "country"], "additionalProperties": False}
     for content in ("What is the capital of France? Answer in JSON.", "Name a big city in Japan, as JSON."):
         r = client.chat.completions.create(
