@@ -170,7 +170,7 @@ def test_only_constrained_rows_are_masked():
 
     constrained = rows(True)
     meta = SamplingMetadata.from_requests(constrained, SMOLLM2_VOCAB)
-    assert meta.grammar_rows.tolist() == [1, 3] and meta.grammar_bitmask.shape == (2, SMOLLM2_VOCAB // 32)
+    assert meta.grammar_rows == [1, 3] and meta.grammar_bitmask.shape == (4, SMOLLM2_VOCAB // 32)
     assert SamplingMetadata.from_requests(rows(False), SMOLLM2_VOCAB).grammar_rows is None
     masked = Sampler(0)(logits, meta)
     free = Sampler(0)(logits, SamplingMetadata.from_requests(rows(False), SMOLLM2_VOCAB))

@@ -101,10 +101,10 @@ class SamplingMetadata:
     additive_entries: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # Distinct (row, token) with an OpenAI logit_bias and the bias to add: [n] int64, [n] int64, [n] float32.
     logit_bias_entries: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-    # Constrained rows (structured outputs): their batch indices [m] int64 and their allowed tokens as
-    # xgrammar's packed bitmask [m, ceil(V / 32)] int32 (bit t of a row set: token t allowed). None when no
-    # row of the batch is constrained, so unconstrained batches pay nothing.
-    grammar_rows: Optional[torch.Tensor] = None
+    # Constrained rows (structured outputs): their batch indices, and the allowed tokens as xgrammar's packed
+    # bitmask [num_seqs, ceil(V / 32)] int32 (bit t of row i set: token t allowed; only the constrained rows'
+    # entries are filled or read). None when no row of the batch is constrained, so such batches pay nothing.
+    grammar_rows: Optional[list[int]] = None
     grammar_bitmask: Optional[torch.Tensor] = None
     # Sampled rows with a seed: (position within random_rows, generator seed for this step).
     seeded: list[tuple[int, int]] = field(default_factory=list)
@@ -287,14 +287,14 @@ def _logit_bias_entries(rows: list[SamplingRow], vocab_size: int, device: torch.
 
 
 def _grammar_bitmask(rows: list[SamplingRow], vocab_size: int, device: torch.device
-                     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The constrained rows and their next-token bitmask, filled by each row's grammar matcher."""
+                     ) -> tuple[Optional[list[int]], Optional[torch.Tensor]]:
+    """The constrained rows and the next-token bitmask, each filled by its row's grammar matcher."""
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
     if not constrained:
         return None, None
     from goodserve.runner.structured_output import allocate_bitmask
 
-    bitmask = allocate_bitmask(len(constrained), vocab_size)  # [m, ceil(V / 32)] int32, CPU
-    for j, i in enumerate(constrained):
-        rows[i].grammar.fill_bitmask(bitmask, j)
-    return _i64(constrained, device), bitmask.to(device)
+    bitmask = allocate_bitmask(len(rows), vocab_size)  # [num_seqs, ceil(V / 32)] int32, CPU
+    for i in constrained:
+        rows[i].grammar.fill_bitmask(bitmask, i)
+    return constrained, bitmask.to(device)

@@ -43,17 +43,16 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(num_rows, vocab_size)
 
 
-def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Set the logits of forbidden tokens to ``-inf`` on the given rows only, in place.
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the logits of forbidden tokens to ``-inf`` on the given rows only, in place (xgrammar's kernel;
+    the other rows are not read or written).
 
     Args:
         logits: ``[num_seqs, vocab_size]`` float32.
-        bitmask: ``[m, ceil(vocab_size / 32)]`` int32; row ``j`` belongs to ``logits[rows[j]]``.
-        rows: ``[m]`` int64 batch indices of the constrained rows.
+        bitmask: ``[num_seqs, ceil(vocab_size / 32)]`` int32, on the device of ``logits``.
+        rows: Batch indices of the constrained rows.
     """
-    sub = logits[rows]  # [m, V], a copy
-    xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=logits.shape[1])
-    logits[rows] = sub
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 class GrammarState:
