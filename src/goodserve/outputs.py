@@ -105,6 +105,9 @@ class RequestOutput:
         metrics: Timestamps and latencies.
         error: Why the request failed, when its own processing raised (``finish_reason`` is then
             ``"error"``); ``None`` otherwise.
+        prompt_logprobs: When asked for (``SamplingParams.prompt_logprobs``), per prompt token: ``None`` for
+            the first, then ``(logprob, [(token_id, logprob), ...])``; set on the first output that has them
+            (every output for cumulative ones), else ``None``.
     """
 
     request_id: str
@@ -114,6 +117,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
     error: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[tuple[float, list[tuple[int, float]]]]]] = None
 
     @property
     def text(self) -> str:

@@ -15,6 +15,29 @@ from goodserve.validation import check_text
 GREEDY_TEMPERATURE = 1e-5
 
 
+MAX_LOGPROBS = 20  # most top logprobs per token
+MAX_LOGIT_BIAS = 100.0  # |bias| allowed by OpenAI's logit_bias
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (plain data; compiled by :mod:`goodserve.runner.structured_output`).
+
+    Attributes:
+        json: A JSON schema (serialised as a JSON string) the output must validate against.
+        json_object: Any JSON object (OpenAI ``response_format: {"type": "json_object"}``).
+
+    Exactly one of them is set.
+    """
+
+    json: Optional[str] = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is None) == (not self.json_object):
+            raise ValueError("structured_outputs needs exactly one of json (a schema) or json_object")
+
+
 class RequestOutputKind(enum.Enum):
     """What each of a request's outputs holds (as in vLLM)."""
 
@@ -43,7 +66,17 @@ class SamplingParams:
         frequency_penalty: Subtracted from a token's logit once per appearance in the output.
         repetition_penalty: CTRL-style (Keskar et al. 2019, §4.1) penalty over prompt and output:
             positive logits are divided by it, negative ones multiplied; ``1`` disables it.
-        logprobs: Number of top log-probabilities to return per generated token (``None``: none).
+        logprobs: Number of top log-probabilities to return per generated token (``None``: none). Every
+            logprob is taken from one distribution: the log-softmax of the model's logits after the logit
+            processors (``min_tokens``, penalties, ``logit_bias``, a ``structured_outputs`` grammar) and
+            before temperature, top-k, top-p and min-p (as OpenAI and vLLM report them), so the sampled
+            token's logprob equals its entry among the top logprobs and does not move with temperature.
+        prompt_logprobs: Number of top log-probabilities to return per prompt token (``None``: none). The
+            first prompt token has none; the others' come from the model's raw logits at the position
+            before. A request asking for them never reads the prefix cache (every position is computed).
+        logit_bias: ``{token_id: bias}`` added to the logits before sampling (OpenAI ``logit_bias``; bias in
+            ``[-100, 100]``: -100 in effect bans a token, +100 in effect forces it).
+        structured_outputs: Constrain the output to a grammar (JSON schema or any JSON object).
         skip_special_tokens: Drop special tokens from the detokenised text.
         output_kind: What each output holds: the delta since the previous one (default), everything so
             far, or one final output.
@@ -63,6 +96,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
@@ -122,7 +158,24 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", self.logprobs, "an integer in [0, 20] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, value, f"an integer in [0, {MAX_LOGPROBS}] or None")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise bad("logit_bias", token, "keyed by token ids >= 0")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise bad("logit_bias", bias, f"a map to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos must be false with structured outputs (the grammar ends the output "
+                                 "with EOS once the JSON is complete)")
+            if self.min_tokens:
+                raise ValueError("min_tokens must be 0 with structured outputs (the grammar decides where the "
+                                 "output may end)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")

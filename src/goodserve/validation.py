@@ -11,6 +11,21 @@ from __future__ import annotations
 from typing import Any, Optional
 
 
+class ParamError(ValueError):
+    """A ``ValueError`` that names the request field at fault and, optionally, an OpenAI error code (the
+    server answers it with a 400 whose body carries both).
+
+    Args:
+        message: What is wrong.
+        param: The field (e.g. ``"top_logprobs"``), or ``None``.
+        code: A machine-readable code (e.g. ``"context_length_exceeded"``), or ``None``.
+    """
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 def check_text(text: str, param: str) -> None:
     """Refuse text that is not valid Unicode (that has no UTF-8 encoding).
 

@@ -87,6 +87,7 @@ class AsyncEngine:
         self.model_path: Optional[str] = None
         self.slo_ttft: Optional[float] = None
         self.slo_tpot: Optional[float] = None
+        self.vocab_size: Optional[int] = None
         if engine is not None:
             self._adopt(engine)
         self._engine_thread = EngineThread(engine, build, self._adopt, step_trace, on_dead, inject_step_fault)
@@ -100,6 +101,17 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.model_path = engine.config.model_path
         self.slo_ttft, self.slo_tpot = engine.slo_ttft, engine.slo_tpot
+        model = getattr(engine.config, "model", None)
+        self.vocab_size = model.vocab_size if model is not None else len(engine.tokenizer)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """:meth:`Engine.check_params`, callable from any thread (it reads only immutable config and the
+        thread-safe grammar compiler).
+
+        Raises:
+            ValueError: naming the field.
+        """
+        self.engine.check_params(params)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, step_trace: Optional[str] = None, **kwargs: Any) -> "AsyncEngine":

@@ -10,7 +10,7 @@ strings and the server stay on the other side, in :class:`goodserve.engine.engin
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -28,13 +28,15 @@ class EngineCore:
     Args:
         config: The resolved engine config.
         weights: HF-named weights for the runner.
+        structured_output: Compiles the grammars of requests with structured outputs (``None``: such
+            requests fail).
         step_model: The scheduler's online step-time model (a fresh one when ``None``).
     """
 
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor],
-                 step_model: Optional[StepTimeModel] = None) -> None:
+                 structured_output: Optional[Any] = None, step_model: Optional[StepTimeModel] = None) -> None:
         self.scheduler = Scheduler(config.scheduler, config.cache, step_model)
-        self.runner = ModelRunner(config, weights)
+        self.runner = ModelRunner(config, weights, structured_output=structured_output)
         self.last_schedule: Optional[SchedulerOutput] = None  # what the latest non-empty step computed
         self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
 

@@ -28,7 +28,7 @@ from goodserve.runner.model_runner import DTYPES
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SchedulerOutput, SchedulerStats
 from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients, StepTimeModel
-from goodserve.validation import check_text
+from goodserve.validation import ParamError, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,16 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str) -> tuple[int
                 num_blocks, args.block_size, pool_tokens, num_blocks * bytes_per_block / 2**20,
                 max_model_len, pool_tokens / max_model_len)
     return num_blocks, max_model_len
+
+
+def _structured_output_compiler(tokenizer: Any, model_config: Any) -> Optional[Any]:
+    """A grammar compiler for structured outputs, or ``None`` when xgrammar is not installed."""
+    try:
+        from goodserve.runner.structured_output import StructuredOutputCompiler
+    except ImportError:
+        logger.warning("xgrammar is not installed: requests with structured outputs will be refused")
+        return None
+    return StructuredOutputCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
 
 class Engine:
@@ -102,7 +112,9 @@ class Engine:
         self.chat_template = loaded.chat_template
         self.slo_ttft, self.slo_tpot = args.slo_ttft, args.slo_tpot
         seed = StepCoefficients.load(args.step_time_profile) if args.step_time_profile else DEFAULT_SEED
-        self.core = EngineCore(self.config, loaded.weights, StepTimeModel(seed))
+        self.structured_output = _structured_output_compiler(loaded.tokenizer, loaded.config)
+        self.core = EngineCore(self.config, loaded.weights, structured_output=self.structured_output,
+                               step_model=StepTimeModel(seed))
         del loaded
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.stats = EngineStats(args.log_stats_interval)
@@ -171,6 +183,7 @@ class Engine:
         """
         params = params or SamplingParams()
         params.validate()
+        self.check_params(params)
         ids = prompt_token_ids if prompt_token_ids is not None and isinstance(prompt, str) else self.tokenize(prompt)
         if request_id is None:
             request_id = f"req-{self._counter}"
@@ -178,8 +191,9 @@ class Engine:
         if params.max_tokens is None:
             max_tokens = self.max_model_len - len(ids)
             if max_tokens < 1:
-                raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens; "
-                                 f"the prompt has {len(ids)} tokens, leaving no room to generate.")
+                raise ParamError(f"This model's maximum context length is {self.max_model_len} tokens; "
+                                 f"the prompt has {len(ids)} tokens, leaving no room to generate.",
+                                 code="context_length_exceeded")
         else:
             max_tokens = params.max_tokens
         eos = () if params.ignore_eos else self.config.model.eos_token_ids
@@ -196,6 +210,23 @@ class Engine:
             self.output_processor.abort_requests([request_id])
             raise
         return request_id
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What only the engine can check: token ids of ``logit_bias`` inside the vocabulary, and a grammar
+        that compiles (cached, so the runner's compile later is free).
+
+        Raises:
+            ValueError: naming the field.
+        """
+        vocab = self.config.model.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias must be keyed by token ids in [0, {vocab}), got {bad[:5]}")
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("response_format: structured outputs need the xgrammar package, which is not "
+                                 "installed on this server")
+            self.structured_output.compile(params.structured_outputs)
 
     def abort(self, request_ids: Union[str, Sequence[str]]) -> None:
         """Abort requests (unknown or finished ids are ignored); their KV blocks are freed at once."""

@@ -52,6 +52,8 @@ class RequestState:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int | str] = None
         self.error: Optional[str] = None
+        self.prompt_logprobs: Optional[list] = None
+        self._sent_prompt_logprobs = False
         self._sent_text = 0  # characters of text already handed out (delta outputs)
         self._sent_tokens = 0
 
@@ -69,6 +71,8 @@ class RequestState:
         m.first_scheduled_time = out.first_scheduled_time
         m.num_cached_tokens, m.num_preemptions = out.num_cached_tokens, out.num_preemptions
         stopped_here = False
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None, *out.prompt_logprobs]
         for i, token in enumerate(out.new_token_ids):
             if m.first_token_time is None:
                 m.first_token_time = out.timestamp
@@ -114,8 +118,11 @@ class RequestState:
             index=0, text=text, token_ids=self.token_ids[t0:], finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, logprobs=None if self.logprobs is None else self.logprobs[t0:],
             top_logprobs=None if self.top_logprobs is None else self.top_logprobs[t0:])
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and (kind != RequestOutputKind.DELTA or not self._sent_prompt_logprobs):
+            prompt_logprobs, self._sent_prompt_logprobs = self.prompt_logprobs, True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], self.finished,
-                             self.metrics.snapshot(), error=self.error)
+                             self.metrics.snapshot(), error=self.error, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass

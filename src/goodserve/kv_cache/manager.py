@@ -105,10 +105,10 @@ class KVCacheManager:
 
         Returns:
             ``(block_ids, num_cached_tokens)`` with ``num_cached_tokens == len(block_ids) * block_size``;
-            ``([], 0)`` when prefix caching is off.
+            ``([], 0)`` when prefix caching is off or the request asks for prompt logprobs.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[int] = []
         for block_hash in self._block_hashes(request)[:max_hit_blocks]:

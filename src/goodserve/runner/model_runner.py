@@ -15,7 +15,7 @@ import logging
 import math
 import mmap
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -42,6 +42,9 @@ class CachedRequestState:
         eos_token_ids: Blocked while below ``min_tokens``.
         output_token_ids: Tokens this runner sampled for it so far.
         block_ids: Its block table.
+        grammar: Its grammar matcher when its output is constrained (structured outputs), else ``None``.
+        prompt_logprobs: When asked for, per prompt token from the second on, its ``(logprob, top)``
+            under the model's raw logits at the position before; filled as prefill chunks are computed.
     """
 
     prompt_token_ids: list[int]
@@ -49,6 +52,8 @@ class CachedRequestState:
     eos_token_ids: tuple[int, ...]
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    grammar: Optional[Any] = None
+    prompt_logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output."""
@@ -84,10 +89,13 @@ class ModelRunner:
         config: The resolved engine config (``cache.num_blocks`` set).
         weights: HF-named weights (see ``goodserve.models.loader``).
         attn_backend: Paged attention implementation; the portable PyTorch one by default.
+        structured_output: A :class:`~goodserve.runner.structured_output.StructuredOutputCompiler` for the
+            requests whose output is constrained (``None``: such requests fail).
     """
 
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor],
-                 attn_backend: Optional[AttentionBackend] = None) -> None:
+                 attn_backend: Optional[AttentionBackend] = None, structured_output: Optional[Any] = None) -> None:
+        self.structured_output = structured_output
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -120,8 +128,13 @@ class ModelRunner:
         for rid in scheduler_output.finished_req_ids:
             self.requests.pop(rid, None)
         for new in scheduler_output.new_requests:
-            self.requests[new.request_id] = CachedRequestState(list(new.prompt_token_ids), new.sampling_params,
-                                                               tuple(new.eos_token_ids))
+            params = new.sampling_params
+            state = CachedRequestState(list(new.prompt_token_ids), params, tuple(new.eos_token_ids))
+            if params.structured_outputs is not None:
+                if self.structured_output is None:
+                    raise RuntimeError("a request asks for structured outputs but the runner has no compiler")
+                state.grammar = self.structured_output.new_state(params.structured_outputs)
+            self.requests[new.request_id] = state
         for s in scheduler_output.scheduled:
             state = self.requests.get(s.request_id)
             if state is None:
@@ -157,6 +170,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn)  # [num_tokens, hidden]
         sampling, last_index, offset = [], [], 0
         for s in ordered:
+            if self.requests[s.request_id].sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs(s, hidden[offset:offset + s.num_new_tokens])
             offset += s.num_new_tokens
             if s.sample:
                 sampling.append(s.request_id)
@@ -166,9 +181,42 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])  # [sampled, V]
         result = self._sample(logits, sampling)
         for rid, token in result.items():
+            state = self.requests[rid]
+            if token.error is None and state.grammar is not None and not state.grammar.accept(token.token_id):
+                result[rid] = SampledToken(token_id=-1, error=f"the grammar rejected the sampled token {token.token_id}")
+                continue
             if token.error is None:
-                self.requests[rid].output_token_ids.append(token.token_id)
+                state.output_token_ids.append(token.token_id)
+                if state.prompt_logprobs is not None and len(state.output_token_ids) == 1:
+                    token.prompt_logprobs = state.prompt_logprobs
         return result
+
+    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens this chunk predicts (positions ``p`` whose next token
+        ``p + 1`` is a prompt token), under the model's raw logits (no sampling parameter applies to them).
+
+        Args:
+            s: A scheduled request that asked for prompt logprobs.
+            hidden: ``[s.num_new_tokens, hidden_size]`` its hidden states this step.
+        """
+        state = self.requests[s.request_id]
+        n_prompt = len(state.prompt_token_ids)
+        start = s.num_computed_tokens
+        end = min(start + s.num_new_tokens, n_prompt - 1)  # the last prompt position predicts an output token
+        if start == 0:
+            state.prompt_logprobs = []  # (re)computed from the start, e.g. after a preemption
+        if end <= start or state.prompt_logprobs is None or len(state.prompt_logprobs) != start:
+            return
+        logprobs = self.model.compute_logits(hidden[: end - start]).float().log_softmax(dim=-1)  # [m, V]
+        targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=logprobs.device)  # [m]
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        k = state.sampling_params.prompt_logprobs
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        else:
+            tops = [[] for _ in chosen]
+        state.prompt_logprobs.extend(zip(chosen, tops))
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledRequest]]:
@@ -225,7 +273,8 @@ class ModelRunner:
         for rid in request_ids:
             st = self.requests[rid]
             rows.append(SamplingRow(params=st.sampling_params, prompt_token_ids=st.prompt_token_ids,
-                                    output_token_ids=st.output_token_ids, eos_token_ids=st.eos_token_ids))
+                                    output_token_ids=st.output_token_ids, eos_token_ids=st.eos_token_ids,
+                                    grammar=st.grammar))
         vocab, dev = logits.shape[-1], logits.device
         try:
             return self._tokens(self.sampler(logits, SamplingMetadata.from_requests(rows, vocab, dev)), request_ids)

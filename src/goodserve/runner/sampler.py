@@ -7,8 +7,16 @@ Per row, in this order:
 2. Penalties: the repetition penalty of CTRL (Keskar et al. 2019, §4.1; Hugging Face semantics) over
    the distinct prompt and output tokens, then the OpenAI presence and frequency penalties over the
    output tokens.
-3. Greedy rows (``temperature == 0``): argmax.
-4. Sampled rows: divide by the temperature, then top-k, top-p (nucleus sampling, Holtzman et al.
+3. ``logit_bias`` (OpenAI): each listed token's bias is added to its logit.
+4. Structured outputs: tokens a row's grammar does not allow next are set to ``-inf`` (xgrammar's
+   bitmask, only on the constrained rows).
+
+   Logprobs (when asked for) are the log-softmax of the logits at this point: the model's distribution
+   after the logit processors above, before temperature and the filters below (as OpenAI and vLLM report
+   them). The sampled token's logprob and its entry in the top logprobs are therefore the same number, and
+   neither moves with temperature, top-k, top-p or min-p (case C16).
+5. Greedy rows (``temperature == 0``): argmax.
+6. Sampled rows: divide by the temperature, then top-k, top-p (nucleus sampling, Holtzman et al.
    2020), min-p (Nguyen et al. 2024), then draw one token with the exponential race
    ``argmax(probs / q)``, ``q ~ Exp(1)``, which picks token ``i`` with probability ``probs[i]``.
 
@@ -42,12 +50,12 @@ class SamplerOutput:
 
     Attributes:
         token_ids: ``[num_seqs]`` sampled token per row.
-        logprobs: ``[num_seqs]`` log-probability of each sampled token under the distribution it
-            was drawn from (greedy rows: the log-softmax of the penalised logits); ``None`` when no
-            row asked for logprobs.
-        top_logprobs: Per row, the ``logprobs`` most likely ``(token_id, logprob)`` of the
-            log-softmax of the penalised logits, most likely first (empty for rows that asked
-            none); ``None`` when no row asked for any.
+        logprobs: ``[num_seqs]`` log-probability of each sampled token under the log-softmax of the
+            processed logits (after min_tokens, penalties, logit_bias and the grammar mask; before
+            temperature and the filters); ``None`` when no row asked for logprobs.
+        top_logprobs: Per row, the ``logprobs`` most likely ``(token_id, logprob)`` of the same
+            distribution, most likely first (empty for rows that asked none); ``None`` when no row
+            asked for any.
     """
 
     token_ids: list[int]
@@ -77,6 +85,21 @@ def _apply_penalties_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         # OpenAI: logit -= presence * (count > 0) + frequency * count, over the output.
         rows, toks, amount = metadata.additive_entries
         logits.index_put_((rows, toks), -amount, accumulate=True)
+
+
+def _apply_logit_bias_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Add each row's OpenAI ``logit_bias`` in place. ``logits: [num_seqs, vocab_size]`` float32."""
+    if metadata.logit_bias_entries is not None:
+        rows, toks, bias = metadata.logit_bias_entries
+        logits.index_put_((rows, toks), bias, accumulate=True)
+
+
+def _apply_grammar_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Set the tokens each constrained row's grammar forbids next to ``-inf``, in place (only those rows)."""
+    if metadata.grammar_rows is not None:
+        from goodserve.runner.structured_output import apply_bitmask_
+
+        apply_bitmask_(logits, metadata.grammar_bitmask, metadata.grammar_rows)
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -231,22 +254,23 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
             raise ValueError(f"logits must be [{metadata.num_seqs}, vocab_size], got {tuple(logits.shape)}")
-        if metadata.min_tokens_block is None and metadata.no_penalties:
+        if (metadata.min_tokens_block is None and metadata.no_penalties and metadata.logit_bias_entries is None
+                and metadata.grammar_rows is None):
             logits = logits.float()  # no copy when already float32; never modified in place below
         else:
             logits = logits.to(torch.float32, copy=True)
             _apply_min_tokens_(logits, metadata)
             _apply_penalties_(logits, metadata)
+            _apply_logit_bias_(logits, metadata)
+            _apply_grammar_(logits, metadata)
 
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.need_logprobs else None  # [B, V]
 
         if metadata.all_greedy:
             tokens = logits.argmax(dim=-1)  # [B]
-            sampled_logprobs = None
         else:
             rows = None if metadata.all_random else metadata.random_rows
-            sampled, sampled_logprobs = self._sample(logits if rows is None else logits[rows],
-                                                     metadata, rows)
+            sampled = self._sample(logits if rows is None else logits[rows], metadata, rows)
             if metadata.all_random:
                 tokens = sampled
             else:
@@ -257,22 +281,18 @@ class Sampler:
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
             lp = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
-            if sampled_logprobs is not None:
-                if metadata.all_random:
-                    lp = sampled_logprobs
-                else:
-                    lp[metadata.random_rows] = sampled_logprobs
             out.logprobs = lp.tolist()
             if metadata.max_num_logprobs > 0:
                 k = min(metadata.max_num_logprobs, metadata.vocab_size)
                 top = raw_logprobs.topk(k, dim=-1)  # [B, k] values, indices, most likely first
                 vals, ids = top.values.tolist(), top.indices.tolist()
-                out.top_logprobs = [list(zip(ids[i][:n], vals[i][:n]))
+                # A token the logit processors ruled out (-inf: a grammar, min_tokens) is not "likely": left out.
+                out.top_logprobs = [[(t, v) for t, v in zip(ids[i][:n], vals[i][:n]) if v != -math.inf]
                                     for i, n in enumerate(metadata.num_logprobs)]
         return out
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
-                rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                rows: Optional[torch.Tensor]) -> torch.Tensor:
         """Sample the temperature > 0 rows.
 
         Args:
@@ -281,8 +301,7 @@ class Sampler:
             rows: ``[num_random]`` batch indices of these rows, or ``None`` when all rows are sampled.
 
         Returns:
-            ``[num_random]`` int64 tokens and, when logprobs are wanted, ``[num_random]`` float32
-            log-probabilities under the filtered distribution they were drawn from.
+            ``[num_random]`` int64 tokens.
         """
         def pick(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return t if t is None or rows is None else t[rows]
@@ -307,9 +326,4 @@ class Sampler:
         for pos, step_seed in metadata.seeded:
             gen = torch.Generator(device=probs.device).manual_seed(step_seed)
             u[pos].uniform_(generator=gen)
-        tokens = probs.div_(u.log_()).argmin(dim=-1)  # [n]
-
-        lp = None
-        if metadata.need_logprobs:
-            lp = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)
-        return tokens, lp
+        return probs.div_(u.log_()).argmin(dim=-1)  # [n]

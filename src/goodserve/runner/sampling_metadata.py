@@ -14,7 +14,7 @@ tokens again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -48,12 +48,15 @@ class SamplingRow:
         prompt_token_ids: Prompt tokens (for the repetition penalty).
         output_token_ids: Tokens generated so far (penalties, ``min_tokens``, seeded step number).
         eos_token_ids: The model's end-of-sequence ids, blocked while below ``min_tokens``.
+        grammar: The request's grammar matcher (:class:`~goodserve.runner.structured_output.GrammarState`)
+            when its output is constrained, else ``None``.
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...] = ()
+    grammar: Optional[Any] = None
 
 
 @dataclass
@@ -96,6 +99,13 @@ class SamplingMetadata:
     # Distinct (row, token) over the output for rows with presence/frequency penalties, and the
     # amount to subtract: presence + frequency * count. [n] int64, [n] int64, [n] float32.
     additive_entries: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # Distinct (row, token) with an OpenAI logit_bias and the bias to add: [n] int64, [n] int64, [n] float32.
+    logit_bias_entries: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    # Constrained rows (structured outputs): their batch indices, and the allowed tokens as xgrammar's packed
+    # bitmask [num_seqs, ceil(V / 32)] int32 (bit t of row i set: token t allowed; only the constrained rows'
+    # entries are filled or read). None when no row of the batch is constrained, so such batches pay nothing.
+    grammar_rows: Optional[list[int]] = None
+    grammar_bitmask: Optional[torch.Tensor] = None
     # Sampled rows with a seed: (position within random_rows, generator seed for this step).
     seeded: list[tuple[int, int]] = field(default_factory=list)
     # [num_unseeded] int64; positions within random_rows that use the engine-wide generator.
@@ -131,12 +141,16 @@ class SamplingMetadata:
         rep_pen, pres_pen, freq_pen, repetition_entries, additive_entries = _penalties(rows, vocab_size, device)
         seeded, unseeded = _generator_rows(rows, random_idx)
         num_logprobs = [p.logprobs or 0 for p in params]
+        grammar_rows, grammar_bitmask = _grammar_bitmask(rows, vocab_size, device)
         return cls(
             num_seqs=len(rows),
             vocab_size=vocab_size,
             all_greedy=all(greedy),
             all_random=not any(greedy),
             no_penalties=repetition_entries is None and additive_entries is None,
+            logit_bias_entries=_logit_bias_entries(rows, vocab_size, device),
+            grammar_rows=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
             temperatures=_f32([1.0 if g else float(p.temperature) for g, p in zip(greedy, params)], device),
             greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
             random_rows=_i64(random_idx, device),
@@ -255,3 +269,32 @@ def _generator_rows(rows: list[SamplingRow], random_idx: list[int]) -> tuple[lis
         else:
             seeded.append((pos, _step_seed(seed, len(rows[i].output_token_ids))))
     return seeded, unseeded
+
+
+def _logit_bias_entries(rows: list[SamplingRow], vocab_size: int, device: torch.device
+                        ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(rows [n], tokens [n], bias [n])`` of every row's ``logit_bias`` (token ids ``>= V`` ignored)."""
+    r_idx: list[int] = []
+    toks: list[int] = []
+    bias: list[float] = []
+    for i, r in enumerate(rows):
+        for t, b in (r.params.logit_bias or {}).items():
+            if 0 <= t < vocab_size:
+                r_idx.append(i)
+                toks.append(t)
+                bias.append(float(b))
+    return (_i64(r_idx, device), _i64(toks, device), _f32(bias, device)) if r_idx else None
+
+
+def _grammar_bitmask(rows: list[SamplingRow], vocab_size: int, device: torch.device
+                     ) -> tuple[Optional[list[int]], Optional[torch.Tensor]]:
+    """The constrained rows and the next-token bitmask, each filled by its row's grammar matcher."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return None, None
+    from goodserve.runner.structured_output import allocate_bitmask
+
+    bitmask = allocate_bitmask(len(rows), vocab_size)  # [num_seqs, ceil(V / 32)] int32, CPU
+    for i in constrained:
+        rows[i].grammar.fill_bitmask(bitmask, i)
+    return constrained, bitmask.to(device)

@@ -117,12 +117,15 @@ class SampledToken:
         logprob: Its log-probability, or ``None`` when not asked for.
         top_logprobs: ``(token_id, logprob)`` of the most likely tokens when ``logprobs`` was asked for.
         error: Why this request's row could not be sampled (its own processing raised), else ``None``.
+        prompt_logprobs: With its first sampled token, when asked for: per prompt token from the second
+            on, ``(logprob, [(token_id, logprob), ...])``.
     """
 
     token_id: int
     logprob: Optional[float] = None
     top_logprobs: Optional[list[tuple[int, float]]] = None
     error: Optional[str] = None
+    prompt_logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
 
 @dataclass
@@ -142,6 +145,7 @@ class EngineCoreOutput:
         num_cached_tokens: Prompt tokens served from the prefix cache at its first admission.
         num_preemptions: Times it was preempted and recomputed so far.
         error: Why it failed (``finish_reason == "error"``).
+        prompt_logprobs: With the first token, when asked for (see :class:`SampledToken`).
     """
 
     request_id: str
@@ -155,6 +159,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: Optional[str] = None
+    prompt_logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
     @property
     def finished(self) -> bool:

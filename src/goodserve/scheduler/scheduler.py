@@ -46,6 +46,7 @@ from goodserve.scheduler.queue import RequestQueue, create_request_queue
 from goodserve.scheduler.slo import SLOPolicy
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.scheduler.stop import check_stop
+from goodserve.validation import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -121,15 +122,16 @@ class Scheduler:
         total = num_prompt + max_tokens
         max_len = self.scheduler_config.max_model_len
         if total > max_len:
-            raise ValueError(f"request {rid!r} asks for {total} tokens ({num_prompt} prompt tokens + "
-                             f"max_tokens {max_tokens}), but the maximum context length is {max_len} "
-                             "tokens; shorten the prompt or lower max_tokens")
+            raise ParamError(f"This model's maximum context length is {max_len} tokens; this request asks for "
+                             f"{total} tokens ({num_prompt} prompt tokens + max_tokens {max_tokens}). Shorten the "
+                             "prompt or lower max_tokens.", code="context_length_exceeded")
         num_blocks = self.kv_cache_manager.num_blocks
         blocks_needed = -(-total // self.block_size)
         if blocks_needed > num_blocks:
-            raise ValueError(f"request {rid!r} needs {blocks_needed} KV blocks ({total} tokens at "
+            raise ParamError(f"this request needs {blocks_needed} KV blocks ({total} tokens at "
                              f"block_size {self.block_size}), but the KV pool has only {num_blocks} blocks; "
-                             "shorten the prompt, lower max_tokens or give the cache more memory")
+                             "shorten the prompt, lower max_tokens or give the cache more memory",
+                             code="context_length_exceeded")
         if self.slo is not None:
             self.slo.check_arrival(request, self.waiting, self.running, request.arrival_time)
         request.status = RequestStatus.WAITING
@@ -416,7 +418,8 @@ class Scheduler:
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
             logprobs=[token.logprob] if with_logprobs else None,
             top_logprobs=[token.top_logprobs or []] if with_logprobs else None,
-            num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions, error=error)
+            num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions, error=error,
+            prompt_logprobs=token.prompt_logprobs if token is not None else None)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state in one record (the only way stats leave the scheduler)."""

@@ -50,6 +50,16 @@ async def models(request: Request) -> P.ModelList:
                                          max_model_len=s.engine.max_model_len)])
 
 
+@router.get("/v1/models/{model_id:path}", response_model=P.ModelCard,
+            responses=responses(errors=(404,)))
+async def model_card(model_id: str, request: Request) -> P.ModelCard:
+    s = _serving(request)
+    if model_id != s.model_name:
+        raise APIError(404, f"The model `{model_id}` does not exist; this server serves `{s.model_name}`.",
+                       param="model", code="model_not_found")
+    return P.ModelCard(id=s.model_name, root=s.engine.model_path, max_model_len=s.engine.max_model_len)
+
+
 @router.get("/metrics", response_class=Response, responses={200: {
     "description": "Prometheus text exposition format.",
     "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
@@ -90,21 +100,29 @@ async def completions(body: P.CompletionRequest, request: Request) -> Response:
     s.check_model(body.model)
     prompts = body.prompts()
     body.check_n(len(prompts))
-    params = [body.build_params(body.max_tokens, body.logprobs, j) for j in range(body.n)]
+    prompt_logprobs = body.logprobs if body.echo else None
+    params = [body.build_params(body.max_tokens, body.logprobs, j, prompt_logprobs) for j in range(body.n)]
     rid = f"cmpl-{uuid.uuid4().hex}"
     choices = await s.start(prompts, params, rid, body.priority, body.cache_salt, s.slo_of(body))
-    echo = {}
     if body.echo:
-        for p, prompt in enumerate(prompts):
-            echo[p] = prompt if isinstance(prompt, str) else s.tokenizer.decode(prompt)
-    tok = s.tokenizer
-    shapes = Shapes(P.CompletionResponse, P.CompletionChunk, full=lambda c: P.CompletionChoice(
-        index=c.index, text=echo.get(c.prompt_index, "") + c.text, logprobs=completion_logprobs(tok, c),
-        finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason), delta=lambda c, d: P.CompletionChoice(
-        index=c.index, text=d, logprobs=completion_logprobs(tok, c), finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason))
-    head = [P.CompletionChoice(index=c.index, text=echo[c.prompt_index]) for c in choices if c.prompt_index in echo]
-    return await s.respond(request, body, choices, rid, shapes, head)
+        echo = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
+        for c in choices:
+            c.echo = echo[c.prompt_index]
+    tb = s.token_bytes if body.logprobs is not None else None
+    echo_len = {c.index: len(c.echo or "") for c in choices}
+
+    def full(c):
+        text = c.take_echo() + c.text
+        return P.CompletionChoice(index=c.index, text=text, logprobs=completion_logprobs(tb, c, echo_len[c.index]),
+                                  finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason)
+
+    def delta(c, d):
+        return P.CompletionChoice(index=c.index, text=c.take_echo() + d,
+                                  logprobs=completion_logprobs(tb, c, echo_len[c.index]),
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    shapes = Shapes(P.CompletionResponse, P.CompletionChunk, full=full, delta=delta)
+    return await s.respond(request, body, choices, rid, shapes, [])
 
 
 @router.post("/v1/chat/completions", response_class=Response,
@@ -114,14 +132,15 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> R
     s.check_model(body.model)
     body.check_n()
     params = [body.build_params(body.resolved_max_tokens, body.num_logprobs, j) for j in range(body.n)]
-    prompt_ids = s.chat_prompt(body.conversation())
+    conv = body.conversation()
+    prompt_ids = await asyncio.to_thread(s.chat_prompt, conv)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = await s.start([prompt_ids], params, rid, body.priority, body.cache_salt, s.slo_of(body))
-    tok = s.tokenizer
+    tb = s.token_bytes if body.logprobs else None
     shapes = Shapes(P.ChatCompletionResponse, P.ChatCompletionChunk, full=lambda c: P.ChatChoice(
-        index=c.index, message=P.ChatMessage(content=c.text), logprobs=chat_logprobs(tok, c),
+        index=c.index, message=P.ChatMessage(content=c.text), logprobs=chat_logprobs(tb, c),
         finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason), delta=lambda c, d: P.ChatStreamChoice(
-        index=c.index, delta=P.DeltaMessage(content=d or None), logprobs=chat_logprobs(tok, c),
+        index=c.index, delta=P.DeltaMessage(content=d or None), logprobs=chat_logprobs(tb, c),
         finish_reason=c.finish_reason))
     head = [P.ChatStreamChoice(index=c.index, delta=P.DeltaMessage(role="assistant", content="")) for c in choices]
     return await s.respond(request, body, choices, rid, shapes, head)

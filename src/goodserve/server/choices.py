@@ -17,6 +17,7 @@ from goodserve.outputs import RequestMetrics, RequestOutput
 from goodserve.scheduler.slo import SLOUnattainableError
 from goodserve.server import protocol as P
 from goodserve.server.metrics import RequestTracker
+from goodserve.server.token_bytes import TextOffsets, TokenBytes
 
 
 @dataclass
@@ -33,7 +34,10 @@ class Choice:
         token_ids: All generated token ids so far.
         logprobs, top_logprobs: Per token, when asked for.
         sent_tokens: Tokens whose logprobs a stream has sent.
-        text_offset: Characters of text a stream has sent (completions ``text_offset``).
+        skip_special_tokens: Whether its text skips special tokens (they then have no bytes).
+        echo: Completions ``echo``: the prompt text still to send before the output (``None``: none).
+        prompt_logprobs: The prompt's logprobs (completions ``echo`` with ``logprobs``), once they came.
+        offsets: Completions ``text_offset`` of the next token (created at the first logprobs sent).
     """
 
     index: int
@@ -50,7 +54,15 @@ class Choice:
     stop_reason: Optional[int | str] = None
     metrics: Optional[RequestMetrics] = None
     sent_tokens: int = 0
-    text_offset: int = 0
+    skip_special_tokens: bool = True
+    echo: Optional[str] = None
+    prompt_logprobs: Optional[list] = None
+    offsets: Optional[TextOffsets] = None
+
+    def take_echo(self) -> str:
+        """The echoed prompt text the first time, then ``""``."""
+        echo, self.echo = self.echo or "", None
+        return echo
 
     def add(self, out: RequestOutput) -> None:
         """Take one delta output (lists grow in place: a long stream never copies what it holds)."""
@@ -63,6 +75,8 @@ class Choice:
             self.logprobs.extend(c.logprobs)
             self.top_logprobs.extend(c.top_logprobs or [[] for _ in c.logprobs])
         self.prompt_token_ids = out.prompt_token_ids
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason, self.stop_reason, self.metrics = c.finish_reason, c.stop_reason, out.metrics
 
 
@@ -117,33 +131,50 @@ def usage(choices: list[Choice]) -> P.UsageInfo:
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
 
-def completion_logprobs(tokenizer: Any, choice: Choice) -> Optional[P.CompletionLogprobs]:
-    """Completions ``logprobs`` of the tokens not yet sent (all of them for a full response); marks them sent."""
+def completion_logprobs(tb: TokenBytes, choice: Choice, echo_len: int = 0) -> Optional[P.CompletionLogprobs]:
+    """Completions ``logprobs`` of the tokens not yet sent (all of them for a full response); marks them sent.
+
+    With ``echo`` (``echo_len`` characters of prompt text before the output), the first call also lists the
+    prompt's tokens (the first with ``null`` logprobs), and ``text_offset`` counts from the start of the
+    echoed text. Token strings and offsets come from each token's own bytes (see :mod:`token_bytes`).
+    """
     if choice.logprobs is None:
         return None
     lp = P.CompletionLogprobs()
-    offset = choice.text_offset
+
+    def add(token_id: int, logprob: Optional[float], top: Optional[list[tuple[int, float]]], skip: bool,
+            offsets: TextOffsets) -> None:
+        lp.tokens.append(tb.token(token_id, skip))
+        lp.token_logprobs.append(logprob)
+        lp.top_logprobs.append(None if top is None else {tb.token(t, skip): v for t, v in top})
+        lp.text_offset.append(offsets.next(tb.bytes(token_id, skip)))
+
+    if choice.offsets is None:
+        if choice.prompt_logprobs is not None:
+            prompt_offsets = TextOffsets(0)
+            for token_id, entry in zip(choice.prompt_token_ids, choice.prompt_logprobs):
+                add(token_id, None if entry is None else entry[0], None if entry is None else entry[1], False,
+                    prompt_offsets)
+        choice.offsets = TextOffsets(echo_len)
     for i in range(choice.sent_tokens, len(choice.token_ids)):
-        tok = tokenizer.decode([choice.token_ids[i]])
-        lp.tokens.append(tok)
-        lp.token_logprobs.append(choice.logprobs[i])
-        lp.top_logprobs.append({tokenizer.decode([t]): v for t, v in choice.top_logprobs[i]})
-        lp.text_offset.append(offset)
-        offset += len(tok)
-    choice.sent_tokens, choice.text_offset = len(choice.token_ids), offset
+        add(choice.token_ids[i], choice.logprobs[i], choice.top_logprobs[i], choice.skip_special_tokens,
+            choice.offsets)
+    choice.sent_tokens = len(choice.token_ids)
     return lp
 
 
-def chat_logprobs(tokenizer: Any, choice: Choice) -> Optional[P.ChatLogprobs]:
-    """Chat ``logprobs`` of the tokens not yet sent (all of them for a full response); marks them sent."""
+def chat_logprobs(tb: TokenBytes, choice: Choice) -> Optional[P.ChatLogprobs]:
+    """Chat ``logprobs`` of the tokens not yet sent (all of them for a full response); marks them sent. Each
+    token's ``token`` and ``bytes`` are its own (a token holding part of a character has those bytes)."""
     if choice.logprobs is None:
         return None
+    skip = choice.skip_special_tokens
     content = []
     for i in range(choice.sent_tokens, len(choice.token_ids)):
-        tok = tokenizer.decode([choice.token_ids[i]])
-        top = [P.TopLogprob(token=tokenizer.decode([t]), logprob=v, bytes=list(tokenizer.decode([t]).encode()))
-               for t, v in choice.top_logprobs[i]]
-        content.append(P.ChatTokenLogprob(token=tok, logprob=choice.logprobs[i], bytes=list(tok.encode()),
-                                          top_logprobs=top))
+        t = choice.token_ids[i]
+        top = [P.TopLogprob(token=tb.token(u, skip), logprob=v, bytes=list(tb.bytes(u, skip)))
+               for u, v in choice.top_logprobs[i]]
+        content.append(P.ChatTokenLogprob(token=tb.token(t, skip), logprob=choice.logprobs[i],
+                                          bytes=list(tb.bytes(t, skip)), top_logprobs=top))
     choice.sent_tokens = len(choice.token_ids)
     return P.ChatLogprobs(content=content)

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from goodserve.engine.async_types import EngineDeadError, EngineShutdownError, RequestFailedError
 from goodserve.scheduler.slo import SLOUnattainableError
 from goodserve.server import protocol as P
-from goodserve.validation import safe_text
+from goodserve.validation import ParamError, safe_text
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ def _validation_error(e: RequestValidationError) -> APIError:
     if "param" in ctx:  # raised by our own validators, which name the field
         return APIError(400, str(first.get("msg")), param=ctx["param"], code=ctx.get("code"))
     loc = _param(first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {loc} (docs/openai.md lists the fields this "
+                        "server accepts)", param=loc or None, code="unrecognized_argument")
     return APIError(400, f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), param=loc or None)
 
 
@@ -102,6 +105,8 @@ def to_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, RequestValidationError):
         return _validation_error(e)
+    if isinstance(e, ParamError):
+        return APIError(400, str(e), param=e.param, code=e.code)
     if isinstance(e, ValueError):
         msg = str(e)
         m = re.match(r"(\w+) must", msg)

@@ -16,8 +16,10 @@ from goodserve.server import protocol as P
 
 _ERRORS = {
     400: "The request is invalid: malformed JSON, a field out of range, text that is not valid Unicode, a "
-         "prompt over the context length.",
-    404: "The model does not exist on this server.",
+         "prompt over the context length (`context_length_exceeded`), a field this server does not implement "
+         "(`unsupported_parameter`) or one the API does not define (`unrecognized_argument`); `param` names the "
+         "field.",
+    404: "The model does not exist on this server (`model_not_found`).",
     413: "The body is larger than the server accepts (16 MiB).",
     415: "The body is not JSON (`Content-Type: application/json` expected).",
     429: "Too many requests are waiting; retry after the seconds in the `Retry-After` header.",

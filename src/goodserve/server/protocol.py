@@ -3,24 +3,45 @@
 
 Field names and meanings follow the OpenAI API; ``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``priority`` and ``cache_salt``
-(only requests with the same salt share prefix-cache blocks) are extensions (as in vLLM). Unknown fields
-are ignored. Errors in values that pydantic cannot see (ranges, an empty prompt) surface as ``ValueError``
-from :meth:`SamplingParams.validate` or the engine and become HTTP 400.
+(only requests with the same salt share prefix-cache blocks) are extensions (as in vLLM). Every field of a
+completion or chat request is applied, refused, or ignored by design (docs/openai.md has the table): an
+OpenAI field the server does not implement (:data:`UNSUPPORTED`) is a 400 naming it, and so is any field
+the API does not define (``extra="forbid"``), so a typo is never silently dropped. Errors in values that
+pydantic cannot see (ranges, an empty prompt) surface as ``ValueError`` from :meth:`SamplingParams.validate`
+or the engine and become HTTP 400.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from goodserve.sampling_params import SamplingParams
-from goodserve.validation import find_invalid_text
+from goodserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from goodserve.validation import ParamError, find_invalid_text
 
 MAX_N = 128  # most choices per request (n times the number of prompts)
-MAX_LOGPROBS = 20  # most top logprobs per token
+
+# OpenAI request fields this server does not implement: the values that mean "not used" (accepted), and
+# why anything else is refused with a 400 naming the field.
+_NO_TOOLS = "this server does not implement tool or function calling"
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "suffix": ((None,), "insertion (text after the completion) is not implemented"),
+    "tools": ((None, []), _NO_TOOLS),
+    "tool_choice": ((None, "none"), _NO_TOOLS),
+    "functions": ((None, []), _NO_TOOLS),
+    "function_call": ((None, "none"), _NO_TOOLS),
+    "audio": ((None,), "the model has no audio output"),
+    "modalities": ((None, ["text"]), "the model only writes text"),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "web_search_options": ((None,), "web search is not implemented"),
+    "reasoning_effort": ((None,), "the model has no reasoning mode"),
+    "verbosity": ((None,), "the model has no verbosity setting"),
+    "store": ((None, False), "completions are not stored by this server"),
+}
 
 
 
@@ -74,8 +95,18 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class ResponseFormat(OpenAIModel):
+    """OpenAI ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``
+    (``{"name", "schema", "strict", "description"}``: the output validates against ``schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
+
+
 class SamplingRequest(OpenAIRequest):
-    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``. Any other field is a 400."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Optional[str] = None
     n: Int = Field(1, ge=1, le=MAX_N)
@@ -96,10 +127,75 @@ class SamplingRequest(OpenAIRequest):
     stream_options: Optional[StreamOptions] = None
     priority: Int = 0
     cache_salt: Optional[str] = None
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = None
+    response_format: Optional[ResponseFormat] = None
+    # Accepted and ignored by design (docs/openai.md says why): identifiers and routing hints.
     user: Optional[str] = None
     slo_ttft_ms: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     slo_tpot_ms: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     slo_class: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    # Refused unless unset (see UNSUPPORTED); declared so that the schema lists them.
+    suffix: Optional[Any] = None
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    verbosity: Optional[Any] = None
+    store: Optional[Any] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, (allowed, why) in UNSUPPORTED.items():
+                if name in data and name in cls.model_fields and not any(data[name] == a for a in allowed):
+                    raise PydanticCustomError("unsupported", "{message}", {
+                        "message": f"{name} is not supported by this server: {why}", "param": name,
+                        "code": "unsupported_parameter"})
+        return data
+
+    def structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        """The grammar ``response_format`` asks for (``None`` for ``text`` or unset).
+
+        Raises:
+            ParamError: a ``json_schema`` without a ``schema`` object.
+        """
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (rf.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ParamError("response_format.json_schema.schema must be a JSON schema object",
+                             param="response_format.json_schema.schema")
+        return StructuredOutputsParams(json=json.dumps(schema))
+
+    def token_logit_bias(self) -> Optional[dict[int, float]]:
+        """``logit_bias`` keyed by token id (JSON keys are strings).
+
+        Raises:
+            ParamError: a key that is not a token id.
+        """
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isdigit():
+                raise ParamError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                                 param="logit_bias")
+            out[int(key)] = float(bias)
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -112,7 +208,8 @@ class SamplingRequest(OpenAIRequest):
         if self.n * num_prompts > MAX_N:
             raise ValueError(f"n times the number of prompts must be <= {MAX_N}, got {self.n * num_prompts}")
 
-    def build_params(self, max_tokens: Optional[int], logprobs: Optional[int], index: int) -> SamplingParams:
+    def build_params(self, max_tokens: Optional[int], logprobs: Optional[int], index: int,
+                     prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """Sampling parameters of the ``index``-th of the ``n`` choices (seed ``seed + index``).
 
         Raises:
@@ -129,7 +226,8 @@ class SamplingRequest(OpenAIRequest):
             presence_penalty=pick(self.presence_penalty, 0.0),
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            prompt_logprobs=prompt_logprobs, logit_bias=self.token_logit_bias(),
+            structured_outputs=self.structured_outputs(), skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(SamplingRequest):
@@ -141,7 +239,19 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Optional[Int] = Field(16, ge=1)
     echo: bool = False
     logprobs: Optional[Int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: Optional[str] = None
+    best_of: Optional[Int] = Field(None, ge=1, le=MAX_N)
+
+    def check_n(self, num_prompts: int = 1) -> None:
+        """As :meth:`SamplingRequest.check_n`; ``best_of`` (server-side candidates) is only accepted equal to
+        ``n``, which is what it then means.
+
+        Raises:
+            ParamError: ``best_of`` is set and differs from ``n``.
+        """
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError(f"best_of is not supported by this server unless it equals n ({self.n}), got "
+                             f"{self.best_of}", param="best_of", code="unsupported_parameter")
+        super().check_n(num_prompts)
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompt(s) as a list: a text, a list of token ids, or a batch of either.
@@ -174,9 +284,14 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def num_logprobs(self) -> Optional[int]:
+        """Top logprobs per token, ``None`` when ``logprobs`` is false.
+
+        Raises:
+            ParamError: ``top_logprobs`` given without ``logprobs: true``.
+        """
         if not self.logprobs:
             if self.top_logprobs:
-                raise ValueError("top_logprobs needs logprobs to be true")
+                raise ParamError("top_logprobs needs logprobs to be true", param="top_logprobs")
             return None
         return self.top_logprobs or 0
 
@@ -185,34 +300,58 @@ class ChatCompletionRequest(SamplingRequest):
         return conversation(self.messages)
 
 
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_MESSAGE_KEYS = {"role", "content", "name"}
+
+
 def conversation(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Messages as ``{"role", "content"}`` with text parts joined.
+    """Messages as ``{"role", "content"}`` for the chat template: ``developer`` becomes ``system`` (OpenAI's
+    newer name for it, case C18), content given as a list of text parts is joined with newlines, and
+    ``name`` is dropped (chat templates have no place for it).
 
     Raises:
-        ValueError: on no messages, a message without a role, or a non-text content part.
+        ParamError: on no messages, a role the API does not define (or ``tool``/``function``: no tool
+            calling here), a key a message may not have, or content that is not text (naming the field).
     """
     if not messages:
-        raise ValueError("messages must contain at least one message")
+        raise ParamError("messages must contain at least one message", param="messages")
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ParamError(f"messages[{i}] must be an object with a role and content", param=f"messages[{i}]")
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            raise ValueError(f"messages[{i}] needs a 'role' string")
+            raise ParamError(f"messages[{i}] needs a 'role' string", param=f"messages[{i}].role")
+        if role in ("tool", "function"):
+            raise ParamError(f"messages[{i}].role {role!r} is not supported: {_NO_TOOLS}",
+                             param=f"messages[{i}].role", code="unsupported_parameter")
+        if role not in ROLES:
+            raise ParamError(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}",
+                             param=f"messages[{i}].role")
+        extra = sorted(set(m) - _MESSAGE_KEYS)
+        if extra:
+            raise ParamError(f"messages[{i}].{extra[0]} is not supported by this server",
+                             param=f"messages[{i}].{extra[0]}", code="unsupported_parameter")
         content = m.get("content")
+        if content is None and role != "assistant":
+            raise ParamError(f"messages[{i}].content is required", param=f"messages[{i}].content")
         if content is None:
             text = ""
         elif isinstance(content, str):
             text = content
         elif isinstance(content, list):
             parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"messages[{i}].content: only text parts are supported")
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ParamError(f"messages[{i}].content[{j}]: only text parts ({{\"type\": \"text\", \"text\": "
+                                     f"...}}) are supported, got type {kind!r}", param=f"messages[{i}].content[{j}]")
                 parts.append(part["text"])
             text = "\n".join(parts)
         else:
-            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": role, "content": text})
+            raise ParamError(f"messages[{i}].content must be a string or a list of text parts",
+                             param=f"messages[{i}].content")
+        out.append({"role": ROLES[role], "content": text})
     return out
 
 

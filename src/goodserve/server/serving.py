@@ -31,6 +31,7 @@ from goodserve.server.errors import APIError, internal_error
 from goodserve.server.metrics import ServerMetrics
 from goodserve.server.slo_classes import SLOTarget, resolve_slo
 from goodserve.server.streaming import EventStreamResponse, sse
+from goodserve.server.token_bytes import TokenBytes
 
 @dataclass(frozen=True)
 class Shapes:
@@ -63,6 +64,24 @@ class OpenAIServing:
         self.slo_classes = dict(slo_classes or {})
         self.default_slo = SLOTarget(engine.slo_ttft, engine.slo_tpot)
         self.tokenizer = engine.tokenizer
+        self._token_bytes: Optional[TokenBytes] = None
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """Each token id's own bytes (built on first use: a few hundred ms for a 50k vocabulary)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer, self.engine.vocab_size)
+        return self._token_bytes
+
+    async def check_params(self, params: list[SamplingParams]) -> None:
+        """What only the engine can check (``logit_bias`` ids, a grammar that compiles), off the event loop:
+        compiling a JSON schema can take a while, and the engine thread then finds it cached.
+
+        Raises:
+            ValueError: naming the field.
+        """
+        if params and (params[0].structured_outputs is not None or params[0].logit_bias):
+            await asyncio.to_thread(self.engine.check_params, params[0])
 
     def check_model(self, name: Optional[str]) -> None:
         """Raises a 404 :class:`APIError` unless ``name`` is empty or the served model."""
@@ -105,6 +124,7 @@ class OpenAIServing:
             ValueError, EngineDeadError, Exception: as :meth:`AsyncEngine.add_request` (nothing is left queued).
         """
         slo = slo or self.default_slo
+        await self.check_params(params)
         limit = self.max_waiting_requests
         if limit is not None and self.engine.num_waiting_total() >= limit:
             raise APIError(429, f"The server is busy: {limit} requests are already waiting. Retry later.",
@@ -121,7 +141,8 @@ class OpenAIServing:
         if failure is not None:
             self.engine.abort([s.request_id for s in streams])
             raise failure
-        return [Choice(index=i, stream=s, tracker=self.metrics.tracker(slo), prompt_index=p, first_of_prompt=j == 0)
+        return [Choice(index=i, stream=s, tracker=self.metrics.tracker(slo), prompt_index=p, first_of_prompt=j == 0,
+                       skip_special_tokens=params[j].skip_special_tokens)
                 for i, ((p, j, _), s) in enumerate(zip(jobs, streams))]
 
     def finish(self, choices: list[Choice]) -> None:
