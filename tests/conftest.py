@@ -32,3 +32,11 @@ def http(server):
 
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An ``openai`` client of ``server`` (no retries, so every error reaches the test)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)

@@ -31,11 +31,6 @@ def engine():
     eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def refused(param: str, call, *args, **kwargs) -> dict:
     """Run an ``openai`` call that must be a 400 naming ``param``; return the error body."""
     with pytest.raises(openai.BadRequestError) as e:

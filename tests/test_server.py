@@ -41,11 +41,6 @@ def engine():
     eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def sse_events(lines) -> list:
     """Parse ``data:`` lines; ``[DONE]`` is kept as the string."""
     events = []
