@@ -331,9 +331,8 @@ class Scheduler:
         them under ``shed_load`` (their outputs go out with the next :meth:`update_from_output`)."""
         for req in self.slo.triage(list(self.waiting), self.running, now):
             if self.scheduler_config.shed_load:
-                self.slo.num_shed += 1
                 self._finish(req, RequestStatus.FINISHED_SHED)
-                self._shed_outputs.append(self._core_output(req, [], now, error=self.slo.shed_message(req, now)))
+                self._shed_outputs.append(self._core_output(req, [], now, error=self.slo.shed(req, now)))
             else:
                 self.waiting.remove(req)
                 req.slo_late = True

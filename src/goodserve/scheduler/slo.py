@@ -265,7 +265,8 @@ class SLOPolicy:
                 f"{work} prompt tokens queued ahead of it and its own, its first token is predicted after "
                 f"{predicted * 1000:.0f} ms. Retry later, or with a looser slo_ttft_ms.")
 
-    def shed_message(self, req: Request, now: float) -> str:
-        """Why a queued request was shed."""
+    def shed(self, req: Request, now: float) -> str:
+        """Count a queued request as shed and say why (the scheduler finishes it)."""
+        self.num_shed += 1
         return (f"shed: its TTFT SLO of {req.slo_ttft * 1000:.0f} ms can no longer be met "
                 f"({(now - req.arrival_time) * 1000:.0f} ms after arrival, with the work queued ahead of it)")
