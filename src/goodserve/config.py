@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from goodserve.kv_transfer.config import KVTransferConfig
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 # How batches form: "chunked" is continuous batching with chunked prefill (Sarathi-Serve); "static" is
 # request-level batching, where a batch runs to completion before the next is admitted (pre-Orca);
@@ -251,6 +253,7 @@ class EngineConfig:
         device: ``"cpu"`` or ``"cuda"``.
         seed: Seed of the engine-wide generator used by unseeded sampled requests.
         log_stats_interval: Seconds between periodic stats log lines (``0`` disables them).
+        kv_transfer: The instance's part in disaggregated serving (``None``: none).
     """
 
     model_path: str
@@ -262,3 +265,4 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     log_stats_interval: float = 10.0
+    kv_transfer: Optional[KVTransferConfig] = None

@@ -7,6 +7,7 @@ that are new since the request's previous output; ``CUMULATIVE`` outputs hold ev
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -26,6 +27,8 @@ class RequestMetrics:
         num_preemptions: How many times it was preempted and recomputed.
         num_output_tokens: Tokens generated so far.
         num_cached_tokens: Prompt tokens served from the prefix cache.
+        kv_transfer_bytes: Bytes of its prompt's K/V pulled from a producer (disaggregated serving), else ``None``.
+        kv_transfer_seconds: How long that pull took (seconds), else ``None``.
     """
 
     arrival_time: float
@@ -36,12 +39,12 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_transfer_bytes: Optional[int] = None
+    kv_transfer_seconds: Optional[float] = None
 
     def snapshot(self) -> "RequestMetrics":
         """A copy (outputs carry one, so a later step never changes what a consumer holds)."""
-        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
-                              self.last_token_time, self.finished_time, self.num_preemptions,
-                              self.num_output_tokens, self.num_cached_tokens)
+        return dataclasses.replace(self)
 
     @property
     def ttft(self) -> Optional[float]:
@@ -108,6 +111,8 @@ class RequestOutput:
         prompt_logprobs: When asked for (``SamplingParams.prompt_logprobs``), per prompt token: ``None`` for
             the first, then ``(logprob, [(token_id, logprob), ...])``; set on the first output that has them
             (every output for cumulative ones), else ``None``.
+        kv_transfer_params: On a producer (disaggregated serving), with the finished output: the handle of the
+            request's KV blocks, held for a consumer's pull; else ``None``.
     """
 
     request_id: str
@@ -118,6 +123,7 @@ class RequestOutput:
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
     error: Optional[str] = None
     prompt_logprobs: Optional[list[Optional[tuple[float, list[tuple[int, float]]]]]] = None
+    kv_transfer_params: Optional[dict] = None
 
     @property
     def text(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
+from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.sampling_params import SamplingParams
 
 
@@ -18,6 +19,7 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its blocks are allocated; its prompt's K/V is being pulled
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -52,6 +54,7 @@ class Request:
         cache_salt: Isolates prefix-cache entries: only requests with the same salt share KV blocks.
         slo_ttft: TTFT SLO in seconds (``None``: none); the ``slo`` policy schedules by it.
         slo_tpot: TPOT SLO in seconds (``None``: none); the ``slo`` policy schedules by it.
+        kv_transfer_params: Its part in a disaggregated hand-off (``None``: an ordinary request).
 
     Raises:
         ValueError: on an empty prompt or an SLO that is not a positive finite number.
@@ -60,7 +63,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
                  max_tokens: Optional[int] = None, cache_salt: Optional[str] = None,
-                 slo_ttft: Optional[float] = None, slo_tpot: Optional[float] = None) -> None:
+                 slo_ttft: Optional[float] = None, slo_tpot: Optional[float] = None,
+                 kv_transfer_params: Optional[KVTransferParams] = None) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt must contain at least one token")
         for name, value in (("slo_ttft", slo_ttft), ("slo_tpot", slo_tpot)):
@@ -86,6 +90,8 @@ class Request:
         self.slo_late = False  # ``slo`` policy: its TTFT SLO can no longer be met (queued behind the others)
         self.stop_reason: Optional[int] = None  # the stop token id that ended it
         self.cache_salt = cache_salt  # mixed into every block hash (kv_cache.hashing)
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer: Optional[tuple[int, float]] = None  # (bytes, seconds) of its pull, once done
 
     @property
     def num_tokens(self) -> int:

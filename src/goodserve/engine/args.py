@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from goodserve.config import QUANTIZATIONS, SCHEDULING_MODES, SCHEDULING_POLICIES
+from goodserve.kv_transfer.config import KV_ROLES, KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,11 @@ class EngineArgs:
         slo_tpot: Default TPOT SLO of a request, seconds (a request may give its own); ``None``: none.
         shed_load: Under ``slo``, refuse requests whose TTFT SLO can no longer be met (HTTP 429).
         step_time_profile: A ``goodserve profile`` JSON whose coefficients seed the online step-time model.
+        kv_role: Disaggregated serving (:mod:`goodserve.kv_transfer`): ``"producer"`` (prefill, hold the
+            blocks for a pull), ``"consumer"`` (pull, decode) or ``"both"``; ``None``: colocated only.
+        kv_transfer_config: JSON object of the connector's settings (see
+            :meth:`goodserve.kv_transfer.KVTransferConfig.from_cli`).
+        kv_transfer_timeout: Seconds a producer holds blocks for a pull and a consumer waits for one.
 
     Raises:
         ValueError: on an unknown dtype, device, policy or mode, a size below 1, a negative interval, an SLO
@@ -75,6 +81,9 @@ class EngineArgs:
     slo_tpot: Optional[float] = None
     shed_load: bool = False
     step_time_profile: Optional[str] = None
+    kv_role: Optional[str] = None
+    kv_transfer_config: Optional[str] = None
+    kv_transfer_timeout: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
@@ -101,6 +110,15 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.shed_load and self.scheduling_policy != "slo":
             raise ValueError("shed_load needs scheduling_policy 'slo'")
+        if self.kv_role is None and (self.kv_transfer_config or self.kv_transfer_timeout is not None):
+            raise ValueError("--kv-transfer-config and --kv-transfer-timeout need --kv-role")
+        self.kv_transfer()  # raises on a bad role or config
+
+    def kv_transfer(self) -> Optional[KVTransferConfig]:
+        """The connector's settings, or ``None`` without ``kv_role`` (``ValueError`` on bad ones)."""
+        if self.kv_role is None:
+            return None
+        return KVTransferConfig.from_cli(self.kv_role, self.kv_transfer_config, self.kv_transfer_timeout)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +156,13 @@ class EngineArgs:
         g.add_argument("--num-threads", type=int, default=None,
                        help="CPU threads for torch ops (default: one per core)")
         g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds; 0 disables")
+        g.add_argument("--kv-role", default=None, choices=list(KV_ROLES),
+                       help="disaggregated serving: producer (prefill, hold KV for a pull), consumer (pull KV, "
+                            "decode) or both; default: colocated only")
+        g.add_argument("--kv-transfer-config", default=None,
+                       help='JSON settings of the KV connector, e.g. \'{"host": "127.0.0.1", "port": 0}\'')
+        g.add_argument("--kv-transfer-timeout", type=float, default=None,
+                       help="seconds a producer holds KV blocks for a pull, and a consumer waits for one (30)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

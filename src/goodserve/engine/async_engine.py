@@ -182,7 +182,8 @@ class AsyncEngine:
     async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                           request_id: Optional[str] = None, priority: int = 0,
                           cache_salt: Optional[str] = None, slo_ttft: Optional[float] = None,
-                          slo_tpot: Optional[float] = None) -> RequestStream:
+                          slo_tpot: Optional[float] = None,
+                          kv_transfer_params: Optional[dict] = None) -> RequestStream:
         """Queue a request and wait (without blocking the loop) until the engine has accepted it.
 
         Args:
@@ -193,6 +194,7 @@ class AsyncEngine:
             cache_salt: Prefix-cache isolation key (see :meth:`Engine.add_request`).
             slo_ttft: TTFT SLO in seconds; ``None``: the engine's default.
             slo_tpot: TPOT SLO in seconds; ``None``: the engine's default.
+            kv_transfer_params: Disaggregated serving (see :meth:`Engine.add_request`).
 
         Returns:
             The request's output stream (iterating it raises :class:`SLOUnattainableError` if the ``slo``
@@ -212,7 +214,8 @@ class AsyncEngine:
         stream = RequestStream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._engine_thread.submit(AddCommand(prompt, ids, params or SamplingParams(), request_id, priority,
-                                              cache_salt, arrival, stream, future, slo_ttft, slo_tpot))
+                                              cache_salt, arrival, stream, future, slo_ttft, slo_tpot,
+                                              kv_transfer_params))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller went away while the engine was accepting it

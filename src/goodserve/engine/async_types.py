@@ -92,6 +92,7 @@ class AddCommand:
     future: concurrent.futures.Future
     slo_ttft: Optional[float] = None  # seconds; None: the engine's default
     slo_tpot: Optional[float] = None
+    kv_transfer_params: Optional[dict] = None  # disaggregated serving (see Engine.add_request)
 
 
 @dataclass

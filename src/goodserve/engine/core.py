@@ -14,6 +14,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+import dataclasses
+
 from goodserve.config import EngineConfig
 from goodserve.request import Request, RequestStatus
 from goodserve.runner.model_runner import ModelRunner
@@ -35,8 +37,15 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor],
                  structured_output: Optional[Any] = None, step_model: Optional[StepTimeModel] = None) -> None:
-        self.scheduler = Scheduler(config.scheduler, config.cache, step_model)
         self.runner = ModelRunner(config, weights, structured_output=structured_output)
+        kv_transfer = config.kv_transfer
+        self.kv_connector = None
+        if kv_transfer is not None:
+            from goodserve.kv_transfer.nixl_connector import NixlConnector
+
+            self.kv_connector = NixlConnector(kv_transfer, self.runner.kv_caches)
+            kv_transfer = dataclasses.replace(kv_transfer, port=self.kv_connector.port)  # the port it bound
+        self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_transfer)
         self.last_schedule: Optional[SchedulerOutput] = None  # what the latest non-empty step computed
         self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
 
@@ -73,17 +82,28 @@ class EngineCore:
             self.scheduler.observe_step_time(prev, (start if back_to_back else prev_end) - prev_start)
             self._last_step = None
         sched = self.scheduler.schedule(start)
+        if self.kv_connector is not None and sched.kv_loads:
+            self.kv_connector.start_loads(sched.kv_loads)
         sampled = self.runner.execute(sched)  # also when empty: the runner drops finished requests' state
+        kv_output = self.kv_connector.poll() if self.kv_connector is not None else None
         if sched.is_empty:
             self.last_schedule = None
-            outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic())  # shed requests
-            if self.scheduler.has_unfinished_requests():
+            transfers = self.scheduler.has_pending_kv_transfers()  # a pull that ends here is scheduled next
+            # Shed requests, pulls that ended.
+            outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic(), kv_output)
+            if self.scheduler.has_unfinished_requests() and not transfers:
                 raise RuntimeError("requests are pending but the scheduler scheduled nothing")
             return outputs
         self.last_schedule = sched
-        outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic())
+        outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic(), kv_output)
         self._last_step = (sched, start, time.monotonic())
         return outputs
+
+    def close(self) -> None:
+        """Close the KV connector, if any."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state (see :class:`SchedulerStats`)."""

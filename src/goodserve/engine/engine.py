@@ -21,6 +21,7 @@ from goodserve.engine.chat import render_chat
 from goodserve.engine.core import EngineCore
 from goodserve.engine.output_processor import OutputProcessor
 from goodserve.engine.stats import EngineStats
+from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.models.loader import default_model_path, load_model
 from goodserve.outputs import RequestOutput
 from goodserve.request import Request, RequestStatus
@@ -107,7 +108,7 @@ class Engine:
                                       policy=args.scheduling_policy, mode=args.scheduler,
                                       shed_load=args.shed_load),
             dtype=args.dtype, quantization=args.quantization, device=device, seed=args.seed,
-            log_stats_interval=args.log_stats_interval)
+            log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer())
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.slo_ttft, self.slo_tpot = args.slo_ttft, args.slo_tpot
@@ -157,7 +158,7 @@ class Engine:
                     request_id: Optional[str] = None, arrival_time: Optional[float] = None,
                     priority: int = 0, cache_salt: Optional[str] = None,
                     prompt_token_ids: Optional[list[int]] = None, slo_ttft: Optional[float] = None,
-                    slo_tpot: Optional[float] = None) -> str:
+                    slo_tpot: Optional[float] = None, kv_transfer_params: Optional[dict] = None) -> str:
         """Queue a request.
 
         Args:
@@ -170,6 +171,9 @@ class Engine:
             prompt_token_ids: A text prompt's ids from :meth:`tokenize`, when the caller tokenised it already.
             slo_ttft: This request's TTFT SLO in seconds; ``None``: the engine's ``slo_ttft``.
             slo_tpot: This request's TPOT SLO in seconds; ``None``: the engine's ``slo_tpot``.
+            kv_transfer_params: Its part in disaggregated serving, as a request body gives it (see
+                :class:`goodserve.kv_transfer.KVTransferParams`): ``{"do_remote_decode": true}`` on a producer,
+                the producer's handle on a consumer.
 
         Returns:
             The request id.
@@ -184,6 +188,7 @@ class Engine:
         params = params or SamplingParams()
         params.validate()
         self.check_params(params)
+        kv_params = None if kv_transfer_params is None else KVTransferParams.from_dict(kv_transfer_params)
         ids = prompt_token_ids if prompt_token_ids is not None and isinstance(prompt, str) else self.tokenize(prompt)
         if request_id is None:
             request_id = f"req-{self._counter}"
@@ -201,7 +206,7 @@ class Engine:
         request = Request(request_id, ids, params, arrival_time, priority=priority, eos_token_ids=eos,
                           max_tokens=max_tokens, cache_salt=cache_salt,
                           slo_ttft=self.slo_ttft if slo_ttft is None else slo_ttft,
-                          slo_tpot=self.slo_tpot if slo_tpot is None else slo_tpot)
+                          slo_tpot=self.slo_tpot if slo_tpot is None else slo_tpot, kv_transfer_params=kv_params)
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                           arrival_time)
         try:
@@ -240,6 +245,14 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether KV blocks are held for a consumer's pull or a pull is in flight (keep stepping to poll)."""
+        return self.core.scheduler.has_pending_kv_transfers()
+
+    def close(self) -> None:
+        """Release what the engine holds outside Python's reach (the KV connector's NIXL agent and socket)."""
+        self.core.close()
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, execute, postprocess.

@@ -29,6 +29,9 @@ from goodserve.scheduler.slo import SLOUnattainableError
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between polls of the KV connector while nothing but KV transfers is pending (disaggregated serving).
+KV_POLL_INTERVAL = 0.001
+
 
 class EngineThread:
     """Owns the engine and its thread.
@@ -181,6 +184,8 @@ class EngineThread:
         finally:
             try:
                 self._fail_everything()
+                if self.engine is not None:
+                    self.engine.close()
             finally:
                 if self._error is not None and self._on_dead is not None and self._built.exception() is None:
                     self._on_dead(self._error)
@@ -196,6 +201,9 @@ class EngineThread:
                 while not self._stopped and not self._commands and \
                         (self._paused or not engine.has_unfinished_requests()):
                     idle = True
+                    if not self._paused and engine.has_pending_kv_transfers():
+                        self._cond.wait(KV_POLL_INTERVAL)  # then step once: the step polls the connector
+                        break
                     self._cond.wait()
                 if self._stopped:
                     break
@@ -208,7 +216,7 @@ class EngineThread:
             if self._applying:
                 self._apply(self._applying)
                 self._applying = []
-            if not paused and engine.has_unfinished_requests():
+            if not paused and (engine.has_unfinished_requests() or engine.has_pending_kv_transfers()):
                 num_steps += 1
                 if num_steps == self._inject_step_fault:
                     raise InjectedStepFault(f"fault injected into engine step {num_steps}")
@@ -217,6 +225,10 @@ class EngineThread:
                 step_s = time.perf_counter() - step_start
                 self._refresh_stats()  # before the outputs, so a client never sees older state
                 self._dispatch(outputs)
+                if engine.last_schedule is None and not outputs:  # only KV pulls in flight: do not spin
+                    with self._cond:
+                        if not self._commands and not self._stopped:
+                            self._cond.wait(KV_POLL_INTERVAL)
                 cycle_end = time.perf_counter()
                 if self._trace is not None and engine.last_schedule is not None:
                     self._write_trace(TracedStep(cycle_start - trace_start, cycle_end - cycle_start, step_s,
@@ -288,7 +300,8 @@ class EngineThread:
             self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
                                     arrival_time=command.arrival_time, priority=command.priority,
                                     cache_salt=command.cache_salt, prompt_token_ids=command.prompt_token_ids,
-                                    slo_ttft=command.slo_ttft, slo_tpot=command.slo_tpot)
+                                    slo_ttft=command.slo_ttft, slo_tpot=command.slo_tpot,
+                                    kv_transfer_params=command.kv_transfer_params)
         except Exception as e:  # noqa: BLE001 - this request alone fails (C19)
             if not isinstance(e, (ValueError, SLOUnattainableError)):
                 logger.exception("adding request %s failed", command.request_id)

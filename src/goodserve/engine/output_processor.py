@@ -53,6 +53,7 @@ class RequestState:
         self.stop_reason: Optional[int | str] = None
         self.error: Optional[str] = None
         self.prompt_logprobs: Optional[list] = None
+        self.kv_transfer_params: Optional[dict] = None
         self._sent_prompt_logprobs = False
         self._sent_text = 0  # characters of text already handed out (delta outputs)
         self._sent_tokens = 0
@@ -70,6 +71,10 @@ class RequestState:
         m = self.metrics
         m.first_scheduled_time = out.first_scheduled_time
         m.num_cached_tokens, m.num_preemptions = out.num_cached_tokens, out.num_preemptions
+        if out.kv_transfer is not None:
+            m.kv_transfer_bytes, m.kv_transfer_seconds = out.kv_transfer
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         stopped_here = False
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None, *out.prompt_logprobs]
@@ -122,7 +127,8 @@ class RequestState:
         if self.prompt_logprobs is not None and (kind != RequestOutputKind.DELTA or not self._sent_prompt_logprobs):
             prompt_logprobs, self._sent_prompt_logprobs = self.prompt_logprobs, True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion], self.finished,
-                             self.metrics.snapshot(), error=self.error, prompt_logprobs=prompt_logprobs)
+                             self.metrics.snapshot(), error=self.error, prompt_logprobs=prompt_logprobs,
+                             kv_transfer_params=self.kv_transfer_params if self.finished else None)
 
 
 @dataclass

@@ -120,7 +120,7 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------------------ allocation and free
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Optional[list[int]] = None) -> Optional[list[int]]:
+                       new_computed_blocks: Optional[list[int]] = None, cache: bool = True) -> Optional[list[int]]:
         """Grow the request's block table to hold the tokens computed by this step.
 
         After the call the table covers ``request.num_computed_tokens + len(new_computed_blocks) *
@@ -131,6 +131,8 @@ class KVCacheManager:
             num_new_tokens: Tokens to compute this step (>= 0).
             new_computed_blocks: Prefix-cache hits from :meth:`get_computed_blocks` (only for a request
                 that holds no blocks yet); they get one more reference and leave the free queue.
+            cache: Register the blocks that become full in the prefix cache now (``False`` when their K/V
+                arrives later than the step, e.g. pulled from another instance: see :meth:`cache_blocks`).
 
         Returns:
             The newly allocated block ids (possibly ``[]``), or ``None`` when the pool lacks free blocks.
@@ -160,9 +162,14 @@ class KVCacheManager:
             self._num_registered[rid] = len(hits)
         table.extend(hits)
         table.extend(new_blocks)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, min(num_slots, request.num_tokens) // self.block_size)
+        if cache:
+            self.cache_blocks(request, num_slots)
         return [b.block_id for b in new_blocks]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register in the prefix cache the request's blocks that ``num_tokens`` computed tokens fill."""
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, min(num_tokens, request.num_tokens) // self.block_size)
 
     def _register_full_blocks(self, request: Request, num_full_blocks: int) -> None:
         """Register the request's blocks ``[already registered, num_full_blocks)`` in the prefix cache."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from goodserve.kv_transfer.messages import KVLoadSpec
 from goodserve.sampling_params import SamplingParams
 
 
@@ -80,6 +81,8 @@ class SchedulerOutput:
         preempted_req_ids: Requests preempted while building this step (their blocks were freed).
         total_num_scheduled_tokens: Sum of ``num_new_tokens``; never above ``max_num_batched_tokens``.
         num_prefix_cached_tokens: Prompt tokens found in the prefix cache for requests admitted this step.
+        kv_loads: Pulls of prompt K/V from producers for the KV connector to start (consumer side); the
+            requests they fill are not in ``scheduled``.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -88,6 +91,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     num_prefix_cached_tokens: int = 0
+    kv_loads: list[KVLoadSpec] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -146,6 +150,9 @@ class EngineCoreOutput:
         num_preemptions: Times it was preempted and recomputed so far.
         error: Why it failed (``finish_reason == "error"``).
         prompt_logprobs: With the first token, when asked for (see :class:`SampledToken`).
+        kv_transfer_params: Producer side, when it finished: the handle of its blocks, held for a consumer's
+            pull (see :class:`goodserve.kv_transfer.KVTransferParams`).
+        kv_transfer: Consumer side, with its first token: ``(bytes, seconds)`` of the pull of its prompt's K/V.
     """
 
     request_id: str
@@ -160,6 +167,8 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     error: Optional[str] = None
     prompt_logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+    kv_transfer_params: Optional[dict] = None
+    kv_transfer: Optional[tuple[int, float]] = None
 
     @property
     def finished(self) -> bool:
@@ -186,6 +195,10 @@ class SchedulerStats:
         step_time_predicted_s_total: Sum of the model's predictions for those steps, made before each ran (s).
         step_time_actual_s_total: Sum of their measured times (s).
         step_time_abs_error_s_total: Sum of ``|predicted - actual|`` (s).
+        num_blocks_held_for_pull: Blocks of finished requests held for a consumer's pull (producer).
+        num_kv_transfers_in_flight: Pulls of prompt K/V not yet ended (consumer).
+        num_kv_transfer_timeouts_total: Holds that ended because no consumer pulled in time (producer).
+        num_kv_transfer_failures_total: Pulls that failed (consumer; the request failed with them).
     """
 
     num_running: int
@@ -200,6 +213,10 @@ class SchedulerStats:
     step_time_predicted_s_total: float = 0.0
     step_time_actual_s_total: float = 0.0
     step_time_abs_error_s_total: float = 0.0
+    num_blocks_held_for_pull: int = 0
+    num_kv_transfers_in_flight: int = 0
+    num_kv_transfer_timeouts_total: int = 0
+    num_kv_transfer_failures_total: int = 0
 
     @classmethod
     def idle(cls) -> "SchedulerStats":

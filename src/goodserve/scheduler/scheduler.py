@@ -29,6 +29,15 @@ Policies (``SchedulerConfig.policy``) order the waiting queue: ``fcfs``, ``prior
 preemption victim from predicted step times. Every policy feeds the online step-time model
 (:mod:`goodserve.scheduler.step_time`) the steps' measured times (:meth:`Scheduler.observe_step_time`); its
 prediction error is in :meth:`make_stats`.
+
+Disaggregated serving (:mod:`goodserve.kv_transfer`, with a ``kv_transfer`` config): on a producer, a
+request sent with ``do_remote_decode`` keeps its blocks when it finishes, until a consumer has pulled them
+(the connector reports it) or ``timeout`` seconds pass; its last output carries the handle. On a consumer,
+a request sent with the handle is admitted into its own state, ``WAITING_FOR_REMOTE_KVS``: its blocks are
+allocated for the prompt but the last token (local prefix-cache hits are kept and not pulled), the step's
+:attr:`SchedulerOutput.kv_loads` asks the connector to pull the rest, and when the pull completes it
+goes back to the waiting queue with those tokens computed, to compute its last prompt token and decode as
+any request does (vLLM v1's ``WAITING_FOR_REMOTE_KVS`` works the same way).
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ from typing import Iterable, Optional
 
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_cache.manager import KVCacheManager
+from goodserve.kv_transfer.config import KVTransferConfig
+from goodserve.kv_transfer.messages import KVConnectorOutput, KVLoadSpec
+from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import (EngineCoreOutput, NewRequestData, SampledToken, ScheduledRequest,
                                         SchedulerOutput, SchedulerStats, StepShape)
@@ -59,10 +71,12 @@ class Scheduler:
         cache_config: The KV pool (``reserve`` mode runs without prefix caching: a reserved block would be
             registered before its K/V is written).
         step_model: The online step-time model (a fresh :class:`StepTimeModel` when ``None``).
+        kv_transfer: This instance's part in disaggregated serving (``None``: none).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 step_model: Optional[StepTimeModel] = None) -> None:
+                 step_model: Optional[StepTimeModel] = None,
+                 kv_transfer: Optional[KVTransferConfig] = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -90,11 +104,25 @@ class Scheduler:
         self._preempted_since_scheduled: set[str] = set()
         self._finished_req_ids: list[str] = []
         self._shed_outputs: list[EngineCoreOutput] = []  # shed while queued; handed out by the next update
+        # Disaggregated serving: finished requests whose blocks are held for a consumer's pull (producer),
+        # with the time the hold ends; requests whose prompt K/V is being pulled (consumer), and those of them
+        # already finished (aborted) whose blocks wait for the pull to end before they are freed.
+        self.kv_transfer = kv_transfer
+        self._held: dict[str, tuple[Request, float]] = {}
+        self._recving: dict[str, Request] = {}
+        self._recving_finished: dict[str, Request] = {}
+        self.num_kv_transfer_timeouts = 0  # holds that ended by timeout (producer)
+        self.num_kv_transfer_failures = 0  # pulls that failed (consumer)
 
     # ------------------------------------------------------------------------------------------- state
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting or running."""
-        return bool(self.running) or len(self.waiting) > 0
+        """Whether any request is waiting (for admission or for remote KV) or running."""
+        return bool(self.running) or len(self.waiting) > 0 or bool(self._recving)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether blocks are held for a consumer's pull or a pull is in flight: the engine must keep
+        stepping (an empty step polls the connector) even when no request can run."""
+        return bool(self._held) or bool(self._recving) or bool(self._recving_finished)
 
     def unfinished_request_ids(self) -> list[str]:
         """Ids of every waiting or running request."""
@@ -132,11 +160,35 @@ class Scheduler:
                              f"block_size {self.block_size}), but the KV pool has only {num_blocks} blocks; "
                              "shorten the prompt, lower max_tokens or give the cache more memory",
                              code="context_length_exceeded")
+        self._check_kv_transfer(request)
         if self.slo is not None:
             self.slo.check_arrival(request, self.waiting, self.running, request.arrival_time)
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
         self.waiting.add(request)
+
+    def _check_kv_transfer(self, request: Request) -> None:
+        """Refuse ``kv_transfer_params`` this instance cannot serve (see :meth:`add_request`)."""
+        p = request.kv_transfer_params
+        if p is None:
+            return
+        role = self.kv_transfer.role if self.kv_transfer else None
+        if p.do_remote_decode and (role is None or not self.kv_transfer.is_producer):
+            raise ParamError(f"kv_transfer_params: do_remote_decode needs an instance started with --kv-role "
+                             f"producer or both (this one: {role or 'none'})", param="kv_transfer_params")
+        if p.do_remote_prefill:
+            if role is None or not self.kv_transfer.is_consumer:
+                raise ParamError(f"kv_transfer_params: do_remote_prefill needs an instance started with "
+                                 f"--kv-role consumer or both (this one: {role or 'none'})",
+                                 param="kv_transfer_params")
+            if p.remote_num_tokens != request.num_prompt_tokens:
+                raise ParamError(f"kv_transfer_params: the producer holds K/V for {p.remote_num_tokens} tokens "
+                                 f"but this prompt has {request.num_prompt_tokens}; send the same prompt to both",
+                                 param="kv_transfer_params")
+            if len(p.remote_block_ids) * self.block_size < p.remote_num_tokens:
+                raise ParamError(f"kv_transfer_params: {len(p.remote_block_ids)} remote blocks cannot hold "
+                                 f"{p.remote_num_tokens} tokens at block_size {self.block_size} (producer and "
+                                 "consumer must use the same block size)", param="kv_transfer_params")
 
     # ---------------------------------------------------------------------------------------- schedule
     def schedule(self, now: float) -> SchedulerOutput:
@@ -152,6 +204,8 @@ class Scheduler:
         """
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
+        if self._held:
+            self._expire_held(now)
         if self.scheduler_config.mode == "prefill-first":
             self._schedule_prefill_first(out, now)
         else:
@@ -270,7 +324,11 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         req = self.waiting.peek()
-        hit_blocks, num_hit = kv.get_computed_blocks(req)
+        if req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_prefill \
+                and req.first_scheduled_time is None:
+            return self._admit_remote_prefill(out, req, now)
+        pulled = bool(kv.get_block_ids(req.request_id))  # its K/V was pulled from a producer: it holds blocks
+        hit_blocks, num_hit = ([], req.num_computed_tokens) if pulled else kv.get_computed_blocks(req)
         n = max(0, min(req.num_tokens - num_hit, budget))
         if whole and n < req.num_tokens - num_hit:
             return None
@@ -286,7 +344,8 @@ class Scheduler:
             req.first_scheduled_time = now
             req.num_cached_tokens = num_hit
             kv.record_prefix_cache_lookup(req.num_tokens, num_hit)
-        out.num_prefix_cached_tokens += num_hit
+        if not pulled:
+            out.num_prefix_cached_tokens += num_hit
         req.status = RequestStatus.RUNNING
         self._add_running(req)
         if n:
@@ -294,6 +353,81 @@ class Scheduler:
                 self.slo.count(num_hit, n, num_hit + n == req.num_tokens)
             self._record(out, req, num_hit, n)
         return n
+
+    def _admit_remote_prefill(self, out: SchedulerOutput, req: Request, now: float) -> Optional[int]:
+        """Consumer side: allocate blocks for the prompt but its last token, keep local prefix-cache hits, and
+        ask the connector to pull the rest (``req`` is the head of the waiting queue).
+
+        Returns:
+            ``0`` (no tokens are computed this step), or ``None`` if its blocks do not fit.
+        """
+        kv = self.kv_cache_manager
+        hit_blocks, num_hit = kv.get_computed_blocks(req)
+        end = req.num_prompt_tokens - 1
+        # The blocks' hashes are registered only once the pulled K/V is there (_end_recv).
+        if kv.allocate_slots(req, end - num_hit, hit_blocks, cache=False) is None:
+            return None
+        self.waiting.pop()
+        req.num_computed_tokens = num_hit
+        req.first_scheduled_time = now
+        req.num_cached_tokens = num_hit
+        kv.record_prefix_cache_lookup(req.num_tokens, num_hit)
+        out.num_prefix_cached_tokens += num_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._recving[req.request_id] = req
+        out.kv_loads.append(KVLoadSpec(req.request_id, kv.get_block_ids(req.request_id), num_hit, end,
+                                       req.kv_transfer_params))
+        return 0
+
+    def _end_recv(self, rid: str, error: Optional[str], transfer: Optional[tuple[int, float]],
+                  now: float, outputs: list[EngineCoreOutput]) -> None:
+        """A pull ended: the request goes back to the waiting queue with its prompt but the last token
+        computed, or fails with ``error``; one finished meanwhile (aborted) frees its blocks now."""
+        req = self._recving_finished.pop(rid, None)
+        if req is not None:
+            self.kv_cache_manager.free(req, num_valid_tokens=req.num_cached_tokens)
+            return
+        req = self._recving.get(rid)
+        if req is None:
+            return
+        if error is not None:
+            self.num_kv_transfer_failures += 1
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._core_output(req, [], now, error=error))
+            return
+        del self._recving[rid]
+        req.num_computed_tokens = req.num_prompt_tokens - 1
+        req.kv_transfer = transfer
+        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+        req.status = RequestStatus.WAITING
+        self.waiting.prepend(req)
+
+    def _hold_for_pull(self, req: Request, now: float) -> dict:
+        """Producer side: keep a finished request's blocks for a consumer's pull; return its handle."""
+        self._held[req.request_id] = (req, now + self.kv_transfer.timeout)
+        c = self.kv_transfer
+        return KVTransferParams(do_remote_prefill=True, remote_engine_id=c.engine_id, remote_host=c.host,
+                                remote_port=c.port, remote_block_ids=tuple(self.kv_cache_manager.get_block_ids(
+                                    req.request_id)), remote_request_id=req.request_id,
+                                remote_num_tokens=req.num_prompt_tokens).to_dict()
+
+    def _release_held(self, rid: str) -> None:
+        entry = self._held.pop(rid, None)
+        if entry is not None:
+            self.kv_cache_manager.free(entry[0])
+
+    def _expire_held(self, now: float) -> None:
+        """Free the blocks of holds whose time ran out (no consumer pulled them)."""
+        for rid in [rid for rid, (_, deadline) in self._held.items() if now >= deadline]:
+            self._release_held(rid)
+            self.num_kv_transfer_timeouts += 1
+            logger.warning("KV transfer: no consumer pulled request %s within %.1f s; its blocks are freed",
+                           rid, self.kv_transfer.timeout)
+
+    @property
+    def num_blocks_held_for_pull(self) -> int:
+        """Blocks held by finished requests for a consumer's pull (producer)."""
+        return sum(len(self.kv_cache_manager.get_block_ids(rid)) for rid in self._held)
 
     def _slots_to_allocate(self, req: Request, num_hit: int, n: int) -> int:
         """New slots an admission allocates beyond the prefix hit: the step's ``n`` tokens, or under
@@ -366,7 +500,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, SampledToken],
-                           now: float) -> list[EngineCoreOutput]:
+                           now: float, kv_output: Optional[KVConnectorOutput] = None) -> list[EngineCoreOutput]:
         """Advance the scheduled requests after the step ran and apply token-level stop rules.
 
         Args:
@@ -374,17 +508,25 @@ class Scheduler:
             sampled: The runner's result for every scheduled request with ``sample=True``; one whose ``error``
                 is set fails (``FINISHED_ERROR``) and frees its blocks.
             now: Current time in seconds.
+            kv_output: The KV connector's news (pulls done or failed, holds released), if it has one.
 
         Returns:
             An :class:`EngineCoreOutput` for every request that sampled a token or finished in this call
             (stop token, EOS, length or error), in batch order, after those shed while queued since the last
-            call (``finish_reason="shed"``).
+            call (``finish_reason="shed"``) and those whose pull failed (``"error"``).
 
         Raises:
             RuntimeError: if a request that had to sample has no entry in ``sampled``.
         """
         self._in_flight = set()
         outputs, self._shed_outputs = self._shed_outputs, []
+        if kv_output is not None:
+            for rid in kv_output.finished_sending:
+                self._release_held(rid)
+            for rid, transfer in kv_output.finished_recving.items():
+                self._end_recv(rid, None, transfer, now, outputs)
+            for rid, error in kv_output.failed_recving.items():
+                self._end_recv(rid, error, None, now, outputs)
         for sched in scheduler_output.scheduled:
             req = self._requests.get(sched.request_id)
             if req is None:
@@ -403,14 +545,15 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             status = check_stop(req, token.token_id, self.scheduler_config.max_model_len)
+            handle = None
             if status is not None:
-                self._finish(req, status)
-            outputs.append(self._core_output(req, [token.token_id], now, token))
+                handle = self._finish(req, status, now)
+            outputs.append(self._core_output(req, [token.token_id], now, token, kv_transfer_params=handle))
         return outputs
 
     @staticmethod
     def _core_output(req: Request, new_token_ids: list[int], now: float, token: Optional[SampledToken] = None,
-                     error: Optional[str] = None) -> EngineCoreOutput:
+                     error: Optional[str] = None, kv_transfer_params: Optional[dict] = None) -> EngineCoreOutput:
         with_logprobs = token is not None and req.sampling_params.logprobs is not None
         return EngineCoreOutput(
             req.request_id, new_token_ids, now, first_scheduled_time=req.first_scheduled_time,
@@ -418,7 +561,8 @@ class Scheduler:
             logprobs=[token.logprob] if with_logprobs else None,
             top_logprobs=[token.top_logprobs or []] if with_logprobs else None,
             num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions, error=error,
-            prompt_logprobs=token.prompt_logprobs if token is not None else None)
+            prompt_logprobs=token.prompt_logprobs if token is not None else None,
+            kv_transfer_params=kv_transfer_params, kv_transfer=req.kv_transfer if new_token_ids else None)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state in one record (the only way stats leave the scheduler)."""
@@ -433,7 +577,11 @@ class Scheduler:
                               num_shed_total=self.slo.num_shed if self.slo else 0,
                               num_steps_observed=m.num_observed, step_time_predicted_s_total=m.predicted_s_total,
                               step_time_actual_s_total=m.actual_s_total,
-                              step_time_abs_error_s_total=m.abs_error_s_total)
+                              step_time_abs_error_s_total=m.abs_error_s_total,
+                              num_blocks_held_for_pull=self.num_blocks_held_for_pull,
+                              num_kv_transfers_in_flight=len(self._recving) + len(self._recving_finished),
+                              num_kv_transfer_timeouts_total=self.num_kv_transfer_timeouts,
+                              num_kv_transfer_failures_total=self.num_kv_transfer_failures)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
         """Finish waiting or running requests from outside (abort, stop string found downstream, a failure
@@ -460,17 +608,35 @@ class Scheduler:
                 done.append(rid)
         return done
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, now: Optional[float] = None) -> Optional[dict]:
+        """End a request and free its blocks (unless they are held for a pull, or a pull is still writing
+        them).
+
+        Args:
+            now: When it finished by a stop rule (its blocks may then be held for a consumer's pull).
+
+        Returns:
+            The handle of the blocks held for a consumer (``kv_transfer_params``), else ``None``.
+        """
         rid = req.request_id
+        handle = None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self._recving[rid]
         else:
             self.waiting.remove(req)
-        # Dropped between schedule() and update: K/V registered for this step was never written.
-        valid = req.num_computed_tokens if rid in self._in_flight else None
-        self.kv_cache_manager.free(req, num_valid_tokens=valid)
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and status != RequestStatus.FINISHED_ERROR:
+            self._recving_finished[rid] = req  # the pull may still write into its blocks: freed when it ends
+        elif now is not None and req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode:
+            handle = self._hold_for_pull(req, now)
+        else:
+            # Dropped between schedule() and update: K/V registered for this step was never written.
+            valid = req.num_computed_tokens if rid in self._in_flight else None
+            self.kv_cache_manager.free(req, num_valid_tokens=valid)
         req.status = status
         del self._requests[rid]
         self._preempted_since_scheduled.discard(rid)
         if self._runner_num_blocks.pop(rid, None) is not None:
             self._finished_req_ids.append(rid)
+        return handle

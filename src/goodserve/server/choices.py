@@ -38,6 +38,7 @@ class Choice:
         echo: Completions ``echo``: the prompt text still to send before the output (``None``: none).
         prompt_logprobs: The prompt's logprobs (completions ``echo`` with ``logprobs``), once they came.
         offsets: Completions ``text_offset`` of the next token (created at the first logprobs sent).
+        kv_transfer_params: On a producer, the handle of the request's held KV blocks, once it finished.
     """
 
     index: int
@@ -58,6 +59,7 @@ class Choice:
     echo: Optional[str] = None
     prompt_logprobs: Optional[list] = None
     offsets: Optional[TextOffsets] = None
+    kv_transfer_params: Optional[dict] = None
 
     def take_echo(self) -> str:
         """The echoed prompt text the first time, then ``""``."""
@@ -78,6 +80,8 @@ class Choice:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason, self.stop_reason, self.metrics = c.finish_reason, c.stop_reason, out.metrics
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
 
 
 async def iterate_choices(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:

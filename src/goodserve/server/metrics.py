@@ -19,6 +19,10 @@ predictions beside the measured step times (``step_time_predicted_seconds_total`
 ``step_time_actual_seconds_total``, ``step_time_prediction_abs_error_seconds_total``): their ratio is the
 model's relative error.
 
+Disaggregated serving (``--kv-role``): a consumer observes each pull of a prompt's K/V in
+``kv_transfer_bytes`` and ``kv_transfer_seconds`` (histograms) and counts failed pulls; a producer shows the
+blocks it holds for pulls and the holds that timed out; both show pulls in flight.
+
 Every HTTP call to an API endpoint ends in exactly one of four counters, so a load test can account for all
 it sent: ``api_requests_finished_total`` (answered in full), ``api_requests_rejected_total`` (429, by
 reason), ``api_requests_aborted_total`` (the client went away first) and ``api_requests_failed_total`` (an
@@ -48,6 +52,8 @@ _COUNTED = "goodserve.counted"  # set in a call's ASGI scope once its outcome is
 # 1 ms .. 40 min
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2400.0)
+# 1 KiB .. 4 GiB
+BYTE_BUCKETS = tuple(float(1 << k) for k in range(10, 33, 2))
 # 1 .. 128k tokens
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 131072)
 
@@ -89,6 +95,16 @@ class _EngineCollector(Collector):
                                   value=s.step_time_actual_s_total)
         yield CounterMetricFamily(PREFIX + "step_time_prediction_abs_error_seconds",
                                   "Sum of |predicted - measured| step time (s).", value=s.step_time_abs_error_s_total)
+        yield GaugeMetricFamily(PREFIX + "kv_transfer_blocks_held",
+                                "KV blocks of finished requests held for a consumer's pull (producer).",
+                                value=s.num_blocks_held_for_pull)
+        yield GaugeMetricFamily(PREFIX + "kv_transfers_in_flight", "Pulls of prompt K/V not yet ended (consumer).",
+                                value=s.num_kv_transfers_in_flight)
+        yield CounterMetricFamily(PREFIX + "kv_transfer_timeouts",
+                                  "Holds freed because no consumer pulled them in time (producer).",
+                                  value=s.num_kv_transfer_timeouts_total)
+        yield CounterMetricFamily(PREFIX + "kv_transfer_failures", "Pulls of prompt K/V that failed (consumer).",
+                                  value=s.num_kv_transfer_failures_total)
 
 
 class ServerMetrics:
@@ -134,6 +150,10 @@ class ServerMetrics:
         self.req_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self.req_generation_tokens = hist("request_generation_tokens", "Generated tokens per finished request.",
                                           TOKEN_BUCKETS)
+        self.kv_transfer_bytes = hist("kv_transfer_bytes", "Bytes of prompt K/V pulled per request (consumer).",
+                                      BYTE_BUCKETS)
+        self.kv_transfer_seconds = hist("kv_transfer_seconds", "Seconds per pull of a prompt's K/V (consumer).",
+                                        LATENCY_BUCKETS)
         for reason in ("stop", "length", "abort", "error", "shed"):
             self.request_success.labels(finished_reason=reason)
         self.api_finished = Counter(PREFIX + "api_requests_finished", "API calls answered in full.", ["endpoint"],
@@ -218,6 +238,9 @@ class RequestTracker:
                 m.prefill.observe(met.first_token_time - met.first_scheduled_time)
             if met.first_token_time is not None and met.last_token_time is not None:
                 m.decode.observe(met.last_token_time - met.first_token_time)
+            if met.kv_transfer_bytes is not None:
+                m.kv_transfer_bytes.observe(met.kv_transfer_bytes)
+                m.kv_transfer_seconds.observe(met.kv_transfer_seconds)
             m.req_prompt_tokens.observe(len(out.prompt_token_ids))
             m.req_generation_tokens.observe(self.num_tokens)
             slo = self.slo

@@ -134,6 +134,8 @@ class SamplingRequest(OpenAIRequest):
     slo_ttft_ms: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     slo_tpot_ms: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     slo_class: Optional[str] = None
+    # Disaggregated serving (vLLM's field): {"do_remote_decode": true} to a producer, its handle to a consumer.
+    kv_transfer_params: Optional[dict[str, Any]] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
@@ -202,11 +204,15 @@ class SamplingRequest(OpenAIRequest):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_n(self, num_prompts: int = 1) -> None:
-        """Raises ValueError unless ``1 <= n`` and ``n * num_prompts <= MAX_N``."""
+        """Raises ValueError unless ``1 <= n`` and ``n * num_prompts <= MAX_N``, and ``n * num_prompts == 1``
+        with ``kv_transfer_params`` (a hand-off is one sequence's KV)."""
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.n * num_prompts > MAX_N:
             raise ValueError(f"n times the number of prompts must be <= {MAX_N}, got {self.n * num_prompts}")
+        if self.kv_transfer_params is not None and self.n * num_prompts != 1:
+            raise ParamError("kv_transfer_params needs one prompt and n = 1 (a KV hand-off is one sequence's)",
+                             param="kv_transfer_params")
 
     def build_params(self, max_tokens: Optional[int], logprobs: Optional[int], index: int,
                      prompt_logprobs: Optional[int] = None) -> SamplingParams:
@@ -423,6 +429,7 @@ class _Completion(OpenAIModel):
 class CompletionResponse(_Completion):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a producer's handle (disaggregated serving)
 
 
 class TopLogprob(OpenAIModel):
@@ -464,6 +471,7 @@ class ChatStreamChoice(OpenAIModel):
 class ChatCompletionResponse(_Completion):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a producer's handle (disaggregated serving)
 
 
 class ChatCompletionChunk(_Completion):

@@ -112,11 +112,12 @@ class OpenAIServing:
 
     async def start(self, prompts: list[Union[str, list[int]]], params: list[SamplingParams], request_id: str,
                     priority: int, cache_salt: Optional[str] = None,
-                    slo: Optional[SLOTarget] = None) -> list[Choice]:
+                    slo: Optional[SLOTarget] = None, kv_transfer_params: Optional[dict] = None) -> list[Choice]:
         """Add ``len(prompts) * len(params)`` engine requests; all accepted, or none (error raised).
 
         Args:
             slo: The requests' SLOs (the engine's defaults when ``None``).
+            kv_transfer_params: The request's part in disaggregated serving (one prompt, one choice).
 
         Raises:
             APIError: 429 while ``max_waiting_requests`` wait.
@@ -134,7 +135,7 @@ class OpenAIServing:
             for j, sp in enumerate(params):
                 rid = f"{request_id}-{p * len(params) + j}"
                 jobs.append((p, j, self.engine.add_request(prompt, sp, rid, priority, cache_salt, slo.ttft,
-                                                           slo.tpot)))
+                                                           slo.tpot, kv_transfer_params)))
         results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
@@ -167,7 +168,7 @@ class OpenAIServing:
         if not body.stream:
             return await self._answer(request, choices, lambda: shapes.response(
                 id=rid, created=created, model=self.model_name, usage=usage(choices),
-                choices=[shapes.full(c) for c in choices]))
+                choices=[shapes.full(c) for c in choices], kv_transfer_params=choices[0].kv_transfer_params))
         return self._stream(request, choices, [chunk([h]) for h in head], lambda c, d: chunk([shapes.delta(c, d)]),
                             (lambda: chunk([], usage(choices))) if body.include_usage else None)
 

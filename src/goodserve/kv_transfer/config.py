@@ -1,0 +1,76 @@
+"""An instance's part in disaggregated serving (``serve --kv-role``, ``--kv-transfer-config``)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+KV_ROLES = ("producer", "consumer", "both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Settings of an instance's KV connector.
+
+    Attributes:
+        role: ``"producer"`` (prefills and holds blocks for pulls), ``"consumer"`` (pulls and decodes) or
+            ``"both"``.
+        engine_id: This instance's id in handles and its NIXL agent name (unique per instance).
+        host: Address the side channel binds to and that handles publish (``127.0.0.1`` by default; give a
+            routable address on a multi-node deployment).
+        port: Side-channel TCP port; ``0`` picks a free one.
+        timeout: Seconds a producer holds a request's blocks for a pull, and a consumer waits for one.
+        ucx_net_devices: ``UCX_NET_DEVICES`` for NIXL's UCX backend, unless the environment sets it: ``"lo"``
+            keeps every transfer on loopback; ``"all"`` (or a NIC name) for multi-node.
+        backends: NIXL backends to create.
+    """
+
+    role: str
+    engine_id: str = field(default_factory=lambda: f"goodserve-{uuid.uuid4().hex[:12]}")
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout: float = 30.0
+    ucx_net_devices: str = "lo"
+    backends: tuple[str, ...] = ("UCX",)
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"kv role must be one of {KV_ROLES}, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"kv transfer port must be in [0, 65535], got {self.port}")
+        if not self.timeout > 0:
+            raise ValueError(f"kv transfer timeout must be > 0 seconds, got {self.timeout}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("consumer", "both")
+
+    @classmethod
+    def from_cli(cls, role: str, config_json: Optional[str], timeout: Optional[float]) -> "KVTransferConfig":
+        """Build from ``--kv-role``, ``--kv-transfer-config`` (a JSON object with any of ``engine_id``,
+        ``host``, ``port``, ``timeout``, ``ucx_net_devices``, ``backends``) and ``--kv-transfer-timeout``.
+
+        Raises:
+            ValueError: on malformed JSON, an unknown key, or a bad value.
+        """
+        try:
+            extra = json.loads(config_json) if config_json else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        known = {"engine_id", "host", "port", "timeout", "ucx_net_devices", "backends"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"--kv-transfer-config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if "backends" in extra:
+            extra["backends"] = tuple(extra["backends"])
+        if timeout is not None:
+            extra["timeout"] = timeout
+        return cls(role=role, **extra)
