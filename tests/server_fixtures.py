@@ -1,12 +1,16 @@
-"""Helpers for the server tests: a real uvicorn server in a background thread."""
+"""Helpers for the server tests: a real uvicorn server in a background thread, or `goodserve serve` in a process."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -65,3 +69,41 @@ def wait_idle(engine, timeout: float = 30.0) -> None:
         time.sleep(0.02)
     assert usage == 0.0
     engine.call(lambda e: e.core.check_integrity())
+
+
+class ServeProcess:
+    """``goodserve serve`` on the tiny model in a subprocess; stderr (the log) is kept for assertions."""
+
+    def __init__(self, model: str, *flags: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "goodserve.cli", "serve", "--model", model, "--port", str(self.port),
+               "--dtype", "float32", "--num-blocks", "512", "--block-size", "4", "--max-model-len", "1024",
+               "--log-stats-interval", "0", "--served-model-name", "tiny", *flags]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        """Wait for the process to exit; return its status and its whole log."""
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            pytest.fail(f"server did not exit within {timeout} s:\n{err[-3000:]}")
+        return self.proc.returncode, err
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()

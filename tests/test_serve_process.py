@@ -5,62 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from server_fixtures import free_port
+from server_fixtures import ServeProcess
 from tiny_models import make_tiny_hf_model
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
-
-
-class ServeProcess:
-    """``goodserve serve`` on the tiny model in a subprocess; stderr (the log) is kept for assertions."""
-
-    def __init__(self, model: str, *flags: str) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "goodserve.cli", "serve", "--model", model, "--port", str(self.port),
-               "--dtype", "float32", "--num-blocks", "512", "--block-size", "4", "--max-model-len", "1024",
-               "--log-stats-interval", "0", "--served-model-name", "tiny", *flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, self.proc.stderr.read()
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
-
-    def wait(self, timeout: float) -> tuple[int, str]:
-        """Wait for the process to exit; return its status and its whole log."""
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, err = self.proc.communicate()
-            pytest.fail(f"server did not exit within {timeout} s:\n{err[-3000:]}")
-        return self.proc.returncode, err
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
 
 
 def _accounting(log: str) -> dict[str, int]:

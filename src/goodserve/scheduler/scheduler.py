@@ -562,7 +562,8 @@ class Scheduler:
             top_logprobs=[token.top_logprobs or []] if with_logprobs else None,
             num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions, error=error,
             prompt_logprobs=token.prompt_logprobs if token is not None else None,
-            kv_transfer_params=kv_transfer_params, kv_transfer=req.kv_transfer if new_token_ids else None)
+            kv_transfer_params=kv_transfer_params,
+            kv_transfer=req.kv_transfer if new_token_ids and req.num_output_tokens == 1 else None)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state in one record (the only way stats leave the scheduler)."""
