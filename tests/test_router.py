@@ -184,3 +184,240 @@ def test_pd_request_rewriting_exact():
         decode_request_body(body, {"id": "cmpl-1", "choices": []})
     with pytest.raises(LookupError):
         decode_request_body(body, {"kv_transfer_params": None})
+
+
+# ------------------------------------------------------------------ HTTP: two real goodserve servers
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory):
+    """Two goodserve servers over the same tiny random model: ``[(ServerThread, AsyncEngine), ...]``."""
+    from goodserve.engine.args import EngineArgs
+    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.engine import Engine
+    from goodserve.server.app import build_app
+    from server_fixtures import ServerThread
+    from tiny_models import make_tiny_hf_model
+
+    model = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
+    out = []
+    try:
+        for _ in range(2):
+            eng = AsyncEngine(Engine(EngineArgs(model=model, dtype="float32", num_blocks=128, block_size=4,
+                                                max_num_batched_tokens=64, max_model_len=256,
+                                                log_stats_interval=0)))
+            srv = ServerThread(build_app(eng, served_model_name=MODEL)).__enter__()
+            out.append((srv, eng))
+        yield out
+    finally:
+        for srv, eng in out:
+            srv.__exit__(None, None, None)
+            eng.shutdown()
+
+
+def dead_url() -> str:
+    from server_fixtures import free_port
+
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+class RouterServer:
+    """The router app (over a fresh :class:`Router`) on uvicorn in a thread, with an httpx client."""
+
+    def __init__(self, **router_kwargs) -> None:
+        from goodserve.router.app import Router, build_router_app
+        from server_fixtures import ServerThread
+
+        self.router = Router(**router_kwargs)
+        self.thread = ServerThread(build_router_app(self.router))
+
+    def __enter__(self) -> httpx.Client:
+        self.thread.__enter__()
+        self.http = httpx.Client(base_url=self.thread.base_url, timeout=60)
+        return self.http
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+        self.thread.__exit__(*exc)
+
+
+def finished_count(url: str, endpoint: str) -> float:
+    from server_fixtures import metric_samples
+
+    with httpx.Client(base_url=url) as c:
+        return metric_samples(c).get(("goodserve:api_requests_finished_total",
+                                      frozenset({("endpoint", endpoint)})), 0.0)
+
+
+def router_count(http: httpx.Client, name: str, **labels: str) -> float:
+    from server_fixtures import metric_samples
+
+    return sum(v for (n, lab), v in metric_samples(http).items()
+               if n == name and all((k, val) in lab for k, val in labels.items()))
+
+
+def sse_answer(response: httpx.Response, chat: bool) -> tuple[str, dict]:
+    """Concatenated text and the usage of an SSE stream (which must end with ``[DONE]``)."""
+    lines = [ln[len("data: "):] for ln in response.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    text = "".join((c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"]
+                   for c in chunks if c["choices"])
+    return text, [c["usage"] for c in chunks if c.get("usage")][-1]
+
+
+def counts(usage: dict) -> tuple:
+    """Token counts of a usage object (``cached_tokens`` differs by which replica saw the prompt before)."""
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+
+CASES = [("/v1/completions", {"prompt": "The capital of France is"}),
+         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three colours."}]})]
+
+
+@pytest.mark.parametrize("path, fields", CASES)
+def test_outputs_through_router_equal_one_instance(backends, path, fields):
+    chat = "chat" in path
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, **fields}
+    direct = httpx.post(backends[0][0].base_url + path, json=body, timeout=60).json()
+    want_text = direct["choices"][0]["message"]["content"] if chat else direct["choices"][0]["text"]
+    with RouterServer(replicas=[s.base_url for s, _ in backends]) as http:
+        for _ in range(2):  # round-robin: once through each replica
+            r = http.post(path, json=body)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+            got = r.json()
+            assert (got["choices"][0]["message"]["content"] if chat else got["choices"][0]["text"]) == want_text
+            assert counts(got["usage"]) == counts(direct["usage"])
+            stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            with http.stream("POST", path, json=stream_body) as s:
+                assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+                text, usage = sse_answer(s, chat)
+            assert text == want_text and counts(usage) == counts(direct["usage"])
+        # a backend's error comes back unchanged, status and body
+        bad = {**body, "temperature": -1}
+        want = httpx.post(backends[0][0].base_url + path, json=bad, timeout=60)
+        r = http.post(path, json=bad)
+        assert want.status_code == r.status_code == 400 and r.json() == want.json()
+
+
+def test_round_robin_alternates_across_backends(backends):
+    urls = [s.base_url for s, _ in backends]
+    before = [finished_count(u, "/v1/completions") for u in urls]
+    with RouterServer(replicas=urls, policy=RoundRobin()) as http:
+        for i in range(4):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": f"hello {i}", "max_tokens": 2})
+            assert r.status_code == 200
+        assert [finished_count(u, "/v1/completions") - b for u, b in zip(urls, before)] == [2, 2]
+        for u in urls:
+            assert router_count(http, "goodserve:router_requests_total", backend=u, outcome="ok") == 2
+            assert router_count(http, "goodserve:router_in_flight_requests", backend=u) == 0
+        models = http.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        bad = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_dead_backend_is_skipped_and_only_dead_backends_answer_503(backends):
+    dead, live = dead_url(), backends[0][0].base_url
+    with RouterServer(replicas=[dead, live], connect_timeout=0.5) as http:
+        for _ in range(3):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        h = http.get("/health")
+        assert h.status_code == 200
+        assert [(b["url"], b["healthy"]) for b in h.json()["backends"]] == [(dead, False), (live, True)]
+        assert router_count(http, "goodserve:router_requests_total", backend=dead, outcome="connect_error") == 1
+        assert router_count(http, "goodserve:router_requests_total", backend=live, outcome="ok") == 3
+        assert router_count(http, "goodserve:router_backend_healthy", backend=dead) == 0
+    with RouterServer(replicas=[dead_url(), dead_url()], connect_timeout=0.5) as http:
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": stream})
+            assert time.monotonic() - t0 < 2.0
+            assert r.status_code == 503
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable" and err["code"] == 503 and err["param"] is None
+            assert "healthy" in err["message"]
+        assert http.get("/health").status_code == 503 and http.get("/v1/models").status_code == 503
+
+
+def test_dead_backend_comes_back_after_a_probe(backends):
+    """A backend marked down (as after a refused connection) is probed back into rotation."""
+    live = backends[1][0].base_url
+    rs = RouterServer(replicas=[live], health_interval=0.2)
+    with rs as http:
+        assert http.get("/health").status_code == 200
+        rs.router.set_health(rs.router.backends[0], False, "test")
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 503
+        deadline = time.monotonic() + 5
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the backend was not probed back"
+            time.sleep(0.05)
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def _slow_steps(engine, seconds: float):
+    """Make every engine step take at least ``seconds``; returns the undo."""
+    real = engine.engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return real()
+
+    engine.call(lambda e: setattr(e, "step", slow))
+    return lambda: engine.call(lambda e: e.__dict__.pop("step", None))
+
+
+def test_client_disconnect_mid_stream_aborts_upstream_and_frees_blocks(backends):
+    from server_fixtures import metric_samples, wait_idle
+
+    srv, eng = backends[0]
+
+    def aborted() -> float:
+        with httpx.Client(base_url=srv.base_url) as c:
+            return sum(v for (n, lab), v in metric_samples(c).items()
+                       if n == "goodserve:api_requests_aborted_total")
+
+    before = aborted()
+    restore = _slow_steps(eng, 0.05)
+    try:
+        with RouterServer(replicas=[srv.base_url]) as http:
+            body = {"model": MODEL, "prompt": list(range(10, 30)), "max_tokens": 200, "ignore_eos": True,
+                    "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as s:
+                assert s.status_code == 200
+                next(s.iter_lines())  # the first event arrived: the request is decoding
+            # leaving the block closed the client's connection to the router
+            deadline = time.monotonic() + 10
+            while aborted() != before + 1:
+                assert time.monotonic() < deadline, "the backend did not abort the request"
+                time.sleep(0.02)
+            assert router_count(http, "goodserve:router_requests_total", backend=srv.base_url, outcome="aborted") == 1
+            assert router_count(http, "goodserve:router_in_flight_requests", backend=srv.base_url) == 0
+    finally:
+        restore()
+    wait_idle(eng)
+
+
+def test_pd_mode_follows_the_prefill_answer(backends):
+    """P/D against real goodserve servers: whatever the prefill instance answers to the first hop (sent here
+    directly too), the router does what the protocol says: its error passes through, an answer without
+    ``kv_transfer_params`` is a 502. n > 1 is refused before any hop."""
+    (p, _), (d, _) = backends
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    direct = httpx.post(p.base_url + "/v1/completions", json=prefill_request_body(body), timeout=60)
+    with RouterServer(prefill=[p.base_url], decode=[d.base_url]) as http:
+        r = http.post("/v1/completions", json=body)
+        if not direct.is_success:
+            assert (r.status_code, r.json()) == (direct.status_code, direct.json())
+        elif "kv_transfer_params" not in direct.json():
+            assert r.status_code == 502 and r.json()["error"]["type"] == "bad_gateway"
+        else:
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        r = http.post("/v1/completions", json={**body, "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    with RouterServer(prefill=[p.base_url], decode=[dead_url()], connect_timeout=0.5) as http:
+        h = http.get("/health")
+        assert h.status_code == 200  # nothing known to be down yet
