@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import anyio
 import httpx
