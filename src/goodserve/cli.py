@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     from goodserve.server.serve_cli import add_serve_parser; add_serve_parser(sub)
     from goodserve.sim.simulate_cli import add_simulate_parser; add_simulate_parser(sub)
     from goodserve.sim.simulate_cli import add_profile_parser; add_profile_parser(sub)
+    from goodserve.router.cli import add_router_parser; add_router_parser(sub)
     return parser
 
 

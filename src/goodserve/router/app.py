@@ -1,0 +1,352 @@
+"""The OpenAI-compatible router: FastAPI in front of goodserve (or any OpenAI-compatible) servers.
+
+Two modes:
+
+- **replicas**: each request goes to one backend chosen by a policy (:mod:`goodserve.router.policies`); its
+  body is forwarded unchanged and the answer (JSON or an SSE stream) comes back unchanged, status included.
+- **P/D** (disaggregated prefill/decode): a first hop to a prefill instance (least queued prefill tokens)
+  and a second to a decode instance (least KV usage, then outstanding tokens); see
+  :mod:`goodserve.router.protocol` for the bodies. The decode instance's answer is the client's.
+
+Faults: a backend that refuses the connection or does not accept it within ``connect_timeout`` is marked
+unhealthy and the request goes to another backend of the same kind (nothing was sent, so nothing is lost);
+with none left the router answers 503 at once. Every backend's ``/health`` is probed every
+``health_interval`` seconds, which brings a restarted backend back. A client that leaves during a stream
+closes the upstream stream (the backend aborts the request); one that leaves between the P/D hops stops the
+second hop. In-flight counters are released in ``finally`` blocks, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from typing import Optional, Sequence
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from goodserve.router.policies import (BackendState, LeastLoaded, NoHealthyBackendError, RouteRequest,
+                                       RoutingPolicy, make_policy)
+from goodserve.router.protocol import RouterRequestError, decode_request_body, error_body, prefill_request_body
+
+logger = logging.getLogger(__name__)
+PREFIX = "goodserve:router_"
+
+
+class RouterMetrics:
+    """The router's own Prometheus registry (never the process-wide default one)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "Requests sent to a backend, by how they ended: ok (2xx), "
+                                "http_error (the backend's error status), aborted (the client left), "
+                                "backend_error (connection lost), connect_error (never sent).",
+                                ["backend", "role", "outcome"], registry=r)
+        self.backend_errors = Counter(PREFIX + "backend_errors", "Transport errors talking to a backend.",
+                                      ["backend", "kind"], registry=r)
+        self.in_flight = Gauge(PREFIX + "in_flight_requests", "Requests in flight per backend.", ["backend"],
+                               registry=r)
+        self.healthy = Gauge(PREFIX + "backend_healthy", "1 if the backend is in rotation.", ["backend"],
+                             registry=r)
+        self.local = Counter(PREFIX + "local_errors", "Requests the router answered itself with an error.",
+                             ["status_code", "reason"], registry=r)
+
+
+@dataclasses.dataclass
+class Backend:
+    """One upstream server: ``url`` (base URL, no trailing slash), ``role`` (replica, prefill or decode) and
+    the :class:`BackendState` the policies read."""
+
+    url: str
+    role: str
+    state: BackendState
+
+
+class _Flight:
+    """One request in flight at one backend: counts it in, and out exactly once."""
+
+    def __init__(self, router: "Router", backend: Backend, request: RouteRequest) -> None:
+        self.router, self.backend, self.request = router, backend, request
+        self.prefilled = self.ended = False
+        self.outcome = "aborted"
+        backend.state.start(request)
+        router.metrics.in_flight.labels(backend.url).inc()
+
+    def first_output(self) -> None:
+        if not self.prefilled:
+            self.prefilled = True
+            self.backend.state.prefilled(self.request)
+
+    def end(self, outcome: Optional[str] = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.backend.state.finish(self.request, self.prefilled)
+        m = self.router.metrics
+        m.in_flight.labels(self.backend.url).dec()
+        m.requests.labels(self.backend.url, self.backend.role, outcome or self.outcome).inc()
+
+
+class _RelayResponse(StreamingResponse):
+    """Streams an upstream SSE response; however the stream ends (done, client gone, cancelled, never
+    started), the flight is counted out and the upstream response closed (which aborts it at the backend)."""
+
+    def __init__(self, upstream: httpx.Response, flight: _Flight) -> None:
+        self.upstream, self.flight = upstream, flight
+        super().__init__(self._chunks(), status_code=upstream.status_code,
+                         media_type=upstream.headers.get("content-type"))
+
+    async def _chunks(self):
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                self.flight.first_output()
+                yield chunk
+            self.flight.outcome = "ok" if self.upstream.is_success else "http_error"
+        except httpx.HTTPError as e:  # the backend went away mid-stream: the client sees the stream end
+            self.flight.outcome = "backend_error"
+            self.flight.router.metrics.backend_errors.labels(self.flight.backend.url, type(e).__name__).inc()
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.flight.end()
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+
+
+def _error(status: int, message: str, type_: str, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status, param), status_code=status)
+
+
+class Router:
+    """Backends, policies, the HTTP client and the health prober behind the routes.
+
+    Args:
+        replicas: Base URLs of colocated replicas (replicas mode).
+        prefill: Base URLs of prefill instances (P/D mode, with ``decode``).
+        decode: Base URLs of decode instances.
+        policy: The replicas' policy (ignored in P/D mode, whose pools use :class:`LeastLoaded`).
+        connect_timeout: Seconds to wait for a TCP connection before the backend counts as down.
+        health_interval: Seconds between ``/health`` probes of every backend.
+
+    Raises:
+        ValueError: if neither or both modes are given, or a URL is not ``http(s)://``.
+    """
+
+    def __init__(self, replicas: Sequence[str] = (), prefill: Sequence[str] = (), decode: Sequence[str] = (),
+                 policy: Optional[RoutingPolicy] = None, connect_timeout: float = 1.0,
+                 health_interval: float = 1.0) -> None:
+        if bool(replicas) == bool(prefill or decode) or bool(prefill) != bool(decode):
+            raise ValueError("give either replicas, or both prefill and decode instances")
+        self.pools: dict[str, list[Backend]] = {}
+        for role, urls in (("replica", replicas), ("prefill", prefill), ("decode", decode)):
+            if urls:
+                self.pools[role] = [self._backend(u, role) for u in urls]
+        self.policies: dict[str, RoutingPolicy] = {
+            "replica": policy or make_policy("round-robin"),
+            "prefill": LeastLoaded("queued_prefill_tokens"), "decode": LeastLoaded("kv_usage")}
+        self.connect_timeout, self.health_interval = connect_timeout, health_interval
+        self.metrics = RouterMetrics()
+        for b in self.backends:
+            self.metrics.healthy.labels(b.url).set(1)
+        self._client: Optional[httpx.AsyncClient] = None
+        self._prober: Optional[asyncio.Task] = None
+
+    @staticmethod
+    def _backend(url: str, role: str) -> Backend:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
+        url = url.rstrip("/")
+        return Backend(url, role, BackendState(name=url))
+
+    @property
+    def backends(self) -> list[Backend]:
+        return [b for pool in self.pools.values() for b in pool]
+
+    @property
+    def disaggregated(self) -> bool:
+        return "prefill" in self.pools
+
+    async def start(self) -> None:
+        """Create the HTTP client and start the health prober (idempotent; routes call it)."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=self.connect_timeout),
+                                             limits=httpx.Limits(max_connections=None), trust_env=False)
+            self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
+
+    async def close(self) -> None:
+        """Stop the prober and close the client's connections."""
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+        if self._client is not None:
+            await self._client.aclose()
+        self._client = self._prober = None
+
+    def set_health(self, backend: Backend, healthy: bool, why: str = "") -> None:
+        if backend.state.healthy != healthy:
+            logger.warning("backend %s (%s) is %s%s", backend.url, backend.role, "back" if healthy else "down",
+                           f": {why}" if why else "")
+        backend.state.healthy = healthy
+        self.metrics.healthy.labels(backend.url).set(int(healthy))
+
+    async def _probe(self, backend: Backend) -> None:
+        try:
+            r = await self._client.get(backend.url + "/health", timeout=max(self.connect_timeout, 1.0))
+            self.set_health(backend, r.status_code == 200, f"/health answered {r.status_code}")
+        except httpx.HTTPError as e:
+            self.set_health(backend, False, f"/health failed: {type(e).__name__}")
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await asyncio.gather(*(self._probe(b) for b in self.backends))
+
+    async def open(self, role: str, path: str, body: dict, request: RouteRequest) -> tuple[_Flight, httpx.Response]:
+        """Send ``body`` to a backend of ``role`` chosen by its policy; on a failed connection mark that backend
+        unhealthy and choose again.
+
+        Returns:
+            The flight (counted in; the caller ends it) and the upstream response, headers read, body unread.
+
+        Raises:
+            NoHealthyBackendError: no healthy backend of ``role`` is left.
+            httpx.HTTPError: the connection failed after the request was sent.
+        """
+        pool = self.pools[role]
+        while True:
+            backend = pool[self.policies[role].select([b.state for b in pool], request)]
+            flight = _Flight(self, backend, request)
+            try:
+                req = self._client.build_request("POST", backend.url + path, json=body)
+                return flight, await self._client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                flight.end("connect_error")
+                self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
+                self.set_health(backend, False, f"{type(e).__name__}: {e}")
+            except BaseException as e:
+                flight.end("backend_error")
+                if isinstance(e, httpx.HTTPError):
+                    self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
+                raise
+
+    async def relay(self, flight: _Flight, upstream: httpx.Response) -> Response:
+        """The client's response: the upstream's status, content type and body, streamed if it is SSE."""
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return _RelayResponse(upstream, flight)
+        try:
+            content = await upstream.aread()
+            flight.outcome = "ok" if upstream.is_success else "http_error"
+        finally:
+            flight.end()
+            await upstream.aclose()
+        return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
+
+    async def forward(self, path: str, body: dict, http_request: Request) -> Response:
+        """Route one completions/chat request (either mode) and answer it."""
+        request = RouteRequest.from_openai_body(body)
+        if not self.disaggregated:
+            return await self.relay(*await self.open("replica", path, body, request))
+        first = prefill_request_body(body)
+        flight, upstream = await self.open("prefill", path, first, dataclasses.replace(request, max_tokens=1))
+        if not upstream.is_success:
+            return await self.relay(flight, upstream)  # the prefill's error is the client's
+        try:
+            answer = json.loads(await upstream.aread())
+            flight.outcome = "ok"
+        except ValueError:
+            answer = None
+        finally:
+            flight.first_output()
+            flight.end()
+            await upstream.aclose()
+        try:
+            second = decode_request_body(body, answer)
+        except LookupError as e:
+            self.metrics.local.labels("502", "no_kv_transfer_params").inc()
+            return _error(502, f"{e} (prefill backend {flight.backend.url})", "bad_gateway")
+        if await http_request.is_disconnected():
+            logger.info("client left after the prefill hop: the decode hop is not sent")
+            return Response(status_code=499)
+        return await self.relay(*await self.open("decode", path, second, request))
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:  # invalid JSON or invalid UTF-8
+        raise RouterRequestError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RouterRequestError("the request body must be a JSON object")
+    return body
+
+
+def build_router_app(router: Router) -> FastAPI:
+    """The router's FastAPI app. Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+    ``GET /v1/models`` (from the first healthy backend), ``GET /health`` (200 while every pool has a healthy
+    backend, 503 otherwise; per-backend state as JSON) and ``GET /metrics``. Router-made errors are OpenAI
+    error bodies: 400 ``invalid_request_error``, 502 ``bad_gateway``, 503 ``service_unavailable``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="goodserve router", lifespan=lifespan)
+    app.state.router = router
+
+    async def completions(request: Request, path: str) -> Response:
+        await router.start()
+        try:
+            return await router.forward(path, await _json_object(request), request)
+        except RouterRequestError as e:
+            router.metrics.local.labels("400", "invalid_request").inc()
+            return _error(400, e.message, "invalid_request_error", e.param)
+        except NoHealthyBackendError as e:
+            router.metrics.local.labels("503", "no_healthy_backend").inc()
+            return _error(503, str(e), "service_unavailable")
+        except httpx.HTTPError as e:
+            router.metrics.local.labels("502", "backend_error").inc()
+            return _error(502, f"the backend failed: {type(e).__name__}: {e}", "bad_gateway")
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await completions(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        await router.start()
+        for b in router.backends:
+            if b.state.healthy:
+                try:
+                    r = await router._client.get(b.url + "/v1/models")
+                    return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+                except httpx.HTTPError as e:
+                    router.set_health(b, False, f"/v1/models failed: {type(e).__name__}")
+        return _error(503, "no backend is healthy", "service_unavailable")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        await router.start()
+        ok = all(any(b.state.healthy for b in pool) for pool in router.pools.values())
+        backends = [{"url": b.url, "role": b.role, **dataclasses.asdict(b.state)} for b in router.backends]
+        return JSONResponse({"healthy": ok, "backends": backends}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
