@@ -348,3 +348,68 @@ def test_kv_transfer_params_refused_with_a_400_naming_the_field(consumer):
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
     wait_idle(consumer.engine)
+
+
+# -------------------------------------------------------------------------------------- through the router
+@pytest.fixture(scope="module")
+def colocated(tiny_model):
+    """What one colocated instance answers (the reference)."""
+    eng = AsyncEngine(Engine(_args(tiny_model)))
+    with ServerThread(build_app(eng, served_model_name="tiny")) as srv:
+        yield srv
+    eng.shutdown()
+
+
+def _router(**kw) -> ServerThread:
+    from goodserve.router.app import Router, build_router_app
+
+    return ServerThread(build_router_app(Router(**kw)))
+
+
+def _sse_text(r: httpx.Response, chat: bool) -> tuple[str, dict]:
+    import json
+
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and
+              line != "data: [DONE]"]
+    text = "".join((e["choices"][0]["delta"].get("content") or "") if chat else e["choices"][0]["text"]
+                   for e in events if e["choices"])
+    return text, events[-1]["usage"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_router_prefill_decode_equals_colocated(producer, consumer, colocated, chat):
+    """``goodserve router --prefill P --decode D``: the client gets the decode instance's answer, equal to a
+    colocated instance's, streamed or not, with usage counting the whole request; nothing stays held."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            **({"messages": [{"role": "user", "content": "Tell me about caches"}]} if chat else
+               {"prompt": "Tell me about caches and"})}
+    ref = httpx.post(colocated.base_url + path, json=body, timeout=60).json()
+    ref_text = ref["choices"][0]["message"]["content"] if chat else ref["choices"][0]["text"]
+    with _router(prefill=[producer.base_url], decode=[consumer.base_url]) as router, \
+            httpx.Client(base_url=router.base_url, timeout=60) as http:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert (out["choices"][0]["message"]["content"] if chat else out["choices"][0]["text"]) == ref_text
+        assert out["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+        assert out["usage"]["completion_tokens"] == 12
+        r = http.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        text, use = _sse_text(r, chat)
+        assert text == ref_text and use["completion_tokens"] == 12
+    wait_idle(consumer.engine)
+    _wait_released(producer.base_url)
+
+
+def test_router_answers_503_at_once_when_the_decode_instance_is_down(producer):
+    """The prefill hop succeeds, no decode instance answers: 503 with an OpenAI error body at once; the producer
+    frees the held blocks when its transfer timeout passes."""
+    from server_fixtures import free_port
+
+    with _router(prefill=[producer.base_url], decode=[f"http://127.0.0.1:{free_port()}"]) as router:
+        t0 = time.monotonic()
+        r = httpx.post(router.base_url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "no decoder", "max_tokens": 4})
+        assert time.monotonic() - t0 < 2.0
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    _wait_released(producer.base_url, timeout=3 + 5)

@@ -411,21 +411,17 @@ def test_client_disconnect_mid_stream_aborts_upstream_and_frees_blocks(backends)
     wait_idle(eng)
 
 
-def test_pd_mode_follows_the_prefill_answer(backends):
-    """P/D against real goodserve servers: whatever the prefill instance answers to the first hop (sent here
-    directly too), the router does what the protocol says: its error passes through, an answer without
-    ``kv_transfer_params`` is a 502. n > 1 is refused before any hop."""
+def test_pd_mode_passes_the_prefill_instances_error_through(backends):
+    """P/D in front of instances started without ``--kv-role``: the prefill instance refuses the first hop
+    (400 naming ``kv_transfer_params``) and the router hands that error to the client unchanged; n > 1 is
+    refused before any hop. (The whole hand-off through the router is in test_kv_transfer.py.)"""
     (p, _), (d, _) = backends
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     direct = httpx.post(p.base_url + "/v1/completions", json=prefill_request_body(body), timeout=60)
+    assert direct.status_code == 400 and direct.json()["error"]["param"] == "kv_transfer_params"
     with RouterServer(prefill=[p.base_url], decode=[d.base_url]) as http:
         r = http.post("/v1/completions", json=body)
-        if not direct.is_success:
-            assert (r.status_code, r.json()) == (direct.status_code, direct.json())
-        elif "kv_transfer_params" not in direct.json():
-            assert r.status_code == 502 and r.json()["error"]["type"] == "bad_gateway"
-        else:
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert (r.status_code, r.json()) == (direct.status_code, direct.json())
         r = http.post("/v1/completions", json={**body, "n": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         assert r.json()["error"]["type"] == "invalid_request_error"
