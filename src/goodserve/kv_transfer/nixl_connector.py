@@ -31,6 +31,9 @@ from goodserve.kv_transfer.messages import KVConnectorOutput, KVLoadSpec
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between two progress calls of the connector's thread.
+PROGRESS_INTERVAL = 0.005
+
 
 def _import_nixl():
     """NIXL's agent classes (``nixl`` or ``nixl_cu12``).
@@ -39,14 +42,14 @@ def _import_nixl():
         ImportError: naming the package to install.
     """
     try:
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # type: ignore
     except ImportError:
         try:
-            from nixl_cu12 import nixl_agent, nixl_agent_config  # type: ignore
+            from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # type: ignore
         except ImportError as e:
             raise ImportError("disaggregated serving needs NIXL: pip install nixl-cu12 pyzmq "
                               "(scripts/setup.sh installs them)") from e
-    return nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 
 @dataclass
@@ -112,9 +115,13 @@ class NixlConnector:
         if any(t.device.type != "cpu" or not t.is_contiguous() for kv in kv_caches for t in kv):
             raise ValueError("the NIXL connector registers contiguous CPU KV tensors (DRAM); VRAM is not wired yet")
         os.environ.setdefault("UCX_NET_DEVICES", config.ucx_net_devices)
-        nixl_agent, nixl_agent_config = _import_nixl()
+        nixl_agent, nixl_agent_config, nixl_thread_sync_t = _import_nixl()
         self.config = config
-        self.agent = nixl_agent(config.engine_id, nixl_agent_config(backends=list(config.backends)))
+        # NIXL's own progress thread busy-polls a whole core; ours polls every PROGRESS_INTERVAL seconds, so
+        # transfers move while the engine runs a long step (over TCP both sides must progress). The agent is
+        # then called from two threads: strict thread synchronisation.
+        self.agent = nixl_agent(config.engine_id, nixl_agent_config(
+            enable_prog_thread=False, backends=list(config.backends), sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         tensors = [t for kv in kv_caches for t in kv]
         self._reg = self.agent.register_memory(self.agent.get_reg_descs(tensors))
         k0 = kv_caches[0][0]
@@ -133,6 +140,10 @@ class NixlConnector:
         self._stop = threading.Event()
         self._server = threading.Thread(target=self._serve_layout, name="goodserve-kv-side-channel", daemon=True)
         self._server.start()
+        self._notifs: list[bytes] = []  # released holds, collected by the progress thread
+        self._notifs_lock = threading.Lock()
+        self._progress = threading.Thread(target=self._progress_forever, name="goodserve-kv-progress", daemon=True)
+        self._progress.start()
         self._remotes: dict[str, _Layout] = {}  # engine id -> layout, once its agent is added
         self._asking: dict[str, tuple[object, float, list[_Load]]] = {}  # engine id -> (REQ socket, deadline, loads)
         self._loads: dict[str, _Load] = {}  # request id -> a pull in flight
@@ -151,6 +162,14 @@ class NixlConnector:
             if poller.poll(100):
                 self._rep.recv()
                 self._rep.send(self._reply)
+
+    def _progress_forever(self) -> None:
+        """Progress NIXL's transfers (both ends of a pull must, over TCP) and collect its notifications."""
+        while not self._stop.wait(PROGRESS_INTERVAL):
+            msgs = [m for ms in self.agent.get_new_notifs().values() for m in ms]
+            if msgs:
+                with self._notifs_lock:
+                    self._notifs.extend(msgs)
 
     def _ask_layout(self, load: _Load) -> None:
         """Queue ``load`` behind a (non-blocking) request for its producer's layout."""
@@ -261,8 +280,9 @@ class NixlConnector:
                 self._fail(load, "the transfer failed (the producer may be gone)")
             elif now >= load.deadline:
                 self._fail(load, f"the transfer did not finish within {self.config.timeout:g} s")
-        for msgs in self.agent.get_new_notifs().values():
-            self._out.finished_sending.extend(m.decode() for m in msgs)
+        with self._notifs_lock:
+            msgs, self._notifs = self._notifs, []
+        self._out.finished_sending.extend(m.decode() for m in msgs)
         out, self._out = self._out, KVConnectorOutput()
         return out
 
@@ -270,6 +290,7 @@ class NixlConnector:
         """Stop the side channel and release NIXL resources."""
         self._stop.set()
         self._server.join(1.0)
+        self._progress.join(1.0)
         for load in list(self._loads.values()):
             self._release(load)
         for sock, _, _ in self._asking.values():
