@@ -55,6 +55,8 @@ class KVTransferDone(Event):
 
     request_id: str
     instance: "Instance"
+    nbytes: int = 0
+    seconds: float = 0.0
 
     def apply(self, sim: "Simulator") -> None:
         sim.on_kv_transfer_done(self)

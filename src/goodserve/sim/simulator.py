@@ -11,16 +11,17 @@ The clock only jumps from event to event (:mod:`goodserve.sim.events`), kept in 
 and then by the order they were queued, so a run is deterministic. Once every event of an instant is
 applied, each idle instance with unfinished requests starts its next step.
 
-Disaggregation (DistServe, Zhong et al., OSDI 2024): a request is prefilled on a prefill instance, which
-samples its first token (``max_tokens=1`` there). Its prompt's KV then crosses the prefill instance's link,
-one transfer at a time, taking ``prompt tokens · KV bytes per token / link bandwidth``. On arrival the
-decode instance stores the full blocks in its pool and registers them in its prefix cache, and the request
-joins its scheduler with prompt + first token as the prompt and ``max_tokens - 1``. Admission finds the
-transferred blocks as a prefix hit, so the cost model charges no prefill for them; only the partial last
-block (fewer than ``block_size`` tokens, which the transfer does not make a full cached block) and the
-first token are computed there, which is the request's first decode step. If the pool cannot hold the
-blocks on arrival, or they are evicted before admission, the request recomputes its prompt there, and
-that compute is charged. Decode instances therefore always run with prefix caching on.
+Disaggregation (DistServe, Zhong et al., OSDI 2024) runs the engine's own KV hand-off
+(:mod:`goodserve.kv_transfer`), with the router's two hops: a request goes to a prefill instance (a
+producer) with ``do_remote_decode`` and ``max_tokens=1``; when it finishes there, its scheduler holds its
+blocks and hands back a handle, and the request goes with that handle and its whole ``max_tokens`` to a
+decode instance (a consumer). The consumer's scheduler admits it into ``WAITING_FOR_REMOTE_KVS`` and asks
+for a pull of the prompt but its last token (less what its own prefix cache holds); the pull crosses the
+producer's link, one transfer at a time, taking ``tokens · KV bytes per token / link bandwidth``. When it
+lands, the consumer's scheduler is told (``finished_recving``) and computes the last prompt token, which
+samples the first output token (the producer's token is discarded, as the router does), and the producer's
+(``finished_sending``) frees the held blocks. The producer's blocks are thus held during the transfer, as
+in the engine.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransferParams
 from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
-from goodserve.scheduler.output import EngineCoreOutput, SampledToken
+from goodserve.scheduler.output import EngineCoreOutput, SampledToken, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.slo import SLOUnattainableError
 from goodserve.scheduler.step_time import StepTimeModel
@@ -138,9 +140,6 @@ class ClusterConfig:
             raise ValueError(f"replicas must be >= 1, got {self.num_replicas}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
-        if self.disaggregation is not None and self.scheduler.mode == "reserve":
-            raise ValueError("disaggregation lands the KV through the decode instance's prefix cache, which "
-                             "scheduler mode 'reserve' turns off; use chunked, paged or static")
 
     @property
     def num_instances(self) -> int:
@@ -164,19 +163,26 @@ class Instance:
         self.name, self.role, self.scheduler, self.cost_model = name, role, scheduler, cost_model
         self.busy = False
         self.link_free_at = 0.0  # prefill instances: when the outgoing link is next idle
-        self.num_incoming = 0  # decode instances: requests whose KV is on its way here
+        self.kv_news = KVConnectorOutput()  # what its KV connector would report at its next update
         self.num_steps = 0
         self.busy_s = 0.0
         self.max_running = 0
         self.num_mixed_steps = 0  # steps with both prefill chunks and decodes
         self.num_tokens = 0
-        self.num_kv_installs_failed = 0
 
     @property
     def load(self) -> int:
         """Unfinished requests (running + waiting), counting those whose KV is on its way."""
         stats = self.scheduler.make_stats()
-        return stats.num_running + stats.num_waiting + self.num_incoming
+        return stats.num_running + stats.num_waiting + stats.num_kv_transfers_in_flight
+
+    def take_kv_news(self) -> Optional[KVConnectorOutput]:
+        """The connector's news since the last update (``None`` if there is none)."""
+        news = self.kv_news
+        if not (news.finished_sending or news.finished_recving or news.failed_recving):
+            return None
+        self.kv_news = KVConnectorOutput()
+        return news
 
     def stats(self, duration: float) -> dict:
         s = self.scheduler.make_stats()
@@ -186,7 +192,6 @@ class Instance:
             "mean_tokens_per_step": self.num_tokens / self.num_steps if self.num_steps else 0.0,
             "max_running": self.max_running, "mixed_steps": self.num_mixed_steps,
             "preemptions": s.num_preemptions_total, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
-            "kv_installs_failed": self.num_kv_installs_failed,
         }
 
 
@@ -197,6 +202,7 @@ class _Progress:
     spec: SimRequest
     prompt_token_ids: list[int]
     token_times: list[float] = field(default_factory=list)
+    producer: Optional["Instance"] = None  # disaggregated: the prefill instance holding its KV
     finished: Optional[float] = None
     num_preemptions: int = 0
     transfer_s: float = 0.0
@@ -268,7 +274,11 @@ class Simulator:
     def _instance(self, name: str, role: str, prefix_caching: bool, cost_model: CostModel) -> Instance:
         cache = dataclasses.replace(self.config.cache, enable_prefix_caching=prefix_caching)
         step_model = StepTimeModel.seeded_by(cost_model.predict)
-        return Instance(name, role, Scheduler(self.config.scheduler, cache, step_model), cost_model)
+        kv_role = {"prefill": "producer", "decode": "consumer"}.get(role)
+        # A producer's hold ends when the pull lands (the simulated links never fail): no timeout. No socket is
+        # bound here: the handle's port only has to be a valid one.
+        kv = KVTransferConfig(kv_role, engine_id=name, port=1, timeout=float("inf")) if kv_role else None
+        return Instance(name, role, Scheduler(self.config.scheduler, cache, step_model, kv), cost_model)
 
     # ------------------------------------------------------------------------------------------ loop
     def push(self, event: Event) -> None:
@@ -294,9 +304,13 @@ class Simulator:
 
     def _start_step(self, inst: Instance) -> None:
         out = inst.scheduler.schedule(self.now)
+        for load in out.kv_loads:
+            self._start_transfer(inst, load.request_id, load.end - load.start)
         if out.is_empty:
-            self._finish_results(inst, inst.scheduler.update_from_output(out, {}, self.now))  # shed requests
-            if inst.scheduler.has_unfinished_requests():
+            transfers = inst.scheduler.has_pending_kv_transfers()
+            # Shed requests, and the connector's news.
+            self._finish_results(inst, inst.scheduler.update_from_output(out, {}, self.now, inst.take_kv_news()))
+            if inst.scheduler.has_unfinished_requests() and not transfers:
                 raise RuntimeError(f"{inst.name}: requests are pending but the scheduler scheduled nothing")
             return
         step_s = inst.cost_model.step_time(out)
@@ -316,9 +330,10 @@ class Simulator:
         base = (ev.index + 1) << 24
         prog = _Progress(spec, list(range(base, base + spec.prompt_len)))
         self._progress[spec.request_id] = prog
-        disaggregated = self.config.disaggregation is not None
-        max_tokens = 1 if disaggregated else spec.cap
-        req = self._make_request(spec, prog.prompt_token_ids, max_tokens)
+        if self.config.disaggregation is None:
+            req = self._make_request(spec, prog.prompt_token_ids, spec.cap)
+        else:  # the router's first hop
+            req = self._make_request(spec, prog.prompt_token_ids, 1, KVTransferParams(do_remote_decode=True))
         try:
             self._route(self.front, "front").scheduler.add_request(req)
         except (ValueError, SLOUnattainableError) as exc:
@@ -329,9 +344,10 @@ class Simulator:
         inst.busy = False
         sampled = {s.request_id: SampledToken(self._next_token(s.request_id)) for s in out.sampling()}
         inst.scheduler.observe_step_time(out, self.now - ev.start)
-        results = inst.scheduler.update_from_output(out, sampled, self.now)
-        for rid in sampled:
-            self._progress[rid].token_times.append(self.now)
+        results = inst.scheduler.update_from_output(out, sampled, self.now, inst.take_kv_news())
+        if inst.role != "prefill":  # a producer's token is not the client's (the router drops it)
+            for rid in sampled:
+                self._progress[rid].token_times.append(self.now)
         self._finish_results(inst, results)
 
     def _finish_results(self, inst: Instance, results: list[EngineCoreOutput]) -> None:
@@ -340,10 +356,10 @@ class Simulator:
                 continue
             prog = self._progress[result.request_id]
             prog.num_preemptions += result.num_preemptions
-            if result.finish_reason == "shed":
-                prog.error = result.error or "shed"
-            elif inst.role == "prefill" and prog.spec.output_len > 1:
-                self._start_transfer(inst, prog)
+            if result.finish_reason in ("shed", "error"):
+                prog.error = result.error or result.finish_reason
+            elif inst.role == "prefill":
+                self._second_hop(inst, prog, result.kv_transfer_params)
             else:
                 prog.finished = self.now
 
@@ -351,24 +367,42 @@ class Simulator:
         prog = self._progress[request_id]
         return SIM_EOS if len(prog.token_times) + 1 >= prog.spec.output_len else SIM_TOKEN
 
-    def _start_transfer(self, inst: Instance, prog: _Progress) -> None:
-        d = self.config.disaggregation
-        start = max(self.now, inst.link_free_at)
-        done = start + d.transfer_time(prog.spec.prompt_len)
-        inst.link_free_at = done
+    def _second_hop(self, producer: Instance, prog: _Progress, handle: dict) -> None:
+        """The router's second hop: the request, with the producer's handle, to a decode instance."""
+        prog.producer = producer
+        spec = prog.spec
+        req = self._make_request(spec, prog.prompt_token_ids, spec.cap, KVTransferParams.from_dict(handle))
+        try:
+            self._route(self.decode, "decode").scheduler.add_request(req)
+        except (ValueError, SLOUnattainableError) as exc:
+            prog.error = str(exc)
+            producer.kv_news.finished_sending.append(spec.request_id)  # nobody will pull: the hold ends
+            self._deliver_kv_news(producer)
+
+    def _start_transfer(self, consumer: Instance, request_id: str, num_tokens: int) -> None:
+        """A consumer's scheduler asked for a pull: it crosses the producer's link, after the pulls before it."""
+        prog = self._progress[request_id]
+        link = prog.producer
+        start = max(self.now, link.link_free_at)
+        done = start + self.config.disaggregation.transfer_time(num_tokens)
+        link.link_free_at = done
         prog.transfer_s = done - self.now
-        target = self._route(self.decode, "decode")
-        target.num_incoming += 1
-        self.push(KVTransferDone(done, prog.spec.request_id, target))
+        nbytes = num_tokens * self.config.disaggregation.kv_bytes_per_token
+        self.push(KVTransferDone(done, request_id, consumer, nbytes, prog.transfer_s))
 
     def on_kv_transfer_done(self, ev: KVTransferDone) -> None:
+        """A pull landed: both ends' connectors report it at their next update (at once if idle)."""
         prog = self._progress[ev.request_id]
-        spec = prog.spec
-        ev.instance.num_incoming -= 1
-        req = self._make_request(spec, prog.prompt_token_ids + [SIM_TOKEN], spec.cap - 1)
-        if not _install_transferred_kv(ev.instance, req):
-            ev.instance.num_kv_installs_failed += 1
-        ev.instance.scheduler.add_request(req)
+        ev.instance.kv_news.finished_recving[ev.request_id] = (ev.nbytes, ev.seconds)
+        prog.producer.kv_news.finished_sending.append(ev.request_id)
+        self._deliver_kv_news(ev.instance)
+        self._deliver_kv_news(prog.producer)
+
+    def _deliver_kv_news(self, inst: Instance) -> None:
+        """Hand an idle instance's scheduler its connector's news now (a busy one gets it when its step ends)."""
+        news = None if inst.busy else inst.take_kv_news()
+        if news is not None:
+            self._finish_results(inst, inst.scheduler.update_from_output(SchedulerOutput(), {}, self.now, news))
 
     def _route(self, group: list[Instance], key: str) -> Instance:
         if self.config.routing == "round-robin":
@@ -398,32 +432,13 @@ class Simulator:
         )
 
 
-    def _make_request(self, spec: SimRequest, prompt_token_ids: list[int], max_tokens: int) -> Request:
+    def _make_request(self, spec: SimRequest, prompt_token_ids: list[int], max_tokens: int,
+                      kv_transfer_params: Optional[KVTransferParams] = None) -> Request:
         """The scheduler's request for ``spec`` arriving now, with its SLOs (or the simulation's)."""
         slo_ttft = spec.slo_ttft if spec.slo_ttft is not None else self.slos.get("ttft")
         slo_tpot = spec.slo_tpot if spec.slo_tpot is not None else self.slos.get("tpot")
-        return _make_request(spec.request_id, prompt_token_ids, max_tokens, self.now, slo_ttft, slo_tpot)
+        return Request(spec.request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens), arrival_time=self.now,
+                       eos_token_ids=(SIM_EOS,), max_tokens=max_tokens, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+                       kv_transfer_params=kv_transfer_params)
 
 
-def _make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int, now: float,
-                  slo_ttft: Optional[float] = None, slo_tpot: Optional[float] = None) -> Request:
-    params = SamplingParams(max_tokens=max_tokens)
-    return Request(request_id, prompt_token_ids, params, arrival_time=now, eos_token_ids=(SIM_EOS,),
-                   max_tokens=max_tokens, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
-
-
-def _install_transferred_kv(inst: Instance, req: Request) -> bool:
-    """Store a transferred prompt's full KV blocks in the instance's pool as cached, evictable blocks.
-
-    A stand-in request takes the blocks (which registers their hashes in the prefix cache, as written
-    blocks) and releases them at once; the real request, added next, finds them as a prefix hit.
-
-    Returns:
-        Whether the blocks fit the pool.
-    """
-    kv = inst.scheduler.kv_cache_manager
-    stand_in = _make_request(f"{req.request_id}/kv-transfer", req.all_token_ids, 1, req.arrival_time)
-    if kv.allocate_slots(stand_in, stand_in.num_tokens) is None:
-        return False
-    kv.free(stand_in)
-    return True
