@@ -241,11 +241,11 @@ def _wait_released(producer_url: str, timeout: float = 10.0) -> None:
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("prompt", [
-    "The capital of France is a city where",  # ends mid-block
-    "one two three four five six seven eight nine ten eleven twelve",
-])
-def test_disaggregated_greedy_equals_colocated(tiny_model, producer, consumer, prompt):
+@pytest.mark.parametrize("prompt, residue", [
+    ("The capital of France is a city where many people live", 3),  # 11 tokens: ends mid-block
+    ("one two three four five six seven eight nine ten eleven twelve", 0),  # 12 tokens: on a block boundary
+], ids=["mid-block", "block-boundary"])
+def test_disaggregated_greedy_equals_colocated(tiny_model, producer, consumer, prompt, residue):
     """Producer process + consumer process = colocated output, token for token (fp32); the bytes moved are
     ``2·L·n_kv·d_head·4`` per pulled token; a repeat finds the prompt in the consumer's prefix cache and pulls
     only the rest; nothing stays held on either side."""
@@ -253,6 +253,7 @@ def test_disaggregated_greedy_equals_colocated(tiny_model, producer, consumer, p
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = llm.generate([prompt], params, use_tqdm=False)[0]
     num_prompt = len(ref.prompt_token_ids)
+    assert num_prompt % BS == residue
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     per_token = _bytes_per_token(consumer.engine)
     with httpx.Client(base_url=consumer.base_url) as http:
