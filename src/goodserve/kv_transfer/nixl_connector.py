@@ -202,7 +202,10 @@ class NixlConnector:
                     self.agent.add_remote_agent(base64.b64decode(reply["metadata"]))
                     self._remotes[engine_id] = layout
                 for load in loads:
-                    self._fail(load, why) if why else self._transfer(load, layout)
+                    if why:
+                        self._fail(load, why)
+                    else:
+                        self._transfer(load, layout)
             elif now >= deadline:
                 del self._asking[engine_id]
                 sock.close()
