@@ -75,6 +75,16 @@ def test_shed_load_refuses_on_arrival_when_the_queue_ahead_is_too_long():
     assert sim.instances[0].scheduler.make_stats().num_shed_total == 1
 
 
+def test_the_ttft_prediction_charges_the_last_step_only_its_own_tokens():
+    """A 30-token prompt alone takes one 0.04 s step, a 130-token one a full 0.11 s step and a 0.04 s one:
+    both are admitted under TTFT SLOs a full-budget last step (0.11 s, 0.22 s) would call unattainable, and both
+    meet them. (Charging every step a whole token budget shed short prompts on a slow machine.)"""
+    reqs = [SimRequest("short", 0.0, 30, 1, slo_ttft=0.05), SimRequest("long", 1.0, 130, 1, slo_ttft=0.16)]
+    sim, result = run("slo", reqs, shed_load=True)
+    assert ttfts(result) == [0.04, 0.15]
+    assert sim.instances[0].scheduler.make_stats().num_shed_total == 0
+
+
 def test_shed_load_sheds_a_queued_request_that_became_late():
     """A (TTFT SLO 0.2 s) is in time when it arrives; B (0.12 s) arrives at the same instant and goes ahead
     of it, after which A's first token would come at 0.22 s: the first schedule sheds A."""

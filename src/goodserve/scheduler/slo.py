@@ -37,15 +37,16 @@ allows (maximum throughput), rather than serving one request at a time for nothi
 **Prefill pace.** With the running decodes ``D`` (one token each) in every step, a step's prefill share is
 what the token budget leaves, ``n* = max_num_batched_tokens - D``, and a step then takes
 ``T* = predict(D + chunk of n*)``. ``W`` tokens of prefill (the unfinished prompts ahead in the queue, and
-one's own) give a first token after ``ceil(W / n*)`` such steps. This errs on the side of serving: rule 3
+one's own) give a first token after ``floor(W / n*)`` such steps and one more with the rest,
+``predict(D + chunk of W mod n*)`` (charging the last step a whole ``T*`` made a short prompt on a slow
+machine look as costly as a full token budget, and shed it). This errs on the side of serving: rule 3
 may cut chunks below ``n*``, but decodes also finish and leave, and a request refused that could have made
 it is a loss the policy never recovers, while one admitted that misses costs only the work spent on it.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, Optional
+from typing import Iterable
 
 from goodserve.request import Request
 from goodserve.scheduler.step_time import StepTimeModel
@@ -197,21 +198,29 @@ class SLOPolicy:
         n, pairs = self._decode_figures(running)
         return self.model.predict(n + 1, n + 1, pairs + req.num_tokens) <= limit
 
-    def prefill_pace(self, running: list[Request]) -> tuple[int, float]:
-        """``(n*, T*)``: prefill tokens per step next to the running decodes, and that step's seconds."""
+    def prefill_pace(self, running: list[Request]) -> StepAccumulator:
+        """The running decodes, one token each: every step that prefills next to them holds them too."""
         acc = StepAccumulator()
         for r in running:
             if r.num_output_tokens > 0:
                 acc.add(1, r.num_tokens - 1, True)
-        n = max(1, self.max_num_batched_tokens - acc.tokens)
-        return n, self.model.predict(acc.tokens + n, acc.sampled + 1, acc.pairs + chunk_pairs(n, 0))
+        return acc
 
-    def first_token_time(self, work_tokens: int, pace: tuple[int, float], now: float) -> float:
-        """When ``work_tokens`` tokens of prefill (those ahead plus one's own) yield a first token."""
-        n, step_s = pace
-        return now + math.ceil(work_tokens / n) * step_s
+    def first_token_time(self, work_tokens: int, decodes: StepAccumulator, now: float) -> float:
+        """When ``work_tokens`` tokens of prefill (those ahead plus one's own) yield a first token: full steps
+        of ``n* = max_num_batched_tokens - D`` prefill tokens beside the ``D`` decodes, then one step with
+        the rest."""
+        n = max(1, self.max_num_batched_tokens - decodes.tokens)
+        full, rest = divmod(work_tokens, n)
+        if rest == 0 and full > 0:
+            full, rest = full - 1, n
 
-    def is_late(self, req: Request, work_tokens: int, pace: tuple[int, float], now: float) -> bool:
+        def step(k: int) -> float:
+            return self.model.predict(decodes.tokens + k, decodes.sampled + 1, decodes.pairs + chunk_pairs(k, 0))
+
+        return now + full * step(n) + step(rest)
+
+    def is_late(self, req: Request, work_tokens: int, pace: StepAccumulator, now: float) -> bool:
         """Whether a request without a first token misses its TTFT SLO with ``work_tokens`` ahead and its own."""
         if req.slo_ttft is None or req.num_output_tokens > 0:
             return False
