@@ -290,7 +290,8 @@ class Router:
 
         Raises:
             NoHealthyBackendError: no healthy backend of ``role`` is left.
-            httpx.HTTPError: the connection failed after the request was sent.
+            UpstreamLostError: the connection was lost after the request was sent, before the answer's
+                headers (the backend is marked unhealthy).
         """
         pool = self.pools[role]
         while True:
@@ -303,10 +304,13 @@ class Router:
                 flight.end("connect_error")
                 self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
                 self.set_health(backend, False, f"{type(e).__name__}: {e}")
-            except BaseException as e:
+            except httpx.HTTPError as e:  # sent, then lost before the answer's headers
                 flight.end("backend_error")
-                if isinstance(e, httpx.HTTPError):
-                    self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
+                self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
+                self.set_health(backend, False, f"connection lost before the answer: {type(e).__name__}")
+                raise UpstreamLostError(backend.url, e) from e
+            except BaseException:
+                flight.end("backend_error")
                 raise
 
     async def relay(self, flight: _Flight, upstream: httpx.Response) -> Response:
