@@ -145,6 +145,7 @@ def main() -> int:
     p.add_argument("--sim-rate-per-replica", type=float, default=1.0)
     p.add_argument("--sim-goodput", nargs="+", default=["ttft:2000", "tpot:100"])
     p.add_argument("--skip-real", action="store_true")
+    p.add_argument("--skip-full-sim", action="store_true", help="simulate only the measured workload")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     real = []
@@ -160,7 +161,8 @@ def main() -> int:
                   f"{r['tpot_p50_ms']:.0f} | {r['goodput']:.3f} | {r['attainment']:.1%} | {r['completed']} |")
     policies = ("prefix-affinity", "round-robin")
     sims = [run_sim(2, routing, args, measured_workload=True) for routing in policies]
-    sims += [run_sim(n, routing, args) for n in (2, 8, 32) for routing in policies]
+    if not args.skip_full_sim:
+        sims += [run_sim(n, routing, args) for n in (2, 8, 32) for routing in policies]
     measured = {r["label"].split("-", 1)[1]: r["hit_rate"] for r in real if r["label"].startswith("ray2")}
     print("\n| workload | Llama-3-8B h100 replicas | routing | simulated hit rate | measured here (2 replicas) | "
           "TTFT p50 (ms) | TTFT p99 (ms) | goodput (req/s) | attainment |\n|---|---|---|---|---|---|---|---|---|")
@@ -169,8 +171,8 @@ def main() -> int:
         print(f"| {r['workload']} | {r['replicas']} | {r['routing']} | {r['hit_rate']:.1%} | "
               f"{'' if m is None else f'{m:.1%}'} | "
               f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['goodput']:.2f} | {r['attainment']:.1%} |")
-    json.dump({"real": real, "simulated": sims, "argv": sys.argv[1:]}, open(os.path.join(args.out, "summary.json"), "w"),
-              indent=1)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"real": real, "simulated": sims, "argv": sys.argv[1:]}, f, indent=1)
     return 0
 
 

@@ -192,3 +192,19 @@ def test_killed_instance_ends_its_stream_cleanly_and_rejoins_after_restart(ray_l
         assert count(m, "goodserve:router_requests_total", backend=url, outcome="ok") == 1
         # the restarted process's own counters start again: this one request
         assert count(m, "goodserve:api_requests_finished_total", instance=url, endpoint="/v1/completions") == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replicas", "2"], "need --ray"),
+    (["--ray"], "either --replicas N, or both"),
+    (["--ray", "--replicas", "2", "--prefill-replicas", "1", "--decode-replicas", "1"], "either --replicas N, or both"),
+    (["--ray", "--prefill-replicas", "1"], "either --replicas N, or both"),
+    (["--ray", "--replicas", "0"], "instance counts must be >= 1"),
+    (["--ray", "--replicas", "1", "--kv-role", "producer"], "--kv-role is set per pool"),
+    (["--ray", "--replicas", "1", "--num-cpus-per-replica", "0"], "--num-cpus-per-replica and --health-interval"),
+])
+def test_serve_ray_refuses_bad_flags_before_starting_anything(flags, message, capsys):
+    from goodserve.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -34,7 +34,8 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_ray_args(args: argparse.Namespace) -> None:
-    """Refuse instance counts without ``--ray`` (and ``--ray`` without them).
+    """Check the ``--ray`` flags before anything starts: instance counts need ``--ray``, and ``--ray`` needs
+    either ``--replicas`` or both P/D counts (each >= 1), no ``--kv-role``, and positive resources.
 
     Raises:
         ValueError: naming the flags.
@@ -42,8 +43,17 @@ def check_ray_args(args: argparse.Namespace) -> None:
     counts = (args.replicas, args.prefill_replicas, args.decode_replicas)
     if not args.ray and (any(c is not None for c in counts) or args.ray_address):
         raise ValueError("--replicas, --prefill-replicas, --decode-replicas and --ray-address need --ray")
-    if args.ray and all(c is None for c in counts):
-        raise ValueError("--ray needs --replicas N, or --prefill-replicas P and --decode-replicas D")
+    if not args.ray:
+        return
+    replicas, prefill, decode = counts
+    if (replicas is None) == (prefill is None and decode is None) or (prefill is None) != (decode is None):
+        raise ValueError("--ray needs either --replicas N, or both --prefill-replicas P and --decode-replicas D")
+    if any(c is not None and c < 1 for c in counts):
+        raise ValueError(f"instance counts must be >= 1, got {[c for c in counts if c is not None]}")
+    if args.kv_role is not None:
+        raise ValueError("--kv-role is set per pool on Ray (prefill: producer, decode: consumer); drop it")
+    if not (args.num_cpus_per_replica > 0 and args.num_gpus_per_replica >= 0 and args.health_interval > 0):
+        raise ValueError("--num-cpus-per-replica and --health-interval must be > 0, --num-gpus-per-replica >= 0")
 
 
 def run_ray_serve(args: argparse.Namespace) -> int:
@@ -62,8 +72,6 @@ def run_ray_serve(args: argparse.Namespace) -> int:
     from goodserve.router.policies import make_policy
 
     check_ray_args(args)
-    if not args.health_interval > 0:
-        raise ValueError("--health-interval must be > 0")
     n = sum(c or 0 for c in (args.replicas, args.prefill_replicas, args.decode_replicas))
     init_ray(args.ray_address, num_cpus=max(1, round(n * args.num_cpus_per_replica)),
              num_gpus=round(n * args.num_gpus_per_replica) or None)
