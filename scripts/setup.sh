@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # The CPU wheel of torch 2.13.0 is what this project pins: other versions pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,server,bench,disagg]"
+.venv/bin/python -m pip install -q -e ".[test,server,bench,disagg,ray]"
 # Structured outputs: xgrammar without its declared deps (triton is for its GPU kernels only, and pip must
 # never resolve torch again); its runtime deps are apache-tvm-ffi plus pydantic/numpy/transformers, already here.
 .venv/bin/python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11"

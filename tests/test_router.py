@@ -425,3 +425,60 @@ def test_pd_mode_passes_the_prefill_instances_error_through(backends):
         r = http.post("/v1/completions", json={**body, "n": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+class DroppingBackend:
+    """A TCP server on 127.0.0.1 that reads a request's first bytes and closes the connection unanswered (an
+    instance killed after the request was sent, before any byte of the answer)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.recv(65536)
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_backend_lost_before_any_byte_is_retried_once_elsewhere_then_503(backends):
+    """Round-robin over [dropping, live]: the request the dropping backend loses (sent, never answered) is
+    retried on the live one and succeeds, streamed or not; the dropping backend is taken out. With only
+    dropping backends the client gets a 503 naming the lost backend after one retry."""
+    live = backends[0][0].base_url
+    drop, drop2 = DroppingBackend(), DroppingBackend()
+    try:
+        for stream in (False, True):
+            with RouterServer(replicas=[drop.url, live], health_interval=60) as http:
+                r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                       "stream": stream})
+                assert r.status_code == 200, r.text
+                assert router_count(http, "goodserve:router_requests_total", backend=drop.url,
+                                    outcome="backend_error") == 1
+                assert router_count(http, "goodserve:router_requests_total", backend=live, outcome="ok") == 1
+                assert [b["healthy"] for b in http.get("/health").json()["backends"]] == [False, True]
+        with RouterServer(replicas=[drop.url, drop2.url], health_interval=60) as http:
+            before = drop.accepted + drop2.accepted
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable" and "was lost before answering" in err["message"]
+            assert drop.accepted + drop2.accepted - before == 2  # the request and its one retry
+    finally:
+        drop.close()
+        drop2.close()

@@ -10,10 +10,17 @@ Two modes:
 
 Faults: a backend that refuses the connection or does not accept it within ``connect_timeout`` is marked
 unhealthy and the request goes to another backend of the same kind (nothing was sent, so nothing is lost);
-with none left the router answers 503 at once. Every backend's ``/health`` is probed every
+with none left the router answers 503 at once. A connection lost after the request was sent but before any
+byte of the answer reached the client (e.g. the instance was killed while prefilling) marks the backend
+unhealthy and retries the request once on another backend; without one left, or on a second loss, the
+client gets a 503. A connection lost mid-stream, after bytes were relayed, ends the client's stream with an
+OpenAI error event (``code`` 503) and ``[DONE]``. Every backend's ``/health`` is probed every
 ``health_interval`` seconds, which brings a restarted backend back. A client that leaves during a stream
 closes the upstream stream (the backend aborts the request); one that leaves between the P/D hops stops the
 second hop. In-flight counters are released in ``finally`` blocks, whatever happens.
+``/health`` reports every backend's state and its own last ``/health`` answer; ``/metrics`` is the router's
+registry followed by every backend's metrics, each sample labelled ``instance="<backend url>"``
+(:func:`relabel_metrics`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from goodserve.router.policies import (BackendState, LeastLoaded, NoHealthyBackendError, RouteRequest,
                                        RoutingPolicy, make_policy)
@@ -66,6 +75,7 @@ class Backend:
     url: str
     role: str
     state: BackendState
+    last_health: Optional[dict] = None  # the last probe: {"status_code", "body"} or {"error"}
 
 
 class _Flight:
@@ -94,23 +104,33 @@ class _Flight:
 
 
 class _RelayResponse(StreamingResponse):
-    """Streams an upstream SSE response; however the stream ends (done, client gone, cancelled, never
-    started), the flight is counted out and the upstream response closed (which aborts it at the backend)."""
+    """Streams an upstream SSE response whose first chunk was already read; however the stream ends (done,
+    client gone, cancelled, never started), the flight is counted out and the upstream response closed (which
+    aborts it at the backend). A connection lost mid-stream ends the client's stream with an OpenAI error
+    event (``code`` 503) and ``data: [DONE]``."""
 
-    def __init__(self, upstream: httpx.Response, flight: _Flight) -> None:
+    def __init__(self, upstream: httpx.Response, chunks, first: bytes, flight: _Flight) -> None:
         self.upstream, self.flight = upstream, flight
-        super().__init__(self._chunks(), status_code=upstream.status_code,
+        super().__init__(self._chunks(chunks, first), status_code=upstream.status_code,
                          media_type=upstream.headers.get("content-type"))
 
-    async def _chunks(self):
+    async def _chunks(self, chunks, first: bytes):
+        last = first
         try:
-            async for chunk in self.upstream.aiter_raw():
-                self.flight.first_output()
+            yield first
+            async for chunk in chunks:
                 yield chunk
+                last = chunk
             self.flight.outcome = "ok" if self.upstream.is_success else "http_error"
-        except httpx.HTTPError as e:  # the backend went away mid-stream: the client sees the stream end
+        except httpx.HTTPError as e:  # the backend went away mid-stream
             self.flight.outcome = "backend_error"
-            self.flight.router.metrics.backend_errors.labels(self.flight.backend.url, type(e).__name__).inc()
+            router, url = self.flight.router, self.flight.backend.url
+            router.metrics.backend_errors.labels(url, type(e).__name__).inc()
+            router.set_health(self.flight.backend, False, f"connection lost mid-stream: {type(e).__name__}")
+            body = error_body(f"the backend {url} was lost mid-stream ({type(e).__name__}); the answer is "
+                              "incomplete", "service_unavailable", 503)
+            sep = b"" if last.endswith(b"\n\n") else b"\n\n"  # close a partly relayed event first
+            yield sep + b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -119,6 +139,51 @@ class _RelayResponse(StreamingResponse):
             self.flight.end()
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
+
+
+class UpstreamLostError(Exception):
+    """The connection to a backend was lost after the request was sent and before any byte of its answer
+    arrived (the router retries once, then answers 503).
+
+    Args:
+        url: The backend's base URL.
+        cause: The transport error.
+    """
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        super().__init__(f"the backend {url} was lost before answering ({type(cause).__name__}: {cause})")
+        self.url = url
+
+
+def relabel_metrics(text: str, instance: str) -> list:
+    """Parse a Prometheus text exposition and add the label ``instance=<instance>`` to every sample.
+
+    Args:
+        text: Prometheus text format (as a backend's ``/metrics`` serves it).
+        instance: The label's value (the router uses the backend's base URL).
+
+    Returns:
+        The metric families (``prometheus_client.Metric``), samples relabelled.
+
+    Raises:
+        ValueError: if ``text`` is not valid exposition text.
+    """
+    families = []
+    for fam in text_string_to_metric_families(text):
+        fam.samples = [Sample(s.name, {**s.labels, "instance": instance}, s.value, s.timestamp, s.exemplar)
+                       for s in fam.samples]
+        families.append(fam)
+    return families
+
+
+class _Families:
+    """A collector that yields fixed metric families (to expose them with ``generate_latest``)."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
 
 
 def _error(status: int, message: str, type_: str, param: Optional[str] = None) -> JSONResponse:
@@ -201,8 +266,14 @@ class Router:
     async def _probe(self, backend: Backend) -> None:
         try:
             r = await self._client.get(backend.url + "/health", timeout=max(self.connect_timeout, 1.0))
+            try:
+                body = r.json() if r.content else None
+            except ValueError:
+                body = r.text
+            backend.last_health = {"status_code": r.status_code, "body": body}
             self.set_health(backend, r.status_code == 200, f"/health answered {r.status_code}")
         except httpx.HTTPError as e:
+            backend.last_health = {"error": f"{type(e).__name__}: {e}"}
             self.set_health(backend, False, f"/health failed: {type(e).__name__}")
 
     async def _probe_forever(self) -> None:
@@ -219,7 +290,8 @@ class Router:
 
         Raises:
             NoHealthyBackendError: no healthy backend of ``role`` is left.
-            httpx.HTTPError: the connection failed after the request was sent.
+            UpstreamLostError: the connection was lost after the request was sent, before the answer's
+                headers (the backend is marked unhealthy).
         """
         pool = self.pools[role]
         while True:
@@ -232,29 +304,67 @@ class Router:
                 flight.end("connect_error")
                 self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
                 self.set_health(backend, False, f"{type(e).__name__}: {e}")
-            except BaseException as e:
+            except httpx.HTTPError as e:  # sent, then lost before the answer's headers
                 flight.end("backend_error")
-                if isinstance(e, httpx.HTTPError):
-                    self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
+                self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
+                self.set_health(backend, False, f"connection lost before the answer: {type(e).__name__}")
+                raise UpstreamLostError(backend.url, e) from e
+            except BaseException:
+                flight.end("backend_error")
                 raise
 
     async def relay(self, flight: _Flight, upstream: httpx.Response) -> Response:
-        """The client's response: the upstream's status, content type and body, streamed if it is SSE."""
-        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return _RelayResponse(upstream, flight)
+        """The client's response: the upstream's status, content type and body, streamed if it is SSE. The
+        first chunk (or the whole body) is read before anything goes to the client.
+
+        Raises:
+            UpstreamLostError: the connection was lost before any byte was read (the backend is marked
+                unhealthy; nothing reached the client, so the caller may retry elsewhere).
+        """
         try:
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                chunks = upstream.aiter_raw()
+                first = b""
+                while not first:  # an empty chunk carries nothing: wait for bytes (or the end)
+                    first = await chunks.__anext__()
+                flight.first_output()
+                return _RelayResponse(upstream, chunks, first, flight)
             content = await upstream.aread()
             flight.outcome = "ok" if upstream.is_success else "http_error"
-        finally:
+        except (httpx.HTTPError, StopAsyncIteration) as e:
+            flight.outcome = "backend_error"
             flight.end()
             await upstream.aclose()
+            self.metrics.backend_errors.labels(flight.backend.url, type(e).__name__).inc()
+            self.set_health(flight.backend, False, f"connection lost before the answer: {type(e).__name__}")
+            raise UpstreamLostError(flight.backend.url, e) from e
+        except BaseException:
+            flight.end()
+            await upstream.aclose()
+            raise
+        flight.end()
+        await upstream.aclose()
         return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
+
+    async def route(self, role: str, path: str, body: dict, request: RouteRequest) -> Response:
+        """Open a request on a backend of ``role`` and relay its answer; if the connection is lost before any
+        byte of the answer arrived, retry once on another healthy backend of ``role``.
+
+        Raises:
+            NoHealthyBackendError: no healthy backend of ``role`` (also after a lost connection).
+            UpstreamLostError: the connection was lost again on the retry.
+        """
+        try:
+            return await self.relay(*await self.open(role, path, body, request))
+        except UpstreamLostError as e:
+            logger.warning("%s; retrying once on another %s backend", e, role)
+            return await self.relay(*await self.open(role, path, body, request))
 
     async def forward(self, path: str, body: dict, http_request: Request) -> Response:
         """Route one completions/chat request (either mode) and answer it."""
         request = RouteRequest.from_openai_body(body)
         if not self.disaggregated:
-            return await self.relay(*await self.open("replica", path, body, request))
+            return await self.route("replica", path, body, request)
         first = prefill_request_body(body)
         flight, upstream = await self.open("prefill", path, first, dataclasses.replace(request, max_tokens=1))
         if not upstream.is_success:
@@ -276,7 +386,7 @@ class Router:
         if await http_request.is_disconnected():
             logger.info("client left after the prefill hop: the decode hop is not sent")
             return Response(status_code=499)
-        return await self.relay(*await self.open("decode", path, second, request))
+        return await self.route("decode", path, second, request)
 
 
 async def _json_object(request: Request) -> dict:
@@ -314,6 +424,9 @@ def build_router_app(router: Router) -> FastAPI:
         except NoHealthyBackendError as e:
             router.metrics.local.labels("503", "no_healthy_backend").inc()
             return _error(503, str(e), "service_unavailable")
+        except UpstreamLostError as e:
+            router.metrics.local.labels("503", "backend_lost").inc()
+            return _error(503, str(e), "service_unavailable")
         except httpx.HTTPError as e:
             router.metrics.local.labels("502", "backend_error").inc()
             return _error(502, f"the backend failed: {type(e).__name__}: {e}", "bad_gateway")
@@ -342,11 +455,37 @@ def build_router_app(router: Router) -> FastAPI:
     async def health() -> JSONResponse:
         await router.start()
         ok = all(any(b.state.healthy for b in pool) for pool in router.pools.values())
-        backends = [{"url": b.url, "role": b.role, **dataclasses.asdict(b.state)} for b in router.backends]
+        backends = [{"url": b.url, "role": b.role, **dataclasses.asdict(b.state), "health": b.last_health}
+                    for b in router.backends]
         return JSONResponse({"healthy": ok, "backends": backends}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        """The router's registry, then every reachable backend's metrics labelled ``instance="<url>"`` (a
+        family several backends serve is exposed once, with all their samples)."""
+        await router.start()
+
+        async def scrape(b: Backend) -> list:
+            try:
+                r = await router._client.get(b.url + "/metrics", timeout=max(router.connect_timeout, 2.0))
+                r.raise_for_status()
+                return relabel_metrics(r.text, b.url)
+            except (httpx.HTTPError, ValueError) as e:
+                router.metrics.backend_errors.labels(b.url, f"metrics_{type(e).__name__}").inc()
+                return []
+
+        merged: dict[str, object] = {}
+        for fams in await asyncio.gather(*(scrape(b) for b in router.backends)):
+            for fam in fams:
+                if fam.name in merged:
+                    merged[fam.name].samples.extend(fam.samples)
+                else:
+                    merged[fam.name] = fam
+        text = generate_latest(router.metrics.registry)
+        if merged:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_Families(list(merged.values())))
+            text += generate_latest(registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app

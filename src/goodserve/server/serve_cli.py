@@ -36,6 +36,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "this long, then abort them and exit (default 5)")
     # Test-only: make engine step N raise, to check that the process exits non-zero (fault-injection soak).
     g.add_argument("--inject-step-fault", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
+    from goodserve.cluster.ray_cli import add_ray_args
+    add_ray_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -55,6 +57,11 @@ def run_serve(args: argparse.Namespace) -> int:
     Raises:
         ValueError: on invalid flags (e.g. a negative ``--max-waiting-requests``).
     """
+    from goodserve.cluster.ray_cli import check_ray_args, run_ray_serve
+
+    check_ray_args(args)
+    if args.ray:  # instances as Ray actors, this process routes (goodserve.cluster)
+        return run_ray_serve(args)
     import uvicorn
 
     from goodserve.engine.async_engine import AsyncEngine

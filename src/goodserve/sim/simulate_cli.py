@@ -26,14 +26,17 @@ from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
 from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
 from goodserve.workload.arrivals import poisson_arrivals
-from goodserve.workload.datasets import AZURE_FILES, clip_specs, load_azure, random_lengths
+from goodserve.workload.datasets import (AZURE_FILES, MOONCAKE_BLOCK, clip_specs, load_azure, load_mooncake,
+                                         random_lengths, synthesise_shared_prompts)
 from goodserve.workload.report import (RunResult, class_results, format_classes, format_summary, format_sweep,
                                        max_rate_meeting, plot, rate_str, save_json)
 from goodserve.workload.slo import assign_slo_classes, parse_slo_class_mix, parse_slos
 
 logger = logging.getLogger(__name__)
 
-DATASETS = (*AZURE_FILES, "random")
+DATASETS = (*AZURE_FILES, "mooncake", "random")
+# Vocabulary of the synthesised Mooncake prompts: only equality of ids matters to the simulated prefix cache.
+SIM_VOCAB = 1 << 20
 MAX_TOKENS_POLICIES = ("exact", "pow2", "max")
 
 
@@ -55,13 +58,15 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--dataset", default="azure-conv", choices=DATASETS)
     w.add_argument("--num-prompts", type=int, default=200)
     w.add_argument("--request-rate", default="inf",
-                   help="requests/s (Poisson), 'inf' (all at 0) or 'trace' (the Azure trace's own clock)")
+                   help="requests/s (Poisson), 'inf' (all at 0) or 'trace' (the Azure or Mooncake trace's own clock)")
+    w.add_argument("--length-scale", type=float, default=1.0,
+                   help="mooncake: multiply prompt and output lengths (and the 512-token shared blocks) by this")
     w.add_argument("--random-input-len", type=int, default=1024)
     w.add_argument("--random-output-len", type=int, default=128)
     w.add_argument("--random-range-ratio", type=float, default=0.0)
     w.add_argument("--max-input-len", type=int, default=None, help="clip prompts to this many tokens")
     w.add_argument("--max-output-len", type=int, default=None, help="clip outputs to this many tokens")
-    w.add_argument("--trace-start", type=int, default=0, help="first row of an Azure trace (>= 0)")
+    w.add_argument("--trace-start", type=int, default=0, help="first row of an Azure or Mooncake trace (>= 0)")
     w.add_argument("--seed", type=int, default=0, help="seed of arrivals and random lengths")
     w.add_argument("--max-tokens", default="exact", choices=MAX_TOKENS_POLICIES,
                    help="max_tokens each client asks for: exact (the output length, an oracle), pow2 (next power "
@@ -93,7 +98,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1, help="colocated instances behind the router")
-    c.add_argument("--routing", default="least-loaded", choices=list(ROUTING_POLICIES))
+    c.add_argument("--routing", default="least-outstanding-tokens", choices=list(ROUTING_POLICIES),
+                   help="the replicas' policy, the HTTP router's own (goodserve.router.policies); prefix-affinity "
+                        "routes by the prompt's token ids (shared prefixes only exist with --dataset mooncake); "
+                        "least-loaded is an alias of least-outstanding-tokens")
     c.add_argument("--disaggregate", default=None, metavar="P:D", help="P prefill and D decode instances")
     c.add_argument("--link-bandwidth", type=float, default=50.0,
                    help="GB/s of each prefill instance's KV link (default: 50)")
@@ -165,12 +173,18 @@ def build_workload(args: argparse.Namespace, rate: float, max_model_len: int) ->
     if args.dataset == "random":
         specs = random_lengths(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, seed=args.seed)
+    elif args.dataset == "mooncake":  # as `goodserve bench serve --dataset mooncake` builds it
+        rows = load_mooncake(args.num_prompts, args.length_scale, args.trace_start)
+        clipped = clip_specs([s for s, _ in rows], max_model_len, args.max_input_len, args.max_output_len)
+        block = max(1, round(MOONCAKE_BLOCK * args.length_scale))
+        specs = synthesise_shared_prompts(list(zip(clipped, (h for _, h in rows))), SIM_VOCAB, block, args.seed)
     else:
         specs = load_azure(args.dataset, args.num_prompts, max_model_len, args.trace_start)
-    specs = clip_specs(specs, max_model_len, args.max_input_len, args.max_output_len)
+    if args.dataset != "mooncake":
+        specs = clip_specs(specs, max_model_len, args.max_input_len, args.max_output_len)
     if math.isnan(rate):
         if args.dataset == "random":
-            raise ValueError("--request-rate trace needs an Azure dataset")
+            raise ValueError("--request-rate trace needs an Azure or the Mooncake dataset")
         arrivals = [s.arrival for s in specs]
     else:
         arrivals = poisson_arrivals(len(specs), rate, seed=args.seed)
@@ -178,7 +192,8 @@ def build_workload(args: argparse.Namespace, rate: float, max_model_len: int) ->
     for i, (s, t) in enumerate(zip(specs, arrivals)):
         cap = {"exact": s.output_len, "pow2": 1 << (s.output_len - 1).bit_length(),
                "max": max_model_len - s.prompt_len}[args.max_tokens]
-        requests.append(SimRequest(f"req-{i}", t, s.prompt_len, s.output_len, min(cap, max_model_len - s.prompt_len)))
+        requests.append(SimRequest(f"req-{i}", t, s.prompt_len, s.output_len, min(cap, max_model_len - s.prompt_len),
+                                   prompt_token_ids=s.prompt_token_ids if args.dataset == "mooncake" else None))
     return requests
 
 
@@ -233,7 +248,8 @@ def simulate_once(args: argparse.Namespace, arch: ArchSpec, mode: str, rate: flo
     result = Simulator(cluster, build_cost_model(args, arch), requests, slos).run()
     config = {"mode": mode, "policy": policy, "instances": result.instances, "num_instances": cluster.num_instances,
               "num_blocks": cluster.cache.num_blocks, "num_preemptions": result.num_preemptions,
-              "mean_kv_transfer_s": result.mean_kv_transfer_s}
+              "mean_kv_transfer_s": result.mean_kv_transfer_s, "routing": cluster.routing,
+              "prefix_cache_hit_rate": result.prefix_cache_hit_rate}
     if assigned:
         config["slo_classes"] = class_results(result.records, assigned, result.summary.duration)
     label = label or mode
@@ -322,7 +338,8 @@ def _report(args: argparse.Namespace, arch: ArchSpec, results: list[RunResult], 
         c = r.config
         print(f"{r.label} @ {rate_str(r.rate)}: {c['num_instances']} instance(s) of {c['num_blocks']} KV blocks, "
               f"{c['num_preemptions']} preemptions, max running "
-              f"{max(i['max_running'] for i in c['instances'])}"
+              f"{max(i['max_running'] for i in c['instances'])}, prefix-cache hit rate "
+              f"{c['prefix_cache_hit_rate']:.1%}" + (f" ({c['routing']} routing)" if c["num_instances"] > 1 else "")
               + (f", mean KV transfer {c['mean_kv_transfer_s'] * 1e3:.2f} ms" if c["mean_kv_transfer_s"] else ""),
               file=out)
     if slos and len({r.rate for r in results if math.isfinite(r.rate)}) > 1:

@@ -22,6 +22,15 @@ lands, the consumer's scheduler is told (``finished_recving``) and computes the 
 samples the first output token (the producer's token is discarded, as the router does), and the producer's
 (``finished_sending``) frees the held blocks. The producer's blocks are thus held during the transfer, as
 in the engine.
+
+Routing: the HTTP router's own policies (:mod:`goodserve.router.policies`) choose the instance, from one
+:class:`~goodserve.router.policies.BackendState` per instance. Colocated replicas use ``ClusterConfig.routing``
+(round-robin, least-outstanding-tokens, or prefix-affinity over the prompt's token ids); a prefill pool
+uses least queued prefill tokens and a decode pool least KV usage, as the router does. The counters the
+router keeps (outstanding requests and tokens, queued prefill tokens) follow the simulation's events: a
+request counts in when routed, its prefill counts out at its first sampled token there, and it counts out
+when it finishes there. KV usage is read from the instance's scheduler (the simulator knows it exactly);
+a decode instance's outstanding requests are its unfinished requests plus those whose KV is on its way.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from typing import Optional
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransferParams
 from goodserve.request import Request
+from goodserve.router.policies import BackendState, LeastLoaded, RouteRequest, RoutingPolicy, make_policy
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import EngineCoreOutput, SampledToken, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
@@ -47,7 +57,9 @@ from goodserve.workload.metrics import RequestRecord, Summary, record_from_timel
 
 logger = logging.getLogger(__name__)
 
-ROUTING_POLICIES = ("round-robin", "least-loaded")
+# The router's policies (goodserve.router.policies); "least-loaded" is the old name of least-outstanding-tokens.
+ROUTING_POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "least-loaded")
+ROUTING_ALIASES = {"least-loaded": "least-outstanding-tokens"}
 SIM_TOKEN = 7  # what the simulated model samples ...
 SIM_EOS = 2  # ... until a request's last token, which is EOS
 
@@ -65,6 +77,9 @@ class SimRequest:
             reserves memory by it (``reserve``) behaves differently with a larger cap.
         slo_ttft: Its own TTFT SLO in seconds (``None``: the simulation's ``ttft`` SLO, if any).
         slo_tpot: Its own TPOT SLO in seconds (``None``: the simulation's ``tpot`` SLO, if any).
+        prompt_token_ids: The prompt's token ids (``prompt_len`` of them, each >= 256), e.g. a trace's shared
+            prefixes synthesised by :func:`goodserve.workload.datasets.synthesise_shared_prompts`; ``None``:
+            ids private to the request, so no two prompts share a prefix.
     """
 
     request_id: str
@@ -74,10 +89,14 @@ class SimRequest:
     max_tokens: Optional[int] = None
     slo_ttft: Optional[float] = None
     slo_tpot: Optional[float] = None
+    prompt_token_ids: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError(f"{self.request_id}: prompt and output need >= 1 token")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(f"{self.request_id}: {len(self.prompt_token_ids)} prompt_token_ids for prompt_len "
+                             f"{self.prompt_len}")
         if self.max_tokens is not None and self.max_tokens < self.output_len:
             raise ValueError(f"{self.request_id}: max_tokens {self.max_tokens} < output_len {self.output_len}")
 
@@ -124,7 +143,9 @@ class ClusterConfig:
         cache: Every instance's KV pool (``num_blocks`` resolved).
         enable_prefix_caching: Prefix caching on colocated and prefill instances.
         num_replicas: Independent colocated instances (ignored when disaggregated).
-        routing: ``"round-robin"`` or ``"least-loaded"`` (fewest unfinished requests, lowest index on ties).
+        routing: The replicas' policy, a :data:`goodserve.router.policies.POLICIES` name: ``"round-robin"``,
+            ``"least-outstanding-tokens"`` (also ``"least-loaded"``) or ``"prefix-affinity"`` (default block
+            size 16 tokens).
         disaggregation: Prefill/decode split, or ``None`` for colocated replicas.
     """
 
@@ -132,7 +153,7 @@ class ClusterConfig:
     cache: CacheConfig
     enable_prefix_caching: bool = True
     num_replicas: int = 1
-    routing: str = "least-loaded"
+    routing: str = "least-outstanding-tokens"
     disaggregation: Optional[Disaggregation] = None
 
     def __post_init__(self) -> None:
@@ -219,6 +240,8 @@ class SimResult:
         instances: Per-instance counters (see :meth:`Instance.stats`).
         num_preemptions: Preemptions over all instances.
         mean_kv_transfer_s: Mean transfer time of disaggregated requests (0 when colocated).
+        prefix_cache_hit_rate: Prompt tokens found in a prefix cache over prompt tokens looked up, over all
+            the front instances (replicas, or prefill instances).
     """
 
     summary: Summary
@@ -226,10 +249,12 @@ class SimResult:
     instances: list[dict]
     num_preemptions: int
     mean_kv_transfer_s: float
+    prefix_cache_hit_rate: float = 0.0
 
     def to_dict(self, with_records: bool = False) -> dict:
         d = {"summary": self.summary.to_dict(), "instances": self.instances,
-             "num_preemptions": self.num_preemptions, "mean_kv_transfer_s": self.mean_kv_transfer_s}
+             "num_preemptions": self.num_preemptions, "mean_kv_transfer_s": self.mean_kv_transfer_s,
+             "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
         if with_records:
             d["records"] = [r.to_dict() for r in self.records]
         return d
@@ -269,7 +294,12 @@ class Simulator:
                           for i in range(d.num_prefill)]
             self.decode = [self._instance(f"decode{i}", "decode", True, cost_model) for i in range(d.num_decode)]
         self.instances = self.front + self.decode
-        self._round_robin = {"front": itertools.count(), "decode": itertools.count()}
+        routing = ROUTING_ALIASES.get(config.routing, config.routing)
+        self._policies: dict[str, RoutingPolicy] = {
+            "front": make_policy(routing) if d is None else LeastLoaded("queued_prefill_tokens"),
+            "decode": LeastLoaded("kv_usage")}
+        self.backend_states = {inst.name: BackendState(inst.name) for inst in self.instances}
+        self._routed: dict[str, dict[str, tuple[RouteRequest, bool]]] = {inst.name: {} for inst in self.instances}
 
     def _instance(self, name: str, role: str, prefix_caching: bool, cost_model: CostModel) -> Instance:
         cache = dataclasses.replace(self.config.cache, enable_prefix_caching=prefix_caching)
@@ -309,7 +339,9 @@ class Simulator:
         if out.is_empty:
             transfers = inst.scheduler.has_pending_kv_transfers()
             # Shed requests, and the connector's news.
-            self._finish_results(inst, inst.scheduler.update_from_output(out, {}, self.now, inst.take_kv_news()))
+            results = inst.scheduler.update_from_output(out, {}, self.now, inst.take_kv_news())
+            self._count_out(inst, (), results)
+            self._finish_results(inst, results)
             if inst.scheduler.has_unfinished_requests() and not transfers:
                 raise RuntimeError(f"{inst.name}: requests are pending but the scheduler scheduled nothing")
             return
@@ -328,16 +360,23 @@ class Simulator:
         spec = self.requests[ev.index]
         # Distinct ids per request: the trace carries no text, so no two prompts share a prefix.
         base = (ev.index + 1) << 24
-        prog = _Progress(spec, list(range(base, base + spec.prompt_len)))
+        ids = list(spec.prompt_token_ids) if spec.prompt_token_ids is not None else list(range(base, base + spec.prompt_len))
+        prog = _Progress(spec, ids)
         self._progress[spec.request_id] = prog
         if self.config.disaggregation is None:
-            req = self._make_request(spec, prog.prompt_token_ids, spec.cap)
+            max_tokens, kv_params = spec.cap, None
         else:  # the router's first hop
-            req = self._make_request(spec, prog.prompt_token_ids, 1, KVTransferParams(do_remote_decode=True))
+            max_tokens, kv_params = 1, KVTransferParams(do_remote_decode=True)
+        req = self._make_request(spec, prog.prompt_token_ids, max_tokens, kv_params)
+        route = RouteRequest(prompt_tokens=spec.prompt_len, max_tokens=max_tokens, token_ids=tuple(ids))
+        inst = self._route(self.front, "front", route)
         try:
-            self._route(self.front, "front").scheduler.add_request(req)
+            inst.scheduler.add_request(req)
         except (ValueError, SLOUnattainableError) as exc:
             prog.error = str(exc)
+            return
+        self.backend_states[inst.name].start(route)
+        self._routed[inst.name][spec.request_id] = (route, False)
 
     def on_step_end(self, ev: StepEnd) -> None:
         inst, out = ev.instance, ev.output
@@ -348,7 +387,21 @@ class Simulator:
         if inst.role != "prefill":  # a producer's token is not the client's (the router drops it)
             for rid in sampled:
                 self._progress[rid].token_times.append(self.now)
+        self._count_out(inst, sampled, results)
         self._finish_results(inst, results)
+
+    def _count_out(self, inst: Instance, sampled, results: list[EngineCoreOutput]) -> None:
+        """Update ``inst``'s routing counters: first tokens end prefills, finished requests leave."""
+        routed, state = self._routed[inst.name], self.backend_states[inst.name]
+        for rid in sampled:
+            entry = routed.get(rid)
+            if entry is not None and not entry[1]:
+                state.prefilled(entry[0])
+                routed[rid] = (entry[0], True)
+        for result in results:
+            if result.finished and result.request_id in routed:
+                route, prefilled = routed.pop(result.request_id)
+                state.finish(route, prefilled)
 
     def _finish_results(self, inst: Instance, results: list[EngineCoreOutput]) -> None:
         for result in results:
@@ -402,12 +455,19 @@ class Simulator:
         """Hand an idle instance's scheduler its connector's news now (a busy one gets it when its step ends)."""
         news = None if inst.busy else inst.take_kv_news()
         if news is not None:
-            self._finish_results(inst, inst.scheduler.update_from_output(SchedulerOutput(), {}, self.now, news))
+            results = inst.scheduler.update_from_output(SchedulerOutput(), {}, self.now, news)
+            self._count_out(inst, (), results)
+            self._finish_results(inst, results)
 
-    def _route(self, group: list[Instance], key: str) -> Instance:
-        if self.config.routing == "round-robin":
-            return group[next(self._round_robin[key]) % len(group)]
-        return min(group, key=lambda inst: inst.load)  # min() keeps the first (lowest index) on ties
+    def _route(self, group: list[Instance], key: str, request: Optional[RouteRequest] = None) -> Instance:
+        """The instance of ``group`` (``key``: ``"front"`` or ``"decode"``) the router's policy picks for
+        ``request`` (a decode hop passes none: only the pool's load matters there)."""
+        states = [self.backend_states[inst.name] for inst in group]
+        for inst, state in zip(group, states):
+            state.kv_usage = inst.scheduler.make_stats().kv_cache_usage
+            if key == "decode":
+                state.outstanding_requests = inst.load
+        return group[self._policies[key].select(states, request or RouteRequest(0, 0))]
 
     # --------------------------------------------------------------------------------------- results
     def _result(self) -> SimResult:
@@ -429,6 +489,7 @@ class Simulator:
             instances=[inst.stats(duration) for inst in self.instances],
             num_preemptions=sum(inst.scheduler.make_stats().num_preemptions_total for inst in self.instances),
             mean_kv_transfer_s=sum(transfers) / len(transfers) if transfers else 0.0,
+            prefix_cache_hit_rate=_hit_rate(self.front),
         )
 
 
@@ -440,5 +501,11 @@ class Simulator:
         return Request(spec.request_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens), arrival_time=self.now,
                        eos_token_ids=(SIM_EOS,), max_tokens=max_tokens, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
                        kv_transfer_params=kv_transfer_params)
+
+
+def _hit_rate(instances: list[Instance]) -> float:
+    stats = [inst.scheduler.make_stats() for inst in instances]
+    queries = sum(s.prefix_cache_queries for s in stats)
+    return sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0
 
 

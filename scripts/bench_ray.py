@@ -1,0 +1,180 @@
+"""Mooncake on Ray: cache-aware routing across replica actors, measured here and simulated at scale.
+
+    flock /tmp/goodserve-bench.lock .venv/bin/python scripts/bench_ray.py --out /tmp/bench-ray
+
+1. Measured (this machine, default model SmolLM2-135M, everything on 127.0.0.1): the Mooncake FAST'25
+   conversation trace (``bench serve --dataset mooncake``: shared 512-token blocks kept as shared token ids,
+   lengths scaled by ``--length-scale``) against
+
+   * ``goodserve serve --ray --replicas 2 --num-cpus-per-replica 1`` (two one-thread replica actors behind
+     the router) with ``--routing prefix-affinity`` and with ``--routing round-robin``;
+   * one ``goodserve serve --num-threads 2`` instance.
+
+   The prefix-cache hit rate is read from the ingress's ``/metrics`` (every instance's
+   ``goodserve:prefix_cache_hits_total`` / ``..._queries_total``, labelled ``instance``), as the difference
+   over the measured requests (a few warm-up requests are sent before the first reading).
+2. Simulated, each policy, on Llama-3-8B replicas of the ``h100`` preset (the simulator routes with the
+   router's own policy classes): the measured workload itself at 2 replicas (same requests, lengths, rate and
+   seed: its hit rates go beside the measured ones), then ``--sim-prompts`` requests of the trace at full
+   length on 2, 8 and 32 replicas, at ``--sim-rate-per-replica`` requests/s per replica.
+
+Prints a markdown table of each part and writes every JSON result under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+PY = sys.executable
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not become healthy in {timeout} s")
+        time.sleep(0.5)
+
+
+def prefix_counts(url: str) -> tuple[float, float]:
+    """Sum over instances of prefix-cache (hits, queries), from the server's (or ingress's) /metrics."""
+    hits = queries = 0.0
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == "goodserve:prefix_cache_hits_total":
+                hits += s.value
+            elif s.name == "goodserve:prefix_cache_queries_total":
+                queries += s.value
+    return hits, queries
+
+
+def run_real(label: str, serve_flags: list[str], args: argparse.Namespace) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [PY, "-m", "goodserve.cli", "--log-level", "WARNING", "serve", "--port", str(port),
+           "--max-model-len", str(args.max_model_len), "--served-model-name", "smollm2",
+           "--log-stats-interval", "0", *serve_flags]
+    log = open(os.path.join(args.out, f"{label}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(url, proc, 600)
+        for i in range(4):  # warm-up: never part of the hit rate
+            httpx.post(url + "/v1/completions", timeout=120,
+                       json={"model": "smollm2", "prompt": f"warm-up {i}", "max_tokens": 4})
+        h0, q0 = prefix_counts(url)
+        result = os.path.join(args.out, f"{label}.json")
+        bench = [PY, "-m", "goodserve.cli", "bench", "serve", "--base-url", url, "--model", "smollm2",
+                 "--label", label, "--dataset", "mooncake", "--length-scale", str(args.length_scale),
+                 "--num-prompts", str(args.num_prompts), "--max-input-len", str(args.max_input_len),
+                 "--max-output-len", str(args.max_output_len), "--request-rate", str(args.request_rate),
+                 "--num-warmups", "0", "--goodput", *args.goodput, "--no-progress", "--save-result", result]
+        subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+        h1, q1 = prefix_counts(url)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    s = json.load(open(result))["runs"][0]["summary"]
+    return {"label": label, "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
+            "ttft_p50_ms": s["ttft"]["median"] * 1e3, "ttft_p99_ms": s["ttft"]["p99"] * 1e3,
+            "tpot_p50_ms": s["tpot"]["median"] * 1e3 if s["tpot"]["median"] is not None else None,
+            "goodput": s["goodput"], "attainment": s["attainment"], "completed": s["completed"],
+            "duration_s": s["duration"]}
+
+
+def run_sim(replicas: int, routing: str, args: argparse.Namespace, measured_workload: bool = False) -> dict:
+    name = "measured-workload" if measured_workload else "full"
+    result = os.path.join(args.out, f"sim-{name}-{replicas}-{routing}.json")
+    if measured_workload:
+        workload = ["--num-prompts", str(args.num_prompts), "--length-scale", str(args.length_scale),
+                    "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
+                    "--request-rate", str(args.request_rate), "--max-model-len", str(args.max_model_len)]
+    else:
+        workload = ["--num-prompts", str(args.sim_prompts),
+                    "--request-rate", str(args.sim_rate_per_replica * replicas)]
+    cmd = [PY, "-m", "goodserve.cli", "--log-level", "WARNING", "simulate", "--model", "Llama-3-8B",
+           "--hardware", "h100", "--dataset", "mooncake", *workload, "--replicas", str(replicas),
+           "--routing", routing, "--goodput", *args.sim_goodput, "--save-result", result]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    run = json.load(open(result))["runs"][0]
+    s = run["summary"]
+    return {"workload": name, "replicas": replicas, "routing": routing, "hit_rate": run["config"]["prefix_cache_hit_rate"],
+            "ttft_p50_ms": s["ttft"]["median"] * 1e3, "ttft_p99_ms": s["ttft"]["p99"] * 1e3,
+            "goodput": s["goodput"], "attainment": s["attainment"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="/tmp/bench-ray")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--length-scale", type=float, default=0.02, help="Mooncake lengths x this (this CPU)")
+    p.add_argument("--max-input-len", type=int, default=512)
+    p.add_argument("--max-output-len", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--request-rate", type=float, default=1.2)
+    p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:150"])
+    p.add_argument("--sim-prompts", type=int, default=2000)
+    p.add_argument("--sim-rate-per-replica", type=float, default=1.0)
+    p.add_argument("--sim-goodput", nargs="+", default=["ttft:2000", "tpot:100"])
+    p.add_argument("--skip-real", action="store_true")
+    p.add_argument("--skip-full-sim", action="store_true", help="simulate only the measured workload")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    real = []
+    if not args.skip_real:
+        ray = ["--ray", "--replicas", "2", "--num-cpus-per-replica", "1"]
+        real = [run_real("ray2-prefix-affinity", ray + ["--routing", "prefix-affinity"], args),
+                run_real("ray2-round-robin", ray + ["--routing", "round-robin"], args),
+                run_real("one-2-threads", ["--num-threads", "2"], args)]
+        print("| server | prefix hit rate | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | goodput (req/s) | "
+              "attainment | completed |\n|---|---|---|---|---|---|---|---|")
+        for r in real:
+            print(f"| {r['label']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                  f"{r['tpot_p50_ms']:.0f} | {r['goodput']:.3f} | {r['attainment']:.1%} | {r['completed']} |")
+    policies = ("prefix-affinity", "round-robin")
+    sims = [run_sim(2, routing, args, measured_workload=True) for routing in policies]
+    if not args.skip_full_sim:
+        sims += [run_sim(n, routing, args) for n in (2, 8, 32) for routing in policies]
+    measured = {r["label"].split("-", 1)[1]: r["hit_rate"] for r in real if r["label"].startswith("ray2")}
+    print("\n| workload | Llama-3-8B h100 replicas | routing | simulated hit rate | measured here (2 replicas) | "
+          "TTFT p50 (ms) | TTFT p99 (ms) | goodput (req/s) | attainment |\n|---|---|---|---|---|---|---|---|---|")
+    for r in sims:
+        m = measured.get(r["routing"]) if r["workload"] == "measured-workload" else None
+        print(f"| {r['workload']} | {r['replicas']} | {r['routing']} | {r['hit_rate']:.1%} | "
+              f"{'' if m is None else f'{m:.1%}'} | "
+              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['goodput']:.2f} | {r['attainment']:.1%} |")
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"real": real, "simulated": sims, "argv": sys.argv[1:]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
