@@ -111,6 +111,19 @@ def test_token_budget_from_the_tpot_slo():
     assert max(fcfs.records[0].itls) == pytest.approx(0.211, abs=1e-9)
 
 
+def test_a_prompt_gets_the_chunk_its_ttft_needs_even_past_the_tpot_limit():
+    """D decodes under a 12-ms TPOT SLO: its decode alone takes 11 ms, so the step's time limit leaves prefill
+    one token. P (100 tokens, TTFT SLO 0.2 s) arrives at 0.1 s and is first scheduled at 0.102 s with 198 ms
+    left: the smallest chunk c with ceil(100 / c) steps of (11 + c) ms in time is 13 (8 x 24 ms = 192 ms; 12
+    would need 9 x 23 = 207 ms). So P runs 13-token chunks, seven of 24 ms and a last one of 9 tokens (20 ms):
+    its first token comes 0.188 s after it was scheduled, inside its SLO; a block (4 tokens) per step would
+    take 25 steps of 15 ms, 0.375 s."""
+    reqs = [SimRequest("D", 0.0, 4, 200, slo_tpot=0.012), SimRequest("P", 0.1, 100, 2, slo_ttft=0.2)]
+    _, slo = run("slo", reqs)
+    assert slo.records[1].ttft == pytest.approx(0.102 + 7 * 0.024 + 0.020 - 0.1, abs=1e-9)
+    assert slo.records[1].ttft <= 0.2
+
+
 def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():
     """Five 2-token prompts with a TPOT SLO of 13.5 ms: a decode step of k requests takes 10 + k ms, so at
     most three may run at once. fcfs runs all five (15-ms steps: every TPOT missed); slo never more than

@@ -268,7 +268,7 @@ class Scheduler:
             else:
                 n = min(remaining, budget - decodes_left)
                 if self.slo is not None and n > 0:
-                    n = self.slo.chunk_size(req.num_computed_tokens, n, n == remaining)
+                    n = self.slo.chunk_size(req, req.num_computed_tokens, n, n == remaining)
             if n <= 0:
                 i += 1
                 continue
@@ -333,7 +333,7 @@ class Scheduler:
         if whole and n < req.num_tokens - num_hit:
             return None
         if self.slo is not None and n > 0:
-            n = self.slo.chunk_size(num_hit, n, num_hit + n == req.num_tokens)
+            n = self.slo.chunk_size(req, num_hit, n, num_hit + n == req.num_tokens)
             if n == 0:
                 return None  # the step's time limit leaves it no room
         if kv.allocate_slots(req, self._slots_to_allocate(req, num_hit, n), hit_blocks) is None:

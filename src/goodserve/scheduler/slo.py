@@ -15,7 +15,9 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    :class:`SLOUnattainableError` (HTTP 429), and a queued one ends with ``finish_reason="shed"``.
 3. **Token budget from the TPOT SLO** (Sarathi-Serve §4.3 derives a fixed budget from the TBT SLO; here it is
    decided per step): decodes are scheduled first, and each prefill chunk is cut to the largest size whose
-   predicted step time stays within the tightest TPOT SLO of the running requests. Every step, not just
+   predicted step time stays within the tightest TPOT SLO of the running requests, but never below what the
+   prompt needs per step to still meet its own TTFT SLO (a prompt starved to a block per step misses its TTFT
+   for sure; a few steps over the limit cost a TPOT average little). Every step, not just
    the average, is held to it: the margin absorbs the model's prediction error (letting a step use the time
    a request banked by running faster than its SLO measured better in simulation and worse on a real CPU,
    whose step times scatter; BENCHMARKS.md). The first prefill chunk of a step gets at least one block, so
@@ -96,6 +98,7 @@ class SLOPolicy:
         self.tpot_limit = INF  # the tightest TPOT SLO of the running requests: the step's time limit
         self.acc = StepAccumulator()
         self._prefill_in_step = False
+        self._now = 0.0
 
     # ----------------------------------------------------------------------------------- predictions
     def prefill_time(self, num_tokens: int) -> float:
@@ -166,18 +169,50 @@ class SLOPolicy:
                                                 default=INF))
         self.acc = StepAccumulator()
         self._prefill_in_step = False
+        self._now = now
         for r in running:
             if r.num_tokens - r.num_computed_tokens == 1:
                 self.acc.add(1, r.num_computed_tokens, True)
 
-    def chunk_size(self, num_computed: int, n: int, sample: bool) -> int:
-        """Cut a prefill chunk of ``n`` tokens to the step's time limit (rule 3) and count it in the step.
+    def chunk_size(self, req: Request, num_computed: int, n: int, sample: bool) -> int:
+        """Cut ``req``'s prefill chunk of ``n`` tokens to the step's time limit (rule 3).
 
-        The step's first prefill chunk gets at least ``min(n, block_size)``."""
+        Two floors: the step's first prefill chunk gets at least ``min(n, block_size)``; and a prompt that
+        can still meet its TTFT SLO gets at least the smallest chunk that, repeated in steps like this one,
+        finishes its prompt by its deadline (:meth:`ttft_chunk`). The time limit protects a TPOT *average*,
+        which a few steps over it move little, while prefill cut below that chunk misses the TTFT for sure:
+        on a slow machine a decode batch alone can use the whole limit and leave prefill a block per step."""
         cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.tpot_limit)
         if not self._prefill_in_step:
             cut = max(cut, min(n, self.block_size))
+        if cut < n and self.tpot_limit < INF:
+            cut = max(cut, self.ttft_chunk(req, num_computed, n))
         return cut
+
+    def ttft_chunk(self, req: Request, num_computed: int, n: int) -> int:
+        """The smallest chunk ``c <= n`` such that ``ceil(remaining / c)`` steps like the one being built,
+        each with ``c`` of ``req``'s prompt tokens, end by its TTFT deadline; 0 if it has no TTFT SLO, has
+        streamed tokens already, or cannot make it even with ``n`` per step."""
+        if req.slo_ttft is None or req.num_output_tokens > 0:
+            return 0
+        time_left = req.arrival_time + req.slo_ttft - self._now
+        remaining = req.num_tokens - num_computed
+
+        def in_time(c: int) -> bool:
+            step = self.model.predict(self.acc.tokens + c, self.acc.sampled + 1,
+                                      self.acc.pairs + chunk_pairs(c, num_computed))
+            return -(-remaining // c) * step <= time_left
+
+        if time_left <= 0 or not in_time(n):
+            return 0
+        lo, hi = 0, n  # not in_time(lo) (or lo == 0); in_time(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if in_time(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
     def count(self, num_computed: int, n: int, sample: bool) -> None:
         """Record a chunk scheduled in this step (decodes were counted by :meth:`begin_step`)."""
