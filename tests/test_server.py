@@ -397,8 +397,14 @@ class _BrokenEngine:
     def has_unfinished_requests(self) -> bool:
         return self._pending
 
+    def has_pending_kv_transfers(self) -> bool:
+        return False
+
     def step(self):
         raise RuntimeError("boom")
+
+    def close(self) -> None:
+        pass
 
     def abort(self, ids) -> None:
         pass
