@@ -65,6 +65,18 @@ def chunk_pairs(n: int, num_computed: int) -> int:
     return n * num_computed + n * (n + 1) // 2
 
 
+def _last_true(lo: int, hi: int, pred) -> int:
+    """The largest ``x`` in ``[lo, hi)`` with ``pred(x)``, for a ``pred`` true up to a point and false after it,
+    given ``pred(hi)`` is false (``pred(lo)`` is not evaluated: ``lo`` is returned if nothing above it holds)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class StepAccumulator:
     """The figures of the step being built: tokens, sampled tokens and attention pairs."""
 
@@ -149,16 +161,7 @@ class SLOPolicy:
             return self.model.predict(acc.tokens + n, acc.sampled + int(sample),
                                       acc.pairs + chunk_pairs(n, num_computed)) <= limit
 
-        if fits(cap):
-            return cap
-        lo, hi = 0, cap  # fits(lo) or lo == 0; not fits(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return cap if fits(cap) else _last_true(0, cap, fits)
 
     # ----------------------------------------------------------------------------------- step rules
     def begin_step(self, running: list[Request], now: float) -> None:
@@ -205,14 +208,7 @@ class SLOPolicy:
 
         if time_left <= 0 or not in_time(n):
             return 0
-        lo, hi = 0, n  # not in_time(lo) (or lo == 0); in_time(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if in_time(mid):
-                hi = mid
-            else:
-                lo = mid
-        return hi
+        return _last_true(0, n, lambda c: not in_time(c)) + 1
 
     def count(self, num_computed: int, n: int, sample: bool) -> None:
         """Record a chunk scheduled in this step (decodes were counted by :meth:`begin_step`)."""
