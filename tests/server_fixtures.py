@@ -107,3 +107,22 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate()
+
+
+class RouterServer:
+    """A goodserve router app over ``router`` on uvicorn in a thread; entering gives an httpx client of it."""
+
+    def __init__(self, router) -> None:
+        from goodserve.router.app import build_router_app
+
+        self.router = router
+        self.thread = ServerThread(build_router_app(router))
+
+    def __enter__(self) -> httpx.Client:
+        self.thread.__enter__()
+        self.http = httpx.Client(base_url=self.thread.base_url, timeout=60)
+        return self.http
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+        self.thread.__exit__(*exc)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason=
 from goodserve.cluster.ray_instances import LOCAL_NODE_IP, RayInstances, init_ray  # noqa: E402
 from goodserve.engine.args import EngineArgs  # noqa: E402
 from goodserve.router.policies import make_policy  # noqa: E402
-from server_fixtures import ServerThread, metric_samples  # noqa: E402
+from server_fixtures import RouterServer, metric_samples  # noqa: E402
 from tiny_models import make_tiny_hf_model  # noqa: E402
 
 MODEL = "tiny"
@@ -49,23 +49,9 @@ def replicas(ray_local, tiny_model):
     inst.shutdown()
 
 
-class Ingress:
-    """The router over Ray instances, on uvicorn in a thread, with an httpx client."""
-
-    def __init__(self, instances: RayInstances, policy: str = "round-robin") -> None:
-        from goodserve.router.app import build_router_app
-
-        self.router = instances.router(policy=make_policy(policy), health_interval=0.2)
-        self.thread = ServerThread(build_router_app(self.router))
-
-    def __enter__(self) -> httpx.Client:
-        self.thread.__enter__()
-        self.http = httpx.Client(base_url=self.thread.base_url, timeout=60)
-        return self.http
-
-    def __exit__(self, *exc) -> None:
-        self.http.close()
-        self.thread.__exit__(*exc)
+def Ingress(instances: RayInstances, policy: str = "round-robin") -> RouterServer:
+    """The router over Ray instances, on uvicorn in a thread (entering gives an httpx client)."""
+    return RouterServer(instances.router(policy=make_policy(policy), health_interval=0.2))
 
 
 def reference(model: str, prompt, max_tokens: int) -> str:

@@ -233,24 +233,12 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
 
-class RouterServer:
-    """The router app (over a fresh :class:`Router`) on uvicorn in a thread, with an httpx client."""
+def RouterServer(**router_kwargs):
+    """The router app over a fresh :class:`Router` built from ``router_kwargs`` (see server_fixtures)."""
+    from goodserve.router.app import Router
+    from server_fixtures import RouterServer as Server
 
-    def __init__(self, **router_kwargs) -> None:
-        from goodserve.router.app import Router, build_router_app
-        from server_fixtures import ServerThread
-
-        self.router = Router(**router_kwargs)
-        self.thread = ServerThread(build_router_app(self.router))
-
-    def __enter__(self) -> httpx.Client:
-        self.thread.__enter__()
-        self.http = httpx.Client(base_url=self.thread.base_url, timeout=60)
-        return self.http
-
-    def __exit__(self, *exc) -> None:
-        self.http.close()
-        self.thread.__exit__(*exc)
+    return Server(Router(**router_kwargs))
 
 
 def finished_count(url: str, endpoint: str) -> float:
