@@ -217,6 +217,7 @@ class Scheduler:
     def _schedule_continuous(self, out: SchedulerOutput, now: float) -> None:
         """``chunked``, ``reserve`` and ``static``: running requests first, then admissions."""
         if self.slo is not None:
+            self._triage(now)
             self.slo.begin_step(self.running, now)
         budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
         if not out.scheduled and out.preempted_req_ids:
@@ -227,8 +228,6 @@ class Scheduler:
                 self._admit_static_batch(out, budget, now)
         elif not out.preempted_req_ids or not self.running:
             # No admission in a step that preempted (it would thrash) unless nothing else can run.
-            if self.slo is not None:
-                self._triage(now)
             self._schedule_waiting(out, budget, now)
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
@@ -461,12 +460,15 @@ class Scheduler:
         self._runner_num_blocks[rid] = known + len(new_block_ids)
 
     def _triage(self, now: float) -> None:
-        """``slo``: move waiting requests that can no longer meet their TTFT SLO behind the others, or shed
-        them under ``shed_load`` (their outputs go out with the next :meth:`update_from_output`)."""
+        """``slo``: requests that can no longer meet their TTFT SLO go behind the others (waiting ones to the
+        back of the queue, running ones still prefilling to the back of the chunk order), or under
+        ``shed_load`` are shed (their outputs go out with the next :meth:`update_from_output`)."""
         for req in self.slo.triage(list(self.waiting), self.running, now):
             if self.scheduler_config.shed_load:
                 self._finish(req, RequestStatus.FINISHED_SHED)
                 self._shed_outputs.append(self._core_output(req, [], now, error=self.slo.shed(req, now)))
+            elif req.status == RequestStatus.RUNNING:
+                req.slo_late = True
             else:
                 self.waiting.remove(req)
                 req.slo_late = True

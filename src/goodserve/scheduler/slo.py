@@ -9,45 +9,51 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    SLOs-Serve): waiting requests are ordered by their latest start, the TTFT deadline minus the predicted
    time of their own prefill. Requests without a TTFT SLO follow, in arrival order; a preempted request that
    already streamed tokens goes first, as under ``fcfs``.
-2. **Triage**: each step predicts when every waiting request would get its first token if served in that
-   order at the prefill pace (below). One that can no longer meet its TTFT SLO is put behind all the others
-   (it is *late*), or, with ``shed_load``, refused at once: on arrival the request is refused with
-   :class:`SLOUnattainableError` (HTTP 429), and a queued one ends with ``finish_reason="shed"``.
-3. **Token budget from the TPOT SLO** (Sarathi-Serve §4.3 derives a fixed budget from the TBT SLO; here it is
-   decided per step): decodes are scheduled first, and each prefill chunk is cut to the largest size whose
-   predicted step time stays within the tightest TPOT SLO of the running requests, but never below what the
-   prompt needs per step to still meet its own TTFT SLO (a prompt starved to a block per step misses its TTFT
-   for sure; a few steps over the limit cost a TPOT average little). Every step, not just
-   the average, is held to it: the margin absorbs the model's prediction error (letting a step use the time
-   a request banked by running faster than its SLO measured better in simulation and worse on a real CPU,
-   whose step times scatter; BENCHMARKS.md). The first prefill chunk of a step gets at least one block, so
-   prompts always progress and a step is never empty.
+2. **Triage**: each step predicts when every request short of its first token would get it, the running
+   ones still prefilling first (in chunk order), then the waiting ones in queue order, each behind the
+   prompts ahead of it that are not late, at the prefill pace (below). One that can no longer meet its TTFT
+   SLO is put behind all the others (it is *late*), or, with ``shed_load``, refused: on arrival with
+   :class:`SLOUnattainableError` (HTTP 429); queued or still prefilling, it ends with ``finish_reason="shed"``.
+3. **Step time limit from the TPOT averages** (Sarathi-Serve §4.3 derives a fixed token budget from the TBT
+   SLO; here it follows each request's own average): TPOT is an average, so a step may use time a request
+   banked or will bank. Each streaming request's :meth:`SLOPolicy.allowance` is the longest next step that
+   keeps its TPOT within its SLO at every end it may still have (:meth:`SLOPolicy.certain_tokens`), with
+   later steps priced as decode steps; the smallest allowance is the step's limit. Decodes are scheduled
+   first and each prefill chunk is cut to the largest size whose predicted step time, stretched by the
+   model's margin (:attr:`StepTimeModel.margin`, a quantile of measured / predicted: step times scatter on a
+   shared CPU), stays within it; a step without decodes gives its first chunk at least a block, so a step is
+   never empty. A prompt is never given more than the limit for its TTFT's sake: a request already streaming
+   has cost its prefill, and the triage sheds the prompt that cannot be served in time instead. (A first
+   version held every step to the tightest TPOT SLO: on a CPU where a decode batch alone fills most of it,
+   prompts crawled a block per step and lost both their TTFT and, spread over many steps, the decodes' TPOT;
+   a floor that gave a prompt the chunk its TTFT needed past the limit then broke the TPOT of the decodes
+   at every load past the knee.)
 4. **Admission stop**: a waiting request is admitted only while a decode step over all running requests
    plus it is predicted to stay within the tightest TPOT SLO (its own included): in steady state every
    step is a decode step, and a TPOT average above the step time cannot hold. The first running request is
-   always admitted.
-
-A TPOT SLO that even a one-token step cannot meet (the model predicts ``overhead + per token + per sampled``
-above it) cannot be protected: rules 3 and 4 then ignore it, and the step is as large as the token budget
-allows (maximum throughput), rather than serving one request at a time for nothing.
-
+   always admitted. A TPOT SLO that even a one-token step cannot meet (the model predicts ``overhead + per
+   token + per sampled`` above it) cannot be protected and is ignored here, rather than serving one request
+   at a time for nothing.
 5. **Preemption victim**: the running list is ordered by slack, so the request preempted under memory
-   pressure (the tail) is the one with the most slack. Slack: for a request that has streamed ``k`` tokens,
-   ``first_token_time + slo_tpot · k - now`` (when its next token is due for its TPOT to hold); for one
-   still prefilling, its TTFT deadline minus now minus its predicted remaining prefill; infinite without SLOs.
+   pressure (the tail) is the one with the most slack: a streaming request's allowance; for one still
+   prefilling, its TTFT deadline minus now minus its predicted remaining prefill (infinite once late);
+   infinite without SLOs.
 
 **Prefill pace.** With the running decodes ``D`` (one token each) in every step, a step's prefill share is
-what the token budget leaves, ``n* = max_num_batched_tokens - D``, and a step then takes
-``T* = predict(D + chunk of n*)``. ``W`` tokens of prefill (the unfinished prompts ahead in the queue, and
-one's own) give a first token after ``floor(W / n*)`` such steps and one more with the rest,
-``predict(D + chunk of W mod n*)`` (charging the last step a whole ``T*`` made a short prompt on a slow
-machine look as costly as a full token budget, and shed it). This errs on the side of serving: rule 3
-may cut chunks below ``n*``, but decodes also finish and leave, and a request refused that could have made
-it is a loss the policy never recovers, while one admitted that misses costs only the work spent on it.
+what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut to the largest chunk whose step stays
+within the tightest running TPOT SLO (rule 3 lets steps run longer only on banked time, so on average
+prompts go no faster), and a step then takes ``T* = predict(D + chunk of n*)``. ``W`` tokens of prefill (the
+unfinished prompts ahead, and one's own) give a first token after ``floor(W / n*)`` such steps and one more
+with the rest, ``predict(D + chunk of W mod n*)`` (charging the last step a whole ``T*`` made a short prompt
+on a slow machine look as costly as a full token budget, and shed it). This errs on the side of serving:
+decodes also finish and leave, and a request refused that could have made it is a loss the policy never
+recovers, while one admitted that misses costs only the work spent on it.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Iterable
 
 from goodserve.request import Request
@@ -89,6 +95,15 @@ class StepAccumulator:
         self.pairs += chunk_pairs(n, num_computed)
 
 
+@dataclass
+class Pace:
+    """How prompts progress while the running requests decode: the decodes every step holds, and the prefill
+    tokens each step gives."""
+
+    decodes: StepAccumulator
+    chunk: int
+
+
 class SLOPolicy:
     """The predictions and rules of the ``slo`` policy for one scheduler (see the module docstring).
 
@@ -107,7 +122,10 @@ class SLOPolicy:
         self.shed_load = shed_load
         self.num_shed = 0
         # Set by begin_step for the step being built.
-        self.tpot_limit = INF  # the tightest TPOT SLO of the running requests: the step's time limit
+        self.tpot_limit = INF  # the step's time limit: the smallest TPOT allowance of the running requests
+        self.tpot_min = INF  # the tightest TPOT SLO of the running requests (admission)
+        self.margin = 1.0  # the step-time model's margin for this step
+        self._decode_step = 0.0  # predicted seconds of a step of the running decodes alone, with the margin
         self.acc = StepAccumulator()
         self._prefill_in_step = False
         self._now = 0.0
@@ -128,12 +146,14 @@ class SLOPolicy:
         return (1, req.arrival_time + req.slo_ttft - self.prefill_time(req.num_tokens), req.arrival_time)
 
     def slack(self, req: Request, now: float) -> float:
-        """Seconds a running request can spare (see rule 5)."""
+        """Seconds a running request can spare (see rule 5): its :meth:`allowance` once it streams tokens;
+        while it still prefills, its TTFT deadline minus now minus its predicted remaining prefill; infinite
+        without SLOs."""
         if req.num_output_tokens > 0:
             if req.slo_tpot is None or req.first_token_time is None:
                 return INF
-            return req.first_token_time + req.slo_tpot * req.num_output_tokens - now
-        if req.slo_ttft is None:
+            return self.allowance(req, now)
+        if req.slo_ttft is None or req.slo_late:
             return INF
         remaining = req.num_tokens - req.num_computed_tokens
         return req.arrival_time + req.slo_ttft - now - self.prefill_time(remaining)
@@ -165,50 +185,66 @@ class SLOPolicy:
 
     # ----------------------------------------------------------------------------------- step rules
     def begin_step(self, running: list[Request], now: float) -> None:
-        """Order ``running`` by slack (tail = most slack, the preemption victim), take the tightest TPOT SLO
-        as the step's time limit, and count the decodes into the step being built."""
-        running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
-        self.tpot_limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
-                                                default=INF))
+        """Set the step's time limit from the TPOT allowances of the running requests (rule 3), order
+        ``running`` by slack (tail = most slack, the preemption victim), and count the decodes into the step
+        being built."""
+        self._now = now
+        self.margin = self.model.margin
         self.acc = StepAccumulator()
         self._prefill_in_step = False
-        self._now = now
         for r in running:
             if r.num_tokens - r.num_computed_tokens == 1:
                 self.acc.add(1, r.num_computed_tokens, True)
+        # A step of the decodes alone: what every later step of a decoding request costs at least.
+        self._decode_step = self.margin * self.model.predict(self.acc.tokens, self.acc.sampled, self.acc.pairs) \
+            if self.acc.tokens else 0.0
+        allowances = (self.allowance(r, now) for r in running
+                      if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None)
+        # A request whose TPOT is lost whatever this step does cannot be saved by a shorter step.
+        self.tpot_limit = min((a for a in allowances if a > -INF), default=INF)
+        self.tpot_min = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
+                                              default=INF))
+        running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
+
+    @staticmethod
+    def certain_tokens(req: Request) -> int:
+        """Output tokens ``req`` is certain to produce from its next one on (at least 1): the rest of
+        ``max_tokens`` when its length is forced (``ignore_eos``, no stop strings or stop ids, no grammar),
+        else what ``min_tokens`` still requires."""
+        p = req.sampling_params
+        k = req.num_output_tokens
+        if p.ignore_eos and not p.stop and not p.stop_token_ids and p.structured_outputs is None \
+                and req.max_tokens is not None:
+            return max(1, req.max_tokens - k)
+        return max(1, p.min_tokens - k)
+
+    def allowance(self, req: Request, now: float) -> float:
+        """Seconds the next step may take with ``req``'s TPOT SLO still met (rule 3).
+
+        With ``k`` tokens streamed since its first at ``F`` and each later step a decode step of ``d``
+        (:attr:`_decode_step`), a request that ends ``j`` tokens from now has ``TPOT = (now + T + (j - 1)·d -
+        F) / (k + j - 1)``, within ``slo_tpot`` for every step time ``T`` up to ``a(j) = F + slo_tpot·k - now
+        + (j - 1)·(slo_tpot - d)``. The request surely lasts ``h`` more tokens (:meth:`certain_tokens`), so
+        ``a(h)`` is its allowance; if even a decode step is over that (``a(h) < d``: it is behind), the
+        allowance is ``a(j)`` of the earliest end ``j <= max_tokens - k`` that a decode-only step keeps
+        reachable, or ``-inf`` if there is none (its TPOT is lost whatever this step does)."""
+        k, s, d = req.num_output_tokens, req.slo_tpot, self._decode_step
+        first = req.first_token_time + s * k - now
+        a = first + (self.certain_tokens(req) - 1) * (s - d)
+        if a >= d:
+            return a
+        if s <= d:
+            return -INF
+        j = 1 + math.ceil((d - first) / (s - d))
+        return first + (j - 1) * (s - d) if req.max_tokens is None or j <= req.max_tokens - k else -INF
 
     def chunk_size(self, req: Request, num_computed: int, n: int, sample: bool) -> int:
-        """Cut ``req``'s prefill chunk of ``n`` tokens to the step's time limit (rule 3).
-
-        Two floors: the step's first prefill chunk gets at least ``min(n, block_size)``; and a prompt that
-        can still meet its TTFT SLO gets at least the smallest chunk that, repeated in steps like this one,
-        finishes its prompt by its deadline (:meth:`ttft_chunk`). The time limit protects a TPOT *average*,
-        which a few steps over it move little, while prefill cut below that chunk misses the TTFT for sure:
-        on a slow machine a decode batch alone can use the whole limit and leave prefill a block per step."""
-        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.tpot_limit)
-        if not self._prefill_in_step:
+        """Cut ``req``'s prefill chunk of ``n`` tokens to the step's time limit (rule 3); in a step without
+        decodes the first prefill chunk gets at least ``min(n, block_size)``, so a step is never empty."""
+        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.tpot_limit / self.margin)
+        if not self._prefill_in_step and not self.acc.tokens:
             cut = max(cut, min(n, self.block_size))
-        if cut < n and self.tpot_limit < INF:
-            cut = max(cut, self.ttft_chunk(req, num_computed, n))
         return cut
-
-    def ttft_chunk(self, req: Request, num_computed: int, n: int) -> int:
-        """The smallest chunk ``c <= n`` such that ``ceil(remaining / c)`` steps like the one being built,
-        each with ``c`` of ``req``'s prompt tokens, end by its TTFT deadline; 0 if it has no TTFT SLO, has
-        streamed tokens already, or cannot make it even with ``n`` per step."""
-        if req.slo_ttft is None or req.num_output_tokens > 0:
-            return 0
-        time_left = req.arrival_time + req.slo_ttft - self._now
-        remaining = req.num_tokens - num_computed
-
-        def in_time(c: int) -> bool:
-            step = self.model.predict(self.acc.tokens + c, self.acc.sampled + 1,
-                                      self.acc.pairs + chunk_pairs(c, num_computed))
-            return -(-remaining // c) * step <= time_left
-
-        if time_left <= 0 or not in_time(n):
-            return 0
-        return _last_true(0, n, lambda c: not in_time(c)) + 1
 
     def count(self, num_computed: int, n: int, sample: bool) -> None:
         """Record a chunk scheduled in this step (decodes were counted by :meth:`begin_step`)."""
@@ -223,25 +259,31 @@ class SLOPolicy:
         """Rule 4: one more decode keeps the predicted decode step within the tightest TPOT SLO."""
         if not running:
             return True
-        limit = min(self.tpot_limit, self._protectable(req.slo_tpot if req.slo_tpot is not None else INF))
+        limit = min(self.tpot_min, self._protectable(req.slo_tpot if req.slo_tpot is not None else INF))
         if limit == INF:
             return True
         n, pairs = self._decode_figures(running)
         return self.model.predict(n + 1, n + 1, pairs + req.num_tokens) <= limit
 
-    def prefill_pace(self, running: list[Request]) -> StepAccumulator:
-        """The running decodes, one token each: every step that prefills next to them holds them too."""
+    def prefill_pace(self, running: list[Request]) -> Pace:
+        """The running decodes, one token each (every step that prefills next to them holds them too), and the
+        prefill tokens such a step gives: what the token budget leaves, ``n* = max_num_batched_tokens - D``,
+        cut to the largest chunk whose step stays within the tightest TPOT SLO of the running requests (rule 3
+        lets a step run longer only on time banked before, so on average no faster), but at least a block."""
         acc = StepAccumulator()
         for r in running:
-            if r.num_output_tokens > 0:
+            if r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1:
                 acc.add(1, r.num_tokens - 1, True)
-        return acc
+        n = max(1, self.max_num_batched_tokens - acc.tokens)
+        limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
+        if acc.tokens and limit < INF:
+            n = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
+        return Pace(acc, n)
 
-    def first_token_time(self, work_tokens: int, decodes: StepAccumulator, now: float) -> float:
+    def first_token_time(self, work_tokens: int, pace: Pace, now: float) -> float:
         """When ``work_tokens`` tokens of prefill (those ahead plus one's own) yield a first token: full steps
-        of ``n* = max_num_batched_tokens - D`` prefill tokens beside the ``D`` decodes, then one step with
-        the rest."""
-        n = max(1, self.max_num_batched_tokens - decodes.tokens)
+        of the pace's chunk beside its decodes, then one step with the rest."""
+        n, decodes = pace.chunk, pace.decodes
         full, rest = divmod(work_tokens, n)
         if rest == 0 and full > 0:
             full, rest = full - 1, n
@@ -251,7 +293,7 @@ class SLOPolicy:
 
         return now + full * step(n) + step(rest)
 
-    def is_late(self, req: Request, work_tokens: int, pace: StepAccumulator, now: float) -> bool:
+    def is_late(self, req: Request, work_tokens: int, pace: Pace, now: float) -> bool:
         """Whether a request without a first token misses its TTFT SLO with ``work_tokens`` ahead and its own."""
         if req.slo_ttft is None or req.num_output_tokens > 0:
             return False
@@ -264,19 +306,21 @@ class SLOPolicy:
                    if r.num_tokens - r.num_computed_tokens > 1)
 
     def triage(self, waiting: list[Request], running: list[Request], now: float) -> list[Request]:
-        """Rule 2 over the waiting requests in queue order.
+        """Rule 2 over the running requests still prefilling towards their first token (in the order their
+        chunks are given), then the waiting ones in queue order: each one's first token is predicted behind
+        the prompts ahead of it that are not late.
 
         Returns:
-            The requests that became late in this call (the scheduler moves them behind the others, or sheds
-            them under ``shed_load``).
+            The requests that became late in this call (the scheduler sheds them under ``shed_load``, else
+            puts them behind the others).
         """
         pace = self.prefill_pace(running)
-        work = self.prefill_remaining(running)
+        work = 0
         late = []
-        for req in waiting:
-            if req.slo_late:
-                continue
+        for req in list(running) + list(waiting):
             tokens = req.num_tokens - req.num_computed_tokens
+            if req.slo_late or (req in running and tokens <= 1):
+                continue
             if self.is_late(req, work + tokens, pace, now):
                 late.append(req)
             else:

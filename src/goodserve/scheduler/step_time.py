@@ -72,6 +72,9 @@ class StepCoefficients:
             raise ValueError(f"cannot read step-time coefficients from {path}: {exc!r}") from None
 
 
+#: Observed steps before :attr:`StepTimeModel.margin` departs from 1.
+MIN_MARGIN_STEPS = 16
+
 #: A seed for a ~100M-parameter model on a 2-core CPU (bf16); the first steps replace it.
 DEFAULT_SEED = StepCoefficients(overhead_s=0.015, per_token_s=4e-4, per_sampled_s=5e-4, per_pair_s=2e-8)
 
@@ -84,20 +87,26 @@ class StepTimeModel:
         window: Observed steps the fit remembers.
         prior_weight: Weight of each of the seed's pseudo-steps in the fit (an observed step weighs 1).
         adapt: Refit on observations; ``False`` keeps the seed (tests, or a trusted profile).
+        margin_quantile: The quantile of measured / predicted step time that :attr:`margin` reports.
 
     Raises:
-        ValueError: on a negative coefficient, ``window < 1`` or ``prior_weight <= 0``.
+        ValueError: on a negative coefficient, ``window < 1``, ``prior_weight <= 0`` or a quantile outside
+            ``(0, 1]``.
     """
 
     def __init__(self, seed: StepCoefficients = DEFAULT_SEED, window: int = 256, prior_weight: float = 0.5,
-                 adapt: bool = True) -> None:
+                 adapt: bool = True, margin_quantile: float = 0.9) -> None:
         if min(seed.to_dict().values()) < 0:
             raise ValueError(f"step-time coefficients must be >= 0, got {seed}")
         if window < 1 or prior_weight <= 0:
             raise ValueError(f"window must be >= 1 and prior_weight > 0, got {window}, {prior_weight}")
+        if not 0.0 < margin_quantile <= 1.0:
+            raise ValueError(f"margin_quantile must be in (0, 1], got {margin_quantile}")
+        self.margin_quantile = margin_quantile
         self.coefficients = seed
         self.adapt = adapt
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, of the last observed steps
         xs = np.array([_features(x) for x in _PRIOR_SHAPES])
         ys = np.array([seed.predict(x.num_tokens, x.num_sampled, x.attention_pairs) for x in _PRIOR_SHAPES])
         self._prior_xtx = prior_weight * xs.T @ xs
@@ -143,6 +152,8 @@ class StepTimeModel:
         self.predicted_s_total += predicted
         self.actual_s_total += seconds
         self.abs_error_s_total += abs(predicted - seconds)
+        if predicted > 0:
+            self._ratios.append(seconds / predicted)
         if not self.adapt:
             return
         self._window.append((_features(shape), seconds))
@@ -150,6 +161,19 @@ class StepTimeModel:
         ys = np.array([y for _, y in self._window])
         theta = np.linalg.solve(self._prior_xtx + xs.T @ xs, self._prior_xty + xs.T @ ys) * _SCALE
         self.coefficients = StepCoefficients(*(float(v) for v in np.clip(theta, 0.0, None)))
+
+    @property
+    def margin(self) -> float:
+        """How much longer than predicted a step may run: the ``margin_quantile`` quantile of measured /
+        predicted over the last observed steps, at least 1 (1 before :data:`MIN_MARGIN_STEPS` steps).
+
+        The SLO policy multiplies a step's predicted time by it before holding it to a TPOT allowance, so
+        about ``margin_quantile`` of steps end within what it allowed; on a machine whose step times
+        scatter around the fit (a shared CPU) the margin is wide, on one the model predicts exactly it is 1.
+        """
+        if len(self._ratios) < MIN_MARGIN_STEPS:
+            return 1.0
+        return max(1.0, float(np.quantile(np.fromiter(self._ratios, float), self.margin_quantile)))
 
     @property
     def mean_abs_relative_error(self) -> Optional[float]:
