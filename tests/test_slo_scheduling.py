@@ -148,24 +148,25 @@ def test_the_ttft_prediction_paces_prefill_by_the_tightest_tpot():
 def test_token_budget_from_the_tpot_average_of_a_request_of_known_length():
     """D (10-token prompt, exactly 3 output tokens, as the bench client forces them) has a TPOT SLO of
     52.55 ms; P's 200-token prompt arrives at 15 ms. TPOT is an average: D's first token comes at 0.02 s, so
-    its last may come at 0.02 + 2 x 52.55 ms. At 0.02 s the step may take what is left after one more decode
-    step (11 ms): 94.1 ms, which holds 83 of P's tokens (10 + 84 x 1 ms). At 0.114 s D's allowance is 11.1 ms,
-    a decode step alone; D ends at 0.125 s with a TPOT of 52.5 ms, and P's last 117 tokens run at once. Under
-    fcfs P's whole prompt runs in one 211-ms step and D's TPOT is 111.5 ms."""
+    its last may come at 0.02 s + 2 x 52.55 ms, and its later step is priced at the recent mean step (20 ms,
+    D's own prefill; a decode step alone takes 11 ms). So at 0.02 s the step may take 105.1 - 20 = 85.1 ms,
+    which holds 74 of P's tokens (10 + 75 x 1 ms). At 0.105 s D's allowance is what is left, 20.1 ms: 9 more
+    of P's tokens. D ends at 0.125 s with a TPOT of 52.5 ms, and P's last 117 tokens run at once. Under fcfs
+    P's whole prompt runs in one 211-ms step and D's TPOT is 111.5 ms."""
     reqs = [SimRequest("D", 0.0, 10, 3, slo_tpot=0.05255), SimRequest("P", 0.015, 200, 2)]
     fcfs, slo = run("fcfs", reqs, budget=512)[1], run("slo", reqs, budget=512)[1]
-    assert [round(x, 9) for x in slo.records[0].itls] == [0.094, 0.011]
+    assert [round(x, 9) for x in slo.records[0].itls] == [0.085, 0.020]
     assert slo.records[1].ttft == pytest.approx(0.125 + 0.127 - 0.015, abs=1e-9)
     assert [round(x, 9) for x in fcfs.records[0].itls] == [0.211, 0.012]
     assert fcfs.records[1].ttft == pytest.approx(0.020 + 0.211 - 0.015, abs=1e-9)
 
 
 def test_token_budget_from_the_tpot_slo_when_the_length_is_unknown():
-    """The same, but D may stop at any token (``max_tokens`` without ``ignore_eos``): every token must keep
+    """The same, but D may stop at any token (it asks for up to 8, stops at an EOS after 3): every token must keep
     the TPOT so far within the SLO, so each step ends by D's next deadline, 0.02 s + k x 52.55 ms: P gets 41
     tokens beside the first decode (a 52-ms step) and 42 beside the second (D banked 0.55 ms), and the rest
     once D is done; P's first token comes as early as above."""
-    reqs = [SimRequest("D", 0.0, 10, 3, slo_tpot=0.05255, max_tokens=3), SimRequest("P", 0.015, 200, 2)]
+    reqs = [SimRequest("D", 0.0, 10, 3, slo_tpot=0.05255, max_tokens=8), SimRequest("P", 0.015, 200, 2)]
     slo = run("slo", reqs, budget=512)[1]
     assert [round(x, 9) for x in slo.records[0].itls] == [0.052, 0.053]
     assert slo.records[1].ttft == pytest.approx(0.125 + 0.127 - 0.015, abs=1e-9)
@@ -270,6 +271,10 @@ def test_step_time_model_margin_is_a_quantile_of_measured_over_predicted():
         assert m.margin == (1.0 if i < 16 else pytest.approx(np.quantile([1 + j / 100 for j in range(i)], 0.9)))
         m.observe(shape, 0.1 * (1 + i / 100))
     assert m.margin == pytest.approx(1.171)
+    assert m.recent_step_s == pytest.approx(0.1 * (1 + 0.095))  # the plain mean of the first 32 steps
+    for _ in range(32):
+        m.observe(shape, 0.2)
+    assert m.recent_step_s == pytest.approx(0.2 - (0.2 - 0.1 * 1.095) * (20 / 32) * (31 / 32) ** 20)
     fast = StepTimeModel(StepCoefficients(0.1, 0.0, 0.0, 0.0), adapt=False)
     for _ in range(20):
         fast.observe(shape, 0.05)

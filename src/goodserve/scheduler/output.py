@@ -195,6 +195,7 @@ class SchedulerStats:
         step_time_predicted_s_total: Sum of the model's predictions for those steps, made before each ran (s).
         step_time_actual_s_total: Sum of their measured times (s).
         step_time_abs_error_s_total: Sum of ``|predicted - actual|`` (s).
+        step_time_margin: The model's margin (a quantile of measured / predicted over recent steps, >= 1).
         num_blocks_held_for_pull: Blocks of finished requests held for a consumer's pull (producer).
         num_kv_transfers_in_flight: Pulls of prompt K/V not yet ended (consumer).
         num_kv_transfer_timeouts_total: Holds that ended because no consumer pulled in time (producer).
@@ -213,6 +214,7 @@ class SchedulerStats:
     step_time_predicted_s_total: float = 0.0
     step_time_actual_s_total: float = 0.0
     step_time_abs_error_s_total: float = 0.0
+    step_time_margin: float = 1.0
     num_blocks_held_for_pull: int = 0
     num_kv_transfers_in_flight: int = 0
     num_kv_transfer_timeouts_total: int = 0

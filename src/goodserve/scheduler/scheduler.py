@@ -580,7 +580,7 @@ class Scheduler:
                               num_shed_total=self.slo.num_shed if self.slo else 0,
                               num_steps_observed=m.num_observed, step_time_predicted_s_total=m.predicted_s_total,
                               step_time_actual_s_total=m.actual_s_total,
-                              step_time_abs_error_s_total=m.abs_error_s_total,
+                              step_time_abs_error_s_total=m.abs_error_s_total, step_time_margin=m.margin,
                               num_blocks_held_for_pull=self.num_blocks_held_for_pull,
                               num_kv_transfers_in_flight=len(self._recving) + len(self._recving_finished),
                               num_kv_transfer_timeouts_total=self.num_kv_transfer_timeouts,

@@ -126,6 +126,7 @@ class SLOPolicy:
         self.tpot_min = INF  # the tightest TPOT SLO of the running requests (admission)
         self.margin = 1.0  # the step-time model's margin for this step
         self._decode_step = 0.0  # predicted seconds of a step of the running decodes alone, with the margin
+        self._later_step = 0.0  # what a later step is expected to take: that, or the recent mean if longer
         self.acc = StepAccumulator()
         self._prefill_in_step = False
         self._now = 0.0
@@ -198,6 +199,8 @@ class SLOPolicy:
         # A step of the decodes alone: what every later step of a decoding request costs at least.
         self._decode_step = self.margin * self.model.predict(self.acc.tokens, self.acc.sampled, self.acc.pairs) \
             if self.acc.tokens else 0.0
+        # Later steps hold other prompts' chunks too, as recent ones did.
+        self._later_step = max(self._decode_step, self.model.recent_step_s)
         allowances = (self.allowance(r, now) for r in running
                       if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None)
         # A request whose TPOT is lost whatever this step does cannot be saved by a shorter step.
@@ -221,21 +224,23 @@ class SLOPolicy:
     def allowance(self, req: Request, now: float) -> float:
         """Seconds the next step may take with ``req``'s TPOT SLO still met (rule 3).
 
-        With ``k`` tokens streamed since its first at ``F`` and each later step a decode step of ``d``
-        (:attr:`_decode_step`), a request that ends ``j`` tokens from now has ``TPOT = (now + T + (j - 1)·d -
-        F) / (k + j - 1)``, within ``slo_tpot`` for every step time ``T`` up to ``a(j) = F + slo_tpot·k - now
-        + (j - 1)·(slo_tpot - d)``. The request surely lasts ``h`` more tokens (:meth:`certain_tokens`), so
-        ``a(h)`` is its allowance; if even a decode step is over that (``a(h) < d``: it is behind), the
-        allowance is ``a(j)`` of the earliest end ``j <= max_tokens - k`` that a decode-only step keeps
-        reachable, or ``-inf`` if there is none (its TPOT is lost whatever this step does)."""
+        With ``k`` tokens streamed since its first at ``F`` and each later step taking ``L``, a request that
+        ends ``j`` tokens from now has ``TPOT = (now + T + (j - 1)·L - F) / (k + j - 1)``, within ``slo_tpot``
+        for every step time ``T`` up to ``a(j) = F + slo_tpot·k - now + (j - 1)·(slo_tpot - L)``. ``L`` is
+        the larger of a step of the running decodes alone and the recent mean step (later steps hold other
+        prompts' chunks too). The request surely lasts ``h`` more tokens (:meth:`certain_tokens`), so
+        ``a(h)`` is its allowance. If even a decode step ``d`` is over that (it is behind), the allowance is
+        that of the earliest end ``j <= max_tokens - k`` which decode-only steps reach in time, ``F +
+        slo_tpot·k - now + (j - 1)·(slo_tpot - d)``, or ``-inf`` if there is none (its TPOT is lost whatever
+        this step does)."""
         k, s, d = req.num_output_tokens, req.slo_tpot, self._decode_step
         first = req.first_token_time + s * k - now
-        a = first + (self.certain_tokens(req) - 1) * (s - d)
+        a = first + (self.certain_tokens(req) - 1) * (s - self._later_step)
         if a >= d:
             return a
         if s <= d:
             return -INF
-        j = 1 + math.ceil((d - first) / (s - d))
+        j = max(1, 1 + math.ceil((d - first) / (s - d)))
         return first + (j - 1) * (s - d) if req.max_tokens is None or j <= req.max_tokens - k else -INF
 
     def chunk_size(self, req: Request, num_computed: int, n: int, sample: bool) -> int:

@@ -72,6 +72,10 @@ class StepCoefficients:
             raise ValueError(f"cannot read step-time coefficients from {path}: {exc!r}") from None
 
 
+#: Steps the mean of :attr:`StepTimeModel.recent_step_s` weighs (an exponential average with weight 1/32;
+#: the plain mean of the first 32).
+RECENT_STEPS = 32
+
 #: Observed steps before :attr:`StepTimeModel.margin` departs from 1.
 MIN_MARGIN_STEPS = 16
 
@@ -107,6 +111,7 @@ class StepTimeModel:
         self.adapt = adapt
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, of the last observed steps
+        self.recent_step_s = 0.0  # exponentially weighted mean of the measured step times (RECENT_STEPS)
         xs = np.array([_features(x) for x in _PRIOR_SHAPES])
         ys = np.array([seed.predict(x.num_tokens, x.num_sampled, x.attention_pairs) for x in _PRIOR_SHAPES])
         self._prior_xtx = prior_weight * xs.T @ xs
@@ -154,6 +159,8 @@ class StepTimeModel:
         self.abs_error_s_total += abs(predicted - seconds)
         if predicted > 0:
             self._ratios.append(seconds / predicted)
+        a = 1.0 / min(self.num_observed, RECENT_STEPS)
+        self.recent_step_s += a * (seconds - self.recent_step_s)
         if not self.adapt:
             return
         self._window.append((_features(shape), seconds))

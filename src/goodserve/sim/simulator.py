@@ -498,8 +498,9 @@ class Simulator:
         """The scheduler's request for ``spec`` arriving now, with its SLOs (or the simulation's)."""
         slo_ttft = spec.slo_ttft if spec.slo_ttft is not None else self.slos.get("ttft")
         slo_tpot = spec.slo_tpot if spec.slo_tpot is not None else self.slos.get("tpot")
-        # A client that asks for exactly the output length forces it, as the bench client does (ignore_eos).
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=spec.max_tokens is None)
+        # A client that asks for exactly the output length forces it, as the bench client does (ignore_eos);
+        # one that asks for more stops at an EOS the scheduler cannot foresee.
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=spec.cap == spec.output_len)
         return Request(spec.request_id, prompt_token_ids, params, arrival_time=self.now,
                        eos_token_ids=(SIM_EOS,), max_tokens=max_tokens, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
                        kv_transfer_params=kv_transfer_params)
