@@ -18,16 +18,16 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    SLO; here it follows each request's own average): TPOT is an average, so a step may use time a request
    banked or will bank. Each streaming request's :meth:`SLOPolicy.allowance` is the longest next step that
    keeps its TPOT within its SLO at every end it may still have (:meth:`SLOPolicy.certain_tokens`), with
-   later steps priced as decode steps; the smallest allowance is the step's limit. Decodes are scheduled
-   first and each prefill chunk is cut to the largest size whose predicted step time, stretched by the
-   model's margin (:attr:`StepTimeModel.margin`, a quantile of measured / predicted: step times scatter on a
-   shared CPU), stays within it; a step without decodes gives its first chunk at least a block, so a step is
-   never empty. A prompt is never given more than the limit for its TTFT's sake: a request already streaming
-   has cost its prefill, and the triage sheds the prompt that cannot be served in time instead. (A first
-   version held every step to the tightest TPOT SLO: on a CPU where a decode batch alone fills most of it,
-   prompts crawled a block per step and lost both their TTFT and, spread over many steps, the decodes' TPOT;
-   a floor that gave a prompt the chunk its TTFT needed past the limit then broke the TPOT of the decodes
-   at every load past the knee.)
+   later steps priced at the recent mean step (at least a decode step); the smallest allowance is the
+   step's limit. Decodes are scheduled first and each prefill chunk is cut to the largest size whose
+   predicted step time, stretched by the model's margin (:attr:`StepTimeModel.margin`, a quantile of
+   measured / predicted: step times scatter on a shared CPU), stays within it; a step without decodes gives
+   its first chunk at least a block, so a step is never empty. A prompt is never given more than the limit
+   for its TTFT's sake: a request already streaming has cost its prefill, and the triage sheds the prompt
+   that cannot be served in time instead. (A first version held every step to the tightest TPOT SLO: on a
+   CPU where a decode batch alone fills most of it, prompts crawled a block per step and lost both their
+   TTFT and, spread over many steps, the decodes' TPOT; a floor that gave a prompt the chunk its TTFT
+   needed past the limit then broke the TPOT of the decodes at every load past the knee.)
 4. **Admission stop**: a waiting request is admitted only while a decode step over all running requests
    plus it is predicted to stay within the tightest TPOT SLO (its own included): in steady state every
    step is a decode step, and a TPOT average above the step time cannot hold. The first running request is
