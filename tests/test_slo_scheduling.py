@@ -233,6 +233,34 @@ def test_allowance_of_a_request_behind_its_tpot():
     assert behind(12, ignore_eos=True) == 1.25
 
 
+def test_allowance_aims_below_the_tpot_slo_by_the_models_margin():
+    """Steps run 1.25x their prediction (20 ms predicted, 25 ms measured: margin 1.25, decode step 25 ms with
+    it). A request with a TPOT SLO of 100 ms aims at 80 ms: 2 tokens streamed from t=0, at 0.2 s with 10 more
+    certain, the step may take 0.16 - 0.2 + 9 x (0.08 - 0.025) = 0.455 s, not the 0.675 s its SLO alone
+    would allow. At 0.15 s with its length open, 80 ms is out of reach (0.01 s < a decode step) and the SLO
+    itself leaves 0.05 s."""
+    from goodserve.scheduler.slo import SLOPolicy
+
+    model = StepTimeModel(StepCoefficients(0.02, 0.0, 0.0, 0.0), adapt=False)
+    for _ in range(16):
+        model.observe(StepShape(1, 1, 1, 1, 1), 0.025)
+    assert model.margin == pytest.approx(1.25)
+    policy = SLOPolicy(model, 64, 4)
+
+    def allowance(now: float, max_tokens: int, ignore_eos: bool) -> float:
+        req = Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
+                      max_tokens=max_tokens, slo_tpot=0.1)
+        req.first_token_time = 0.0
+        req.append_output_token(7)
+        req.append_output_token(7)
+        req.num_computed_tokens = req.num_tokens - 1  # decoding
+        policy.begin_step([req], now)
+        return policy.allowance(req, now)
+
+    assert allowance(0.2, 12, ignore_eos=True) == pytest.approx(0.455)
+    assert allowance(0.15, 100, ignore_eos=False) == pytest.approx(0.05)
+
+
 def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():
     """Five 2-token prompts with a TPOT SLO of 13.5 ms: a decode step of k requests takes 10 + k ms, so at
     most three may run at once. fcfs runs all five (15-ms steps: every TPOT missed); slo never more than

@@ -243,19 +243,23 @@ class SLOPolicy:
         """Seconds the next step may take with ``req``'s TPOT SLO still met (rule 3).
 
         With ``k`` tokens streamed since its first at ``F`` and each later step taking ``L``, a request that
-        ends ``j`` tokens from now has ``TPOT = (now + T + (j - 1)·L - F) / (k + j - 1)``, within ``slo_tpot``
-        for every step time ``T`` up to ``a(j) = F + slo_tpot·k - now + (j - 1)·(slo_tpot - L)``. ``L`` is
-        the larger of a step of the running decodes alone and the recent mean step (later steps hold other
-        prompts' chunks too). The request surely lasts ``h`` more tokens (:meth:`certain_tokens`), so
-        ``a(h)`` is its allowance. If even a decode step ``d`` is over that (it is behind), the allowance is
-        that of the earliest end ``j <= max_tokens - k`` which decode-only steps reach in time, ``F +
-        slo_tpot·k - now + (j - 1)·(slo_tpot - d)``, or ``-inf`` if there is none (its TPOT is lost whatever
-        this step does)."""
+        ends ``j`` tokens from now has ``TPOT = (now + T + (j - 1)·L - F) / (k + j - 1)``, within a target
+        ``s`` for every step time ``T`` up to ``a(j) = F + s·k - now + (j - 1)·(s - L)``. ``L`` is the larger
+        of a step of the running decodes alone and the recent mean step (later steps hold other prompts'
+        chunks too). The request surely lasts ``h`` more tokens (:meth:`certain_tokens`), so ``a(h)`` is its
+        allowance. The target is ``slo_tpot`` over the model's margin (under load every step spends what it
+        is allowed, so the TPOT lands on its target, and step times scatter around their predictions), or,
+        once even a decode step ``d`` is over that allowance, ``slo_tpot`` itself. If ``d`` is over that too
+        (the request is behind), the allowance is that of the earliest end ``j <= max_tokens - k`` which
+        decode-only steps reach in time, ``F + slo_tpot·k - now + (j - 1)·(slo_tpot - d)``, or ``-inf`` if
+        there is none (its TPOT is lost whatever this step does)."""
         k, s, d = req.num_output_tokens, req.slo_tpot, self._decode_step
-        first = req.first_token_time + s * k - now
-        a = first + (self.certain_tokens(req) - 1) * (s - self._later_step)
-        if a >= d:
-            return a
+        h = self.certain_tokens(req)
+        for target in (s / self.margin, s):
+            first = req.first_token_time + target * k - now
+            a = first + (h - 1) * (target - self._later_step)
+            if a >= d:
+                return a
         if s <= d:
             return -INF
         j = max(1, 1 + math.ceil((d - first) / (s - d)))
