@@ -18,7 +18,8 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    SLO; here it follows each request's own average): TPOT is an average, so a step may use time a request
    banked or will bank. Each streaming request's :meth:`SLOPolicy.allowance` is the longest next step that
    keeps its TPOT within its SLO at every end it may still have (:meth:`SLOPolicy.certain_tokens`), with
-   later steps priced at the recent mean step (at least a decode step); the smallest allowance is the
+   later steps priced at the recent mean step (at least a decode step), aiming at the SLO over the model's
+   margin while that is in reach (under load the TPOT lands on its target); the smallest allowance is the
    step's limit. Decodes are scheduled first and each prefill chunk is cut to the largest size whose
    predicted step time, stretched by the model's margin (:attr:`StepTimeModel.margin`, a quantile of
    measured / predicted: step times scatter on a shared CPU), stays within it; a step without decodes gives
