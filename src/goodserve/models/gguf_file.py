@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from goodserve.config import ModelConfig, token_id_list, unique_ids
+from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, unpack_gguf_blocks
 from goodserve.models.checkpoint import LoadedModel, load_gguf_tokenizer, tokenizer_chat_template, with_tokenizer_eos
 
@@ -55,12 +56,9 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """Scalar / string value of a GGUF metadata field (``default`` when absent)."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """Value of a GGUF metadata field (``default`` when absent)."""
+    return reader.get(key, default)
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -81,7 +79,7 @@ def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _gguf_config(reader: Any, n_tokens: int) -> ModelConfig:
+def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -150,7 +148,7 @@ def _rotary_heads(config: ModelConfig, hf_name: str) -> Optional[int]:
     return None
 
 
-def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dtype,
+def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: torch.dtype,
                  keep_quantized: bool) -> Union[torch.Tensor, BlockQuantized]:
     """One GGUF tensor in HF layout (``[out, in]`` for linear weights): dequantized to ``dtype``, or as the
     file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q8_0 linear weight."""
@@ -159,8 +157,8 @@ def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dt
 
     qtype = tensor.tensor_type
     # torch shape is GGUF's ne order reversed: ne = [in, out] -> [out, in].
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    data = np.asarray(tensor.data)  # plain ndarray view of the memory map (memmap views are slow)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    data = tensor.data  # read-only view of the memory map
     heads = _rotary_heads(config, hf_name)
     if keep_quantized and qtype.name in BLOCK_TYPES and hf_name.endswith("proj.weight") and len(shape) == 2:
         weight = unpack_gguf_blocks(data, qtype.name, shape)
@@ -180,7 +178,7 @@ def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dt
     return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
 
-def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype,
+def _gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                   keep_quantized: bool) -> dict[str, Union[torch.Tensor, BlockQuantized]]:
     named = []
     for tensor in reader.tensors:
@@ -212,11 +210,8 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
     Raises:
         ValueError: On an unsupported architecture, tensor type or partial rotary embedding.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_tokens = len(tokens.data) if tokens is not None else 0
+    reader = GGUFFile(path)
+    n_tokens = len(reader.get("tokenizer.ggml.tokens", ()))
     config = _gguf_config(reader, n_tokens)
     chat_template = _field(reader, "tokenizer.chat_template")
     # Build the transformers tokenizer (~0.5 s, mostly outside the GIL) while we dequantize.
