@@ -29,7 +29,8 @@ import torch
 from goodserve.config import ModelConfig, token_id_list, unique_ids
 from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, unpack_gguf_blocks
-from goodserve.models.checkpoint import LoadedModel, load_gguf_tokenizer, tokenizer_chat_template, with_tokenizer_eos
+from goodserve.models.checkpoint import LoadedModel, tokenizer_chat_template, with_tokenizer_eos
+from goodserve.models.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +215,9 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
     n_tokens = len(reader.get("tokenizer.ggml.tokens", ()))
     config = _gguf_config(reader, n_tokens)
     chat_template = _field(reader, "tokenizer.chat_template")
-    # Build the transformers tokenizer (~0.5 s, mostly outside the GIL) while we dequantize.
+    # Build the tokenizer (mostly outside the GIL) while we unpack the weights.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        tokenizer_future = pool.submit(load_gguf_tokenizer, path)
+        tokenizer_future = pool.submit(gguf_tokenizer, reader, path)
         weights = _gguf_weights(reader, config, dtype, keep_quantized)
         del reader
         tokenizer = tokenizer_future.result()
