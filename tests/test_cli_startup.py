@@ -8,9 +8,9 @@ import sys
 
 from tiny_models import make_tiny_gguf
 
-# Imported by `serve`, structured outputs or torch.compile, never needed to answer one prompt.
+# Imported by `serve`, the other commands, structured outputs or torch.compile, never needed to answer one prompt.
 HEAVY = ("fastapi", "uvicorn", "starlette", "prometheus_client", "xgrammar", "ray", "httpx", "torch._dynamo",
-         "transformers")
+         "transformers", "goodserve.bench", "goodserve.server", "goodserve.sim", "goodserve.router")
 
 
 def test_one_shot_chat_imports_nothing_heavy(tmp_path):
@@ -25,3 +25,14 @@ def test_one_shot_chat_imports_nothing_heavy(tmp_path):
     env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert "RC 0 LOADED []" in out.stdout, out.stdout + out.stderr
+
+
+def test_command_word_found_past_the_log_level():
+    from goodserve.cli import _command, build_parser
+
+    assert _command(["--log-level", "DEBUG", "chat", "hi"]) == "chat"
+    assert _command(["--log-level=DEBUG", "generate", "--max-tokens", "3", "x"]) == "generate"
+    assert _command(["bench", "micro"]) == "bench" and _command(["--help"]) is None
+    lean = build_parser(one_shot_only=True)
+    assert lean.parse_args(["chat", "hi", "--max-tokens", "3"]).max_tokens == 3
+    assert build_parser().parse_args(["bench", "micro"]).func.__name__ == "run_micro"
