@@ -28,7 +28,7 @@ import torch
 
 from goodserve.config import ModelConfig, token_id_list, unique_ids
 from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
-from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, unpack_gguf_blocks
+from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks
 from goodserve.models.checkpoint import LoadedModel, tokenizer_chat_template, with_tokenizer_eos
 from goodserve.models.gguf_tokenizer import gguf_tokenizer
 
@@ -167,6 +167,8 @@ def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: t
             index = _unpermute_rotary_rows(np.arange(shape[0]), heads)
             weight = weight.permute_rows(torch.from_numpy(index))
         return weight
+    if qtype.name in BLOCK_TYPES and len(shape) == 2 and heads is None:  # e.g. the Q8_0 token embedding
+        return dequantize_rows(unpack_gguf_blocks(data, qtype.name, shape), dtype)
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         array = np.array(data).reshape(shape)
     else:
