@@ -1,8 +1,10 @@
 """Read a GGUF file (llama.cpp format): metadata, quantized tensors and the embedded tokenizer.
 
-Tensors are dequantized with numpy (``gguf.quants``), or kept as the file's Q4_0/Q4_1/Q8_0 blocks for the
-low-bit kernels (:mod:`goodserve.models.quant`), and renamed to Hugging Face parameter names
-(``model.layers.0.self_attn.q_proj.weight``, shape ``[out_features, in_features]``).
+The file is read with :class:`~goodserve.models.gguf_reader.GGUFFile`. Tensors are kept as the file's
+Q4_0/Q4_1/Q8_0 blocks for the low-bit kernels (:mod:`goodserve.models.quant`) or dequantized (those block
+types in torch, a few thousand rows at a time; any other with ``gguf.quants``), and renamed to Hugging Face
+parameter names (``model.layers.0.self_attn.q_proj.weight``, shape ``[out_features, in_features]``). The
+tokenizer comes from :mod:`goodserve.models.gguf_tokenizer`.
 
 GGUF notes:
 
