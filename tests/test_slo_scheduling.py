@@ -136,12 +136,49 @@ def test_the_ttft_prediction_paces_prefill_by_the_tightest_tpot():
     sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
     step = sched.schedule(0.0)
     sched.update_from_output(step, {"D": SampledToken(5)}, 0.013)
-    assert sched.slo.prefill_pace(sched.running).chunk == 49
+    pace = sched.slo.prefill_pace(sched.running, 0.013)
+    assert (pace.chunk, pace.banked) == (49, [])  # D may stop at any token: no time banked ahead
     with pytest.raises(SLOUnattainableError, match="predicted after 180 ms"):
         sched.add_request(Request("P", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
                                   slo_ttft=0.17))
     sched.add_request(Request("Q", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
                               slo_ttft=0.19))
+
+
+def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
+    """As above, but D's length is forced (exactly ``max_tokens``, as the bench client sends): with 49 tokens
+    to come its TPOT average lets the next step take 60.5 + 48 x (60.5 - 11) ms = 2.4365 s, and every step of
+    t leaves t - 60.5 ms less. So prefill runs at the full 99-token budget (0.11 s) for as long as that lasts:
+    the 147-token prompt is predicted at 0.11 + 0.059 = 0.169 s and admitted under a TTFT SLO of 0.17 s,
+    which it meets. With 2 tokens to come (a = 110 ms), one full step is banked, then the 49-token pace."""
+    def scheduler(max_tokens: int):
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo",
+                                          shed_load=True), CacheConfig(num_blocks=256, block_size=4),
+                          StepTimeModel(StepCoefficients(0.01, 0.001, 0, 0), adapt=False))
+        sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0,
+                                  max_tokens=max_tokens, slo_tpot=0.0605))
+        sched.update_from_output(sched.schedule(0.0), {"D": SampledToken(5)}, 0.013)
+        return sched
+
+    sched = scheduler(50)
+    pace = sched.slo.prefill_pace(sched.running, 0.013)
+    assert pace.chunk == 49 and pace.banked[:2] == [(99, pytest.approx(0.11)), (198, pytest.approx(0.22))]
+    with pytest.raises(SLOUnattainableError, match="predicted after 169 ms"):
+        sched.add_request(Request("P", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
+                                  slo_ttft=0.16))
+    sched.add_request(Request("Q", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
+                              slo_ttft=0.17))
+    step = sched.schedule(0.013)
+    assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("D", 1), ("Q", 99)]
+    sched.update_from_output(step, {"D": SampledToken(5)}, 0.123)
+    step = sched.schedule(0.123)
+    assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("D", 1), ("Q", 48)]
+
+    sched = scheduler(3)
+    pace = sched.slo.prefill_pace(sched.running, 0.013)
+    assert pace.chunk == 49 and pace.banked == [(99, pytest.approx(0.11))]
+    # 99 banked tokens, two 49-token steps (0.06 s each), and 3 tokens (0.014 s) for a 200-token prompt.
+    assert sched.slo.first_token_time(200, pace, 0.013) == pytest.approx(0.013 + 0.11 + 0.12 + 0.014)
 
 
 # ------------------------------------------------------------------------------------- step budget
@@ -194,6 +231,34 @@ def test_allowance_of_a_request_behind_its_tpot():
     assert behind(100) == 0.25 and policy.tpot_limit == 0.25
     assert behind(6) == -math.inf and policy.tpot_limit == math.inf
     assert behind(12, ignore_eos=True) == 1.25
+
+
+def test_allowance_aims_below_the_tpot_slo_by_the_models_margin():
+    """Steps run 1.25x their prediction (20 ms predicted, 25 ms measured: margin 1.25, decode step 25 ms with
+    it). A request with a TPOT SLO of 100 ms aims at 80 ms: 2 tokens streamed from t=0, at 0.2 s with 10 more
+    certain, the step may take 0.16 - 0.2 + 9 x (0.08 - 0.025) = 0.455 s, not the 0.675 s its SLO alone
+    would allow. At 0.15 s with its length open, 80 ms is out of reach (0.01 s < a decode step) and the SLO
+    itself leaves 0.05 s."""
+    from goodserve.scheduler.slo import SLOPolicy
+
+    model = StepTimeModel(StepCoefficients(0.02, 0.0, 0.0, 0.0), adapt=False)
+    for _ in range(16):
+        model.observe(StepShape(1, 1, 1, 1, 1), 0.025)
+    assert model.margin == pytest.approx(1.25)
+    policy = SLOPolicy(model, 64, 4)
+
+    def allowance(now: float, max_tokens: int, ignore_eos: bool) -> float:
+        req = Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
+                      max_tokens=max_tokens, slo_tpot=0.1)
+        req.first_token_time = 0.0
+        req.append_output_token(7)
+        req.append_output_token(7)
+        req.num_computed_tokens = req.num_tokens - 1  # decoding
+        policy.begin_step([req], now)
+        return policy.allowance(req, now)
+
+    assert allowance(0.2, 12, ignore_eos=True) == pytest.approx(0.455)
+    assert allowance(0.15, 100, ignore_eos=False) == pytest.approx(0.05)
 
 
 def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():

@@ -40,26 +40,31 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    infinite without SLOs.
 
 **Prefill pace.** With the running decodes ``D`` (one token each) in every step, a step's prefill share is
-what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut to the largest chunk whose step stays
-within the tightest running TPOT SLO (rule 3 lets steps run longer only on banked time, so on average
-prompts go no faster), and a step then takes ``T* = predict(D + chunk of n*)``. ``W`` tokens of prefill (the
-unfinished prompts ahead, and one's own) give a first token after ``floor(W / n*)`` such steps and one more
-with the rest, ``predict(D + chunk of W mod n*)`` (charging the last step a whole ``T*`` made a short prompt
-on a slow machine look as costly as a full token budget, and shed it). This errs on the side of serving:
-decodes also finish and leave, and a request refused that could have made it is a loss the policy never
-recovers, while one admitted that misses costs only the work spent on it.
+what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut as rule 3 cuts it: while the running
+requests have banked TPOT time, a step may take their smallest allowance (over the margin), and a step of
+``t`` seconds leaves ``t - S`` less for the next (``S``, the tightest running TPOT SLO, is what each token
+earns); once that chunk is no larger than the one whose step fits ``S``, every later step gives the latter.
+``W`` tokens of prefill (the unfinished prompts ahead, and one's own) give a first token after the steps whose
+chunks add up to less than ``W`` and one more with the rest, priced by its own tokens (charging the last step
+a whole token budget made a short prompt on a slow machine look as costly as a full one, and shed it; pricing
+every step at ``S`` when the decodes had seconds banked shed prompts at half the knee that the steps
+rule 3 then allowed would have served in time). This errs on the side of serving: decodes also finish and
+leave, and a request refused that could have made it is a loss the policy never recovers, while one admitted
+that misses costs only the work spent on it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from goodserve.request import Request
 from goodserve.scheduler.step_time import StepTimeModel
 
 INF = float("inf")
+MAX_BANKED_STEPS = 256  # steps of a pace's banked phase looked at (a full-budget one costs one prediction)
 
 
 class SLOUnattainableError(Exception):
@@ -97,11 +102,13 @@ class StepAccumulator:
 
 @dataclass
 class Pace:
-    """How prompts progress while the running requests decode: the decodes every step holds, and the prefill
-    tokens each step gives."""
+    """How prompts progress while the running requests decode: the decodes every step holds; the steps that
+    spend the running requests' banked TPOT time (``banked``: after each, the prompt tokens and seconds so
+    far); then the prefill tokens each step gives (``chunk``)."""
 
     decodes: StepAccumulator
     chunk: int
+    banked: list[tuple[int, float]] = field(default_factory=list)
 
 
 class SLOPolicy:
@@ -190,24 +197,35 @@ class SLOPolicy:
         ``running`` by slack (tail = most slack, the preemption victim), and count the decodes into the step
         being built."""
         self._now = now
-        self.margin = self.model.margin
-        self.acc = StepAccumulator()
         self._prefill_in_step = False
+        self.acc = self._decodes(running)
+        self.tpot_limit = self._set_step_figures(running, self.acc, now)
+        self.tpot_min = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
+                                              default=INF))
+        running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
+
+    @staticmethod
+    def _decodes(running: Iterable[Request]) -> StepAccumulator:
+        """The running requests' decodes, one token each: what every step holds."""
+        acc = StepAccumulator()
         for r in running:
             if r.num_tokens - r.num_computed_tokens == 1:
-                self.acc.add(1, r.num_computed_tokens, True)
+                acc.add(1, r.num_computed_tokens, True)
+        return acc
+
+    def _set_step_figures(self, running: Iterable[Request], decodes: StepAccumulator, now: float) -> float:
+        """Set the margin, the decode step and the later step from the model and ``decodes``, and return the
+        smallest TPOT allowance of the running requests at ``now`` (rule 3; infinite if none has one)."""
+        self.margin = self.model.margin
         # A step of the decodes alone: what every later step of a decoding request costs at least.
-        self._decode_step = self.margin * self.model.predict(self.acc.tokens, self.acc.sampled, self.acc.pairs) \
-            if self.acc.tokens else 0.0
+        self._decode_step = self.margin * self.model.predict(decodes.tokens, decodes.sampled, decodes.pairs) \
+            if decodes.tokens else 0.0
         # Later steps hold other prompts' chunks too, as recent ones did.
         self._later_step = max(self._decode_step, self.model.recent_step_s)
         allowances = (self.allowance(r, now) for r in running
                       if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None)
         # A request whose TPOT is lost whatever this step does cannot be saved by a shorter step.
-        self.tpot_limit = min((a for a in allowances if a > -INF), default=INF)
-        self.tpot_min = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
-                                              default=INF))
-        running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
+        return min((a for a in allowances if a > -INF), default=INF)
 
     @staticmethod
     def certain_tokens(req: Request) -> int:
@@ -225,19 +243,23 @@ class SLOPolicy:
         """Seconds the next step may take with ``req``'s TPOT SLO still met (rule 3).
 
         With ``k`` tokens streamed since its first at ``F`` and each later step taking ``L``, a request that
-        ends ``j`` tokens from now has ``TPOT = (now + T + (j - 1)·L - F) / (k + j - 1)``, within ``slo_tpot``
-        for every step time ``T`` up to ``a(j) = F + slo_tpot·k - now + (j - 1)·(slo_tpot - L)``. ``L`` is
-        the larger of a step of the running decodes alone and the recent mean step (later steps hold other
-        prompts' chunks too). The request surely lasts ``h`` more tokens (:meth:`certain_tokens`), so
-        ``a(h)`` is its allowance. If even a decode step ``d`` is over that (it is behind), the allowance is
-        that of the earliest end ``j <= max_tokens - k`` which decode-only steps reach in time, ``F +
-        slo_tpot·k - now + (j - 1)·(slo_tpot - d)``, or ``-inf`` if there is none (its TPOT is lost whatever
-        this step does)."""
+        ends ``j`` tokens from now has ``TPOT = (now + T + (j - 1)·L - F) / (k + j - 1)``, within a target
+        ``s`` for every step time ``T`` up to ``a(j) = F + s·k - now + (j - 1)·(s - L)``. ``L`` is the larger
+        of a step of the running decodes alone and the recent mean step (later steps hold other prompts'
+        chunks too). The request surely lasts ``h`` more tokens (:meth:`certain_tokens`), so ``a(h)`` is its
+        allowance. The target is ``slo_tpot`` over the model's margin (under load every step spends what it
+        is allowed, so the TPOT lands on its target, and step times scatter around their predictions), or,
+        once even a decode step ``d`` is over that allowance, ``slo_tpot`` itself. If ``d`` is over that too
+        (the request is behind), the allowance is that of the earliest end ``j <= max_tokens - k`` which
+        decode-only steps reach in time, ``F + slo_tpot·k - now + (j - 1)·(slo_tpot - d)``, or ``-inf`` if
+        there is none (its TPOT is lost whatever this step does)."""
         k, s, d = req.num_output_tokens, req.slo_tpot, self._decode_step
-        first = req.first_token_time + s * k - now
-        a = first + (self.certain_tokens(req) - 1) * (s - self._later_step)
-        if a >= d:
-            return a
+        h = self.certain_tokens(req)
+        for target in (s / self.margin, s):
+            first = req.first_token_time + target * k - now
+            a = first + (h - 1) * (target - self._later_step)
+            if a >= d:
+                return a
         if s <= d:
             return -INF
         j = max(1, 1 + math.ceil((d - first) / (s - d)))
@@ -270,33 +292,50 @@ class SLOPolicy:
         n, pairs = self._decode_figures(running)
         return self.model.predict(n + 1, n + 1, pairs + req.num_tokens) <= limit
 
-    def prefill_pace(self, running: list[Request]) -> Pace:
-        """The running decodes, one token each (every step that prefills next to them holds them too), and the
-        prefill tokens such a step gives: what the token budget leaves, ``n* = max_num_batched_tokens - D``,
-        cut to the largest chunk whose step stays within the tightest TPOT SLO of the running requests (rule 3
-        lets a step run longer only on time banked before, so on average no faster), but at least a block."""
-        acc = StepAccumulator()
-        for r in running:
-            if r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1:
-                acc.add(1, r.num_tokens - 1, True)
+    def prefill_pace(self, running: list[Request], now: float) -> Pace:
+        """How prompts progress beside the running decodes ``D`` (every step that prefills holds them too).
+
+        A step gives prefill what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut as rule 3
+        cuts it: while the running requests have banked TPOT time, a step may take their smallest allowance
+        ``a`` (over the margin), and each step of ``t`` seconds leaves ``a - t + S`` for the next (``S``, the
+        tightest TPOT SLO: the time each token earns); once the chunk that fits is no larger than the one that
+        fits ``S``, every later step gives that chunk, at least a block."""
+        acc = self._decodes(running)
         n = max(1, self.max_num_batched_tokens - acc.tokens)
         limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
-        if acc.tokens and limit < INF:
-            n = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
-        return Pace(acc, n)
+        if not acc.tokens or limit == INF:
+            return Pace(acc, n)
+        steady = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
+        bank = self._set_step_figures(running, acc, now)
+        banked: list[tuple[int, float]] = []
+        tokens, seconds = 0, 0.0
+        for _ in range(MAX_BANKED_STEPS):
+            chunk = self.max_chunk(acc, 0, n, True, bank / self.margin)
+            if chunk <= steady:
+                break
+            t = self._pace_step(acc, chunk)
+            tokens, seconds = tokens + chunk, seconds + t
+            banked.append((tokens, seconds))
+            bank += limit - t
+        return Pace(acc, steady, banked)
+
+    def _pace_step(self, decodes: StepAccumulator, k: int) -> float:
+        """Predicted seconds of a step of ``decodes`` and a chunk of ``k`` prompt tokens from scratch."""
+        return self.model.predict(decodes.tokens + k, decodes.sampled + 1, decodes.pairs + chunk_pairs(k, 0))
 
     def first_token_time(self, work_tokens: int, pace: Pace, now: float) -> float:
-        """When ``work_tokens`` tokens of prefill (those ahead plus one's own) yield a first token: full steps
-        of the pace's chunk beside its decodes, then one step with the rest."""
-        n, decodes = pace.chunk, pace.decodes
-        full, rest = divmod(work_tokens, n)
+        """When ``work_tokens`` tokens of prefill (those ahead plus one's own) yield a first token: the pace's
+        banked steps, then full steps of its chunk beside its decodes, then one step with the rest (each last
+        step priced by its own tokens)."""
+        i = bisect_left(pace.banked, (work_tokens, -INF))
+        done, seconds = pace.banked[i - 1] if i > 0 else (0, 0.0)
+        if i < len(pace.banked):
+            return now + seconds + self._pace_step(pace.decodes, work_tokens - done)
+        full, rest = divmod(work_tokens - done, pace.chunk)
         if rest == 0 and full > 0:
-            full, rest = full - 1, n
-
-        def step(k: int) -> float:
-            return self.model.predict(decodes.tokens + k, decodes.sampled + 1, decodes.pairs + chunk_pairs(k, 0))
-
-        return now + full * step(n) + step(rest)
+            full, rest = full - 1, pace.chunk
+        return now + seconds + full * self._pace_step(pace.decodes, pace.chunk) + \
+            self._pace_step(pace.decodes, rest)
 
     def is_late(self, req: Request, work_tokens: int, pace: Pace, now: float) -> bool:
         """Whether a request without a first token misses its TTFT SLO with ``work_tokens`` ahead and its own."""
@@ -319,7 +358,7 @@ class SLOPolicy:
             The requests that became late in this call (the scheduler sheds them under ``shed_load``, else
             puts them behind the others).
         """
-        pace = self.prefill_pace(running)
+        pace = self.prefill_pace(running, now)
         work = 0
         late = []
         for req in list(running) + list(waiting):
@@ -345,7 +384,7 @@ class SLOPolicy:
         work = self.prefill_remaining(running) + req.num_tokens
         work += sum(r.num_tokens - r.num_computed_tokens for r in waiting
                     if not r.slo_late and self.queue_key(r) <= key)
-        pace = self.prefill_pace(running)
+        pace = self.prefill_pace(running, now)
         if self.is_late(req, work, pace, now):
             self.num_shed += 1
             predicted = self.first_token_time(work, pace, now) - req.arrival_time
