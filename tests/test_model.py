@@ -168,3 +168,30 @@ def test_lone_decode_on_consecutive_blocks_reads_the_cache_in_place():
                                       torch.tensor([0, 1]), torch.device("cpu"))
     assert scattered.decode_groups[0].first_block is None
     assert all(g.first_block is None for g in batched.decode_groups)
+
+
+def _reference_decode_attention(q, k, v, mask):
+    """float64 softmax(q k^T / sqrt(d)) v per query head over its KV head (head h reads KV head h // group)."""
+    n, ctx, kv, d = k.shape
+    group = q.shape[1] // kv
+    k = k.double().repeat_interleave(group, dim=2).permute(0, 2, 3, 1)  # [n, heads, d, ctx]
+    v = v.double().repeat_interleave(group, dim=2).transpose(1, 2)  # [n, heads, ctx, d]
+    scores = (q.double()[:, :, None, :] @ k)[:, :, 0] / d ** 0.5  # [n, heads, ctx]
+    scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+    return (torch.softmax(scores, -1)[:, :, None, :] @ v)[:, :, 0]  # [n, heads, d]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_is_grouped_query_attention(dtype, tol):
+    from goodserve.models.attention import decode_attention
+
+    torch.manual_seed(0)
+    n, ctx, kv, group, d = 3, 40, 3, 3, 64
+    q, k, v = torch.randn(n, kv * group, d), torch.randn(n, ctx, kv, d), torch.randn(n, ctx, kv, d)
+    lens = torch.tensor([40, 17, 1])
+    mask = (torch.arange(ctx)[None, :] < lens[:, None])[:, None, None, :]
+    got = decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    want = _reference_decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    assert got.shape == (n, kv * group, d) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from goodserve.models.quant import (BlockQuantized, QuantLinear, make_linear, pack_int4, quantize_int4,
-                                    unpack_gguf_blocks, unpack_int4)
+from goodserve.models.quant import (BlockQuantized, QuantLinear, dequantize_rows, make_linear, pack_int4,
+                                    pack_int4_codes, quantize_int4, unpack_gguf_blocks, unpack_int4)
 
 
 def _gguf_weight(qtype: str, n: int = 128, k: int = 96, seed: int = 0):
@@ -62,6 +62,22 @@ def test_int4_kernel_holds_the_file_weights(qtype):
         assert (got - ref).abs().max() <= bound
     # The dense copy for large steps is read from the packed bytes: the same weight.
     assert torch.equal(unpack_int4(packed, sz, torch.float32), got)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantized_by_rows_as_gguf_dequantizes(qtype, dtype):
+    data, ref = _gguf_weight(qtype, n=100)
+    got = dequantize_rows(unpack_gguf_blocks(data, qtype, (100, 96)), dtype, rows=32)  # 4 chunks, one short
+    assert got.dtype == dtype and torch.equal(got, ref.to(dtype))
+
+
+@pytest.mark.parametrize("n, k", [(64, 32), (192, 576), (3072, 576)])
+def test_int4_codes_packed_as_pytorch_packs_them(n, k):
+    torch.manual_seed(n)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    assert torch.equal(pack_int4_codes(q), want)
 
 
 def test_int4_rotary_row_permutation_and_fusion_commute_with_packing():

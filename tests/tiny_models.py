@@ -139,15 +139,14 @@ def _llamacpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer_metadata() -> dict[str, Any]:
-    """Tokenizer metadata of the default GGUF (cached: parsing its 98k strings takes ~2 s)."""
-    import gguf
-
+    """Tokenizer metadata of the default GGUF (cached)."""
+    from goodserve.models.gguf_reader import GGUFFile
     from goodserve.models.loader import default_model_path
 
-    fields = gguf.GGUFReader(default_model_path()).fields
+    fields = GGUFFile(default_model_path()).fields
     keys = ("model", "pre", "tokens", "token_type", "merges")
-    meta = {key: fields[f"tokenizer.ggml.{key}"].contents() for key in keys}
-    meta["chat_template"] = fields["tokenizer.chat_template"].contents()
+    meta = {key: fields[f"tokenizer.ggml.{key}"] for key in keys}
+    meta["chat_template"] = fields["tokenizer.chat_template"]
     return meta
 
 

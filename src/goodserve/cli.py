@@ -58,7 +58,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+ONE_SHOT_COMMANDS = ("generate", "chat")
+
+
+def build_parser(one_shot_only: bool = False) -> argparse.ArgumentParser:
+    """The ``goodserve`` parser; with ``one_shot_only``, only ``generate`` and ``chat`` (whose start then
+    imports none of the bench, server, simulator and router command modules)."""
     parser = argparse.ArgumentParser(prog="goodserve", description="LLM serving engine built for goodput.")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         EngineArgs.add_cli_args(p)
         _add_sampling_args(p)
         p.set_defaults(func=_run_generate)
+    if one_shot_only:
+        return parser
     from goodserve.bench.cli import add_bench_parser
     from goodserve.sim.plan_cli import add_plan_parser
 
@@ -81,8 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand named in ``argv`` (the first word that is not ``--log-level`` or its value)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(one_shot_only=_command(argv) in ONE_SHOT_COMMANDS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

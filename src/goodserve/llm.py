@@ -33,7 +33,8 @@ class LLM:
 
     def get_tokenizer(self):
         """The model's ``transformers`` tokenizer."""
-        return self.engine.tokenizer
+        tokenizer = self.engine.tokenizer
+        return getattr(tokenizer, "transformers_tokenizer", tokenizer)  # a GGUFTokenizer builds it on demand
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

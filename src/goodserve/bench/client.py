@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-import httpx
-
 from goodserve.bench.datasets import BenchRequest
 from goodserve.workload.metrics import RequestRecord
 
@@ -85,6 +83,7 @@ async def send_one(client: httpx.AsyncClient, target: Target, req: BenchRequest,
     Returns:
         The record; ``success`` is False with ``error`` set when the request failed.
     """
+    import httpx  # imported where used: `goodserve chat` builds the bench parsers, never a client
     rec = RequestRecord(arrival=arrival, prompt_tokens=req.prompt_len, expected_output_tokens=req.output_len)
     body = request_body(target, req)
     chunks = 0
@@ -147,6 +146,7 @@ async def run_requests(target: Target, requests: Sequence[BenchRequest], arrival
     Raises:
         ValueError: if ``requests`` and ``arrivals`` differ in length or ``max_concurrency < 1``.
     """
+    import httpx
     if len(requests) != len(arrivals):
         raise ValueError(f"{len(requests)} requests but {len(arrivals)} arrival times")
     if max_concurrency is not None and max_concurrency < 1:
@@ -180,6 +180,7 @@ async def wait_ready(base_url: str, timeout_s: float = 300.0, is_alive: Optional
     Raises:
         RuntimeError: if it does not within ``timeout_s`` or ``is_alive()`` turns False.
     """
+    import httpx
     deadline = time.monotonic() + timeout_s
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
     async with httpx.AsyncClient(timeout=5.0) as client:
@@ -197,6 +198,7 @@ async def wait_ready(base_url: str, timeout_s: float = 300.0, is_alive: Optional
 
 def server_info(base_url: str) -> dict[str, Any]:
     """The first model card of ``GET /v1/models`` (``{}`` if the server has none or fails)."""
+    import httpx
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
     try:
         data = httpx.get(url, timeout=30.0).json()
@@ -207,6 +209,7 @@ def server_info(base_url: str) -> dict[str, Any]:
 
 def server_tokenize(base_url: str, text: str, model: Optional[str] = None) -> Optional[list[int]]:
     """Token ids from the server's ``POST /tokenize`` (goodserve's), or ``None`` if it has none."""
+    import httpx
     url = base_url.rstrip("/").removesuffix("/v1") + "/tokenize"
     body: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
     if model:

@@ -13,7 +13,7 @@ def render_chat(tokenizer: Any, chat_template: Optional[str], messages: Sequence
     """Token ids of a conversation with the generation prompt appended, by the model's chat template.
 
     Args:
-        tokenizer: A ``transformers`` tokenizer.
+        tokenizer: A ``transformers`` tokenizer or a :class:`~goodserve.models.gguf_tokenizer.GGUFTokenizer`.
         chat_template: The model's template, or ``None`` to use the tokenizer's own.
         messages: ``[{"role": ..., "content": ...}, ...]`` with text content.
 
@@ -32,7 +32,7 @@ def render_chat(tokenizer: Any, chat_template: Optional[str], messages: Sequence
         raise ValueError(found[1])
     try:
         out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                            chat_template=chat_template)
+                                            chat_template=chat_template, return_dict=False)
     except jinja2.TemplateError as e:  # the template rejects the conversation (its raise_exception): the user's
         raise ValueError(f"messages could not be rendered with the chat template: {e}") from e
     if isinstance(out, dict) or hasattr(out, "input_ids"):

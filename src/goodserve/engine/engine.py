@@ -9,6 +9,7 @@ out. Nothing here knows about HTTP.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from typing import Any, Optional, Sequence, Union
@@ -69,11 +70,10 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str) -> tuple[int
 
 def _structured_output_compiler(tokenizer: Any, model_config: Any) -> Optional[Any]:
     """A grammar compiler for structured outputs, or ``None`` when xgrammar is not installed."""
-    try:
-        from goodserve.runner.structured_output import StructuredOutputCompiler
-    except ImportError:
+    if importlib.util.find_spec("xgrammar") is None:
         logger.warning("xgrammar is not installed: requests with structured outputs will be refused")
         return None
+    from goodserve.runner.structured_output import StructuredOutputCompiler  # imports xgrammar when first used
     return StructuredOutputCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
 

@@ -26,7 +26,8 @@ class LoadedModel:
         config: The architecture.
         weights: HF parameter name -> tensor in the requested dtype on CPU. Linear weights are
             ``[out_features, in_features]``; ``lm_head.weight`` is absent when embeddings are tied.
-        tokenizer: A ``transformers`` fast tokenizer.
+        tokenizer: A ``transformers`` fast tokenizer, or for a GGUF with a GPT-2-style vocabulary a
+            :class:`~goodserve.models.gguf_tokenizer.GGUFTokenizer` (the same API, transformers built on demand).
         chat_template: Jinja chat template, or ``None`` if the checkpoint has none.
     """
 

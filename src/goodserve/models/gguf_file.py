@@ -1,8 +1,10 @@
 """Read a GGUF file (llama.cpp format): metadata, quantized tensors and the embedded tokenizer.
 
-Tensors are dequantized with numpy (``gguf.quants``), or kept as the file's Q4_0/Q4_1/Q8_0 blocks for the
-low-bit kernels (:mod:`goodserve.models.quant`), and renamed to Hugging Face parameter names
-(``model.layers.0.self_attn.q_proj.weight``, shape ``[out_features, in_features]``).
+The file is read with :class:`~goodserve.models.gguf_reader.GGUFFile`. Tensors are kept as the file's
+Q4_0/Q4_1/Q8_0 blocks for the low-bit kernels (:mod:`goodserve.models.quant`) or dequantized (those block
+types in torch, a few thousand rows at a time; any other with ``gguf.quants``), and renamed to Hugging Face
+parameter names (``model.layers.0.self_attn.q_proj.weight``, shape ``[out_features, in_features]``). The
+tokenizer comes from :mod:`goodserve.models.gguf_tokenizer`.
 
 GGUF notes:
 
@@ -27,8 +29,10 @@ import numpy as np
 import torch
 
 from goodserve.config import ModelConfig, token_id_list, unique_ids
-from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, unpack_gguf_blocks
-from goodserve.models.checkpoint import LoadedModel, load_gguf_tokenizer, tokenizer_chat_template, with_tokenizer_eos
+from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
+from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks
+from goodserve.models.checkpoint import LoadedModel, tokenizer_chat_template, with_tokenizer_eos
+from goodserve.models.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +59,9 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """Scalar / string value of a GGUF metadata field (``default`` when absent)."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """Value of a GGUF metadata field (``default`` when absent)."""
+    return reader.get(key, default)
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -81,7 +82,7 @@ def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _gguf_config(reader: Any, n_tokens: int) -> ModelConfig:
+def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -150,7 +151,7 @@ def _rotary_heads(config: ModelConfig, hf_name: str) -> Optional[int]:
     return None
 
 
-def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dtype,
+def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: torch.dtype,
                  keep_quantized: bool) -> Union[torch.Tensor, BlockQuantized]:
     """One GGUF tensor in HF layout (``[out, in]`` for linear weights): dequantized to ``dtype``, or as the
     file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q8_0 linear weight."""
@@ -159,8 +160,8 @@ def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dt
 
     qtype = tensor.tensor_type
     # torch shape is GGUF's ne order reversed: ne = [in, out] -> [out, in].
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    data = np.asarray(tensor.data)  # plain ndarray view of the memory map (memmap views are slow)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    data = tensor.data  # read-only view of the memory map
     heads = _rotary_heads(config, hf_name)
     if keep_quantized and qtype.name in BLOCK_TYPES and hf_name.endswith("proj.weight") and len(shape) == 2:
         weight = unpack_gguf_blocks(data, qtype.name, shape)
@@ -168,6 +169,8 @@ def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dt
             index = _unpermute_rotary_rows(np.arange(shape[0]), heads)
             weight = weight.permute_rows(torch.from_numpy(index))
         return weight
+    if qtype.name in BLOCK_TYPES and len(shape) == 2 and heads is None:  # e.g. the Q8_0 token embedding
+        return dequantize_rows(unpack_gguf_blocks(data, qtype.name, shape), dtype)
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         array = np.array(data).reshape(shape)
     else:
@@ -180,7 +183,7 @@ def _gguf_tensor(tensor: Any, hf_name: str, config: ModelConfig, dtype: torch.dt
     return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
 
-def _gguf_weights(reader: Any, config: ModelConfig, dtype: torch.dtype,
+def _gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                   keep_quantized: bool) -> dict[str, Union[torch.Tensor, BlockQuantized]]:
     named = []
     for tensor in reader.tensors:
@@ -212,16 +215,13 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
     Raises:
         ValueError: On an unsupported architecture, tensor type or partial rotary embedding.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_tokens = len(tokens.data) if tokens is not None else 0
+    reader = GGUFFile(path)
+    n_tokens = len(reader.get("tokenizer.ggml.tokens", ()))
     config = _gguf_config(reader, n_tokens)
     chat_template = _field(reader, "tokenizer.chat_template")
-    # Build the transformers tokenizer (~0.5 s, mostly outside the GIL) while we dequantize.
+    # Build the tokenizer (mostly outside the GIL) while we unpack the weights.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        tokenizer_future = pool.submit(load_gguf_tokenizer, path)
+        tokenizer_future = pool.submit(gguf_tokenizer, reader, path)
         weights = _gguf_weights(reader, config, dtype, keep_quantized)
         del reader
         tokenizer = tokenizer_future.result()

@@ -35,7 +35,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         ValueError: for a rope scaling type other than ``default``, ``linear`` or ``llama3``.
     """
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # Always on the CPU, also under a ``torch.device("meta")`` context: arithmetic on meta tensors runs
+    # Python decompositions whose first use imports torch._dynamo (seconds of a one-shot command's start).
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (steps.float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -147,7 +150,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, the embedding skips its random init: on ``meta`` that init (``normal_``) runs a
+        # Python decomposition whose first use imports torch._dynamo, 2.5 s of a one-shot command's start.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Optional[nn.Linear] = None

@@ -95,6 +95,22 @@ class BlockQuantized:
                               torch.cat([p.scales for p in parts]), mins)
 
 
+def dequantize_rows(weight: BlockQuantized, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:
+    """``weight.dequantize().to(dtype)``, a few thousand rows at a time.
+
+    The same values as dequantizing the whole matrix (and as ``gguf.quants.dequantize``, whose float32
+    arithmetic it repeats), without float32 copies of the whole matrix: for the default model's 49,152 x 576
+    Q8_0 embedding, gguf's dequantization held ~230 MB of them at the peak of loading.
+    """
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        mins = None if weight.mins is None else weight.mins[start:end]
+        out[start:end] = BlockQuantized(weight.qtype, weight.q[start:end], weight.scales[start:end], mins).dequantize()
+    return out
+
+
 def unpack_gguf_blocks(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> BlockQuantized:
     """Split a GGUF tensor's raw bytes into codes, scales and minimums.
 
@@ -158,9 +174,21 @@ def pack_int4(weight: BlockQuantized, dtype: torch.dtype) -> tuple[torch.Tensor,
     if n % 64:
         raise ValueError(f"int4 packing needs out_features to be a multiple of 64, got {n}")
     zeros = torch.zeros_like(weight.scales) if weight.mins is None else weight.mins + 8 * weight.scales
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
+    packed = pack_int4_codes(weight.q)
     scales_and_zeros = torch.stack([weight.scales.t(), zeros.t()], dim=-1).contiguous().to(dtype)
     return packed, scales_and_zeros
+
+
+def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` uint8 codes 0..15 in the CPU int4 kernel's packed layout, ``[out, in // 2]`` uint8.
+
+    The same bytes as ``aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)`` (``tests/test_quant.py``), made
+    with two uint8 operations instead of through an int32 copy of every weight: per tile of 64 output rows
+    and per input feature, rows ``r`` and ``r + 32`` of the tile go in the low and high nibble of one byte.
+    """
+    n, k = q.shape
+    tiles = q.view(n // 64, 2, 32, k)
+    return (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -174,7 +202,9 @@ def unpack_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: tor
     tiles = packed.view(n // 64, k, 32)
     q = torch.cat([tiles & 15, tiles >> 4], dim=-1).permute(0, 2, 1).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     sz = scales_and_zeros.float()  # [groups, n, 2]
-    w = (q.float() - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+    # In place on one float32 buffer: the same operations as ``(q - 8) * scale + zero``, without three more
+    # weight-sized temporaries (a one-shot command makes every dense copy on its first prefill).
+    w = q.float().sub_(8).mul_(sz[..., 0].t()[..., None]).add_(sz[..., 1].t()[..., None])
     return w.view(n, k).to(dtype)
 
 

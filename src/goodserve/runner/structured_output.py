@@ -26,7 +26,6 @@ import threading
 from typing import Any, Optional, Sequence
 
 import torch
-import xgrammar as xgr
 
 from goodserve.sampling_params import StructuredOutputsParams
 from goodserve.validation import ParamError
@@ -38,9 +37,16 @@ _JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
 _CACHE_SIZE = 256  # compiled grammars kept (by schema text)
 
 
+def _xgr() -> Any:
+    """The xgrammar module, imported on first use (a one-shot command with no grammar never loads it)."""
+    import xgrammar
+
+    return xgrammar
+
+
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """An all-allowed bitmask ``[num_rows, ceil(vocab_size / 32)]`` int32 on the CPU (xgrammar's layout)."""
-    return xgr.allocate_token_bitmask(num_rows, vocab_size)
+    return _xgr().allocate_token_bitmask(num_rows, vocab_size)
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -52,7 +58,7 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
         bitmask: ``[num_seqs, ceil(vocab_size / 32)]`` int32, on the device of ``logits``.
         rows: Batch indices of the constrained rows.
     """
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
+    _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 class GrammarState:
@@ -63,7 +69,7 @@ class GrammarState:
     """
 
     def __init__(self, compiled: Any) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+        self._matcher = _xgr().GrammarMatcher(compiled)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (``[*, ceil(V / 32)]`` int32, CPU)."""
@@ -90,14 +96,16 @@ class StructuredOutputCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._tokenizer, self.vocab_size, self._stop = tokenizer, vocab_size, list(stop_token_ids)
-        self._compiler: Optional[xgr.GrammarCompiler] = None
+        self._compiler: Optional[Any] = None  # xgrammar.GrammarCompiler
         self._lock = threading.Lock()
         self._cache: dict[str, Any] = {}
 
-    def _get(self) -> xgr.GrammarCompiler:
+    def _get(self) -> Any:
+        xgr = _xgr()
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                tokenizer = getattr(self._tokenizer, "transformers_tokenizer", self._tokenizer)  # see GGUFTokenizer
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self._stop or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
@@ -122,6 +130,7 @@ class StructuredOutputCompiler:
             cached = self._cache.get(params.json)
         if cached is not None:
             return cached
+        xgr = _xgr()
         try:
             grammar = xgr.Grammar.from_json_schema(params.json, any_whitespace=False)
             ebnf = str(grammar)
