@@ -209,6 +209,18 @@ def test_token_budget_from_the_tpot_slo_when_the_length_is_unknown():
     assert slo.records[1].ttft == pytest.approx(0.125 + 0.127 - 0.015, abs=1e-9)
 
 
+def _allowance_of_a_decode(policy, now: float, max_tokens: int, ignore_eos: bool, slo_tpot: float) -> float:
+    """``policy``'s allowance at ``now`` for a lone running request that streamed 2 tokens from t=0."""
+    req = Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
+                  max_tokens=max_tokens, slo_tpot=slo_tpot)
+    req.first_token_time = 0.0
+    req.append_output_token(7)
+    req.append_output_token(7)
+    req.num_computed_tokens = req.num_tokens - 1  # decoding
+    policy.begin_step([req], now)
+    return policy.allowance(req, now)
+
+
 def test_allowance_of_a_request_behind_its_tpot():
     """A request 1 s behind its next token's deadline (2 tokens streamed from t=0, TPOT SLO 0.5 s, now 2 s) and
     a decode step of 0.25 s: if it may stop any time, its TPOT can be met again at its 6th token from now (each
@@ -219,14 +231,7 @@ def test_allowance_of_a_request_behind_its_tpot():
     policy = SLOPolicy(StepTimeModel(StepCoefficients(0.25, 0.0, 0.0, 0.0), adapt=False), 64, 4)
 
     def behind(max_tokens: int, ignore_eos: bool = False) -> float:
-        req = Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
-                      max_tokens=max_tokens, slo_tpot=0.5)
-        req.first_token_time = 0.0
-        req.append_output_token(7)
-        req.append_output_token(7)
-        req.num_computed_tokens = req.num_tokens - 1  # decoding
-        policy.begin_step([req], 2.0)
-        return policy.allowance(req, 2.0)
+        return _allowance_of_a_decode(policy, 2.0, max_tokens, ignore_eos, slo_tpot=0.5)
 
     assert behind(100) == 0.25 and policy.tpot_limit == 0.25
     assert behind(6) == -math.inf and policy.tpot_limit == math.inf
@@ -247,18 +252,8 @@ def test_allowance_aims_below_the_tpot_slo_by_the_models_margin():
     assert model.margin == pytest.approx(1.25)
     policy = SLOPolicy(model, 64, 4)
 
-    def allowance(now: float, max_tokens: int, ignore_eos: bool) -> float:
-        req = Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
-                      max_tokens=max_tokens, slo_tpot=0.1)
-        req.first_token_time = 0.0
-        req.append_output_token(7)
-        req.append_output_token(7)
-        req.num_computed_tokens = req.num_tokens - 1  # decoding
-        policy.begin_step([req], now)
-        return policy.allowance(req, now)
-
-    assert allowance(0.2, 12, ignore_eos=True) == pytest.approx(0.455)
-    assert allowance(0.15, 100, ignore_eos=False) == pytest.approx(0.05)
+    assert _allowance_of_a_decode(policy, 0.2, 12, True, slo_tpot=0.1) == pytest.approx(0.455)
+    assert _allowance_of_a_decode(policy, 0.15, 100, False, slo_tpot=0.1) == pytest.approx(0.05)
 
 
 def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():
