@@ -59,11 +59,6 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    """Value of a GGUF metadata field (``default`` when absent)."""
-    return reader.get(key, default)
-
-
 def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head rotary row reordering of a Q or K projection.
 
@@ -83,37 +78,37 @@ def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = reader.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
 
     def get(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"{arch}.{key}", default)
+        value = reader.get(f"{arch}.{key}", default)
         if value is None:
             raise ValueError(f"GGUF metadata key {arch}.{key} is missing")
         return value
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length") or hidden // heads)
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count") or head_dim)
+    head_dim = int(reader.get(f"{arch}.attention.key_length") or hidden // heads)
+    rope_dim = int(reader.get(f"{arch}.rope.dimension_count") or head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) unsupported")
 
     scaling = None
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    scaling_type = reader.get(f"{arch}.rope.scaling.type")
     if scaling_type and scaling_type != "none":
         scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0))}
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        original = reader.get(f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
 
-    eos = token_id_list(_field(reader, "tokenizer.ggml.eos_token_id"))
-    eos += token_id_list(_field(reader, "tokenizer.ggml.eot_token_id"))
-    eos += token_id_list(_field(reader, "tokenizer.ggml.eom_token_id"))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = token_id_list(reader.get("tokenizer.ggml.eos_token_id"))
+    eos += token_id_list(reader.get("tokenizer.ggml.eot_token_id"))
+    eos += token_id_list(reader.get("tokenizer.ggml.eom_token_id"))
+    bos = reader.get("tokenizer.ggml.bos_token_id")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return ModelConfig(
         architecture=arch,
@@ -122,7 +117,7 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
         intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or heads),
+        num_key_value_heads=int(reader.get(f"{arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -218,7 +213,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
     reader = GGUFFile(path)
     n_tokens = len(reader.get("tokenizer.ggml.tokens", ()))
     config = _gguf_config(reader, n_tokens)
-    chat_template = _field(reader, "tokenizer.chat_template")
+    chat_template = reader.get("tokenizer.chat_template")
     # Build the tokenizer (mostly outside the GIL) while we unpack the weights.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(gguf_tokenizer, reader, path)
