@@ -127,7 +127,7 @@ def test_make_linear_auto_keeps_4bit_blocks_only_in_bfloat16():
     dense = make_linear(w, None, torch.float32, "auto")
     assert isinstance(dense, nn.Linear) and torch.equal(dense.weight, ref)
     q8 = unpack_gguf_blocks(_gguf_weight("Q8_0")[0], "Q8_0", (128, 96))
-    assert isinstance(make_linear(q8, None, torch.bfloat16, "auto"), nn.Linear)
+    assert not isinstance(make_linear(q8, None, torch.bfloat16, "auto"), QuantLinear)  # dense (prepacked)
     assert isinstance(make_linear(q8, None, torch.bfloat16, "int8"), QuantLinear)
     assert isinstance(make_linear(ref, None, torch.bfloat16, "int4"), QuantLinear)
     with pytest.raises(ValueError, match="quantization must be one of"):

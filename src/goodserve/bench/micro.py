@@ -59,22 +59,22 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 2048) -> float:
 def weight_bytes_per_step(model) -> tuple[int, int]:
     """``(bytes of weights a batch-1 decode step reads, parameters of the linear layers)``.
 
-    Quantized layers count their codes and scales (what the kernel reads), dense ones their weight; the
-    embedding table counts only when it is also the LM head.
+    Every linear layer counts, the LM head included: quantized ones their codes and scales (what the kernel
+    reads), prepacked ones their packed weight, others their weight. Norms are left out (a few KB); the
+    input embedding is a lookup of one row.
     """
+    from goodserve.models.linear import PackedLinear
     from goodserve.models.quant import QuantLinear
 
     weight_bytes = linear_params = 0
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, PackedLinear)):
             weight_bytes += module.nbytes
-            linear_params += module.in_features * module.out_features
-    for name, p in model.named_parameters():
-        if name == "embed_tokens.weight" and model.lm_head is not None:
+        elif isinstance(module, torch.nn.Linear):
+            weight_bytes += module.weight.numel() * module.weight.element_size()
+        else:
             continue
-        weight_bytes += p.numel() * p.element_size()
-        if name.endswith("proj.weight"):
-            linear_params += p.numel()
+        linear_params += module.in_features * module.out_features
     return weight_bytes, linear_params
 
 
@@ -132,7 +132,8 @@ def run_micro(args: argparse.Namespace) -> int:
     t = min(times)
     c = engine.config.model
     attn_flops = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2
-    prefill_flops = 2 * linear_params * n + attn_flops + 2 * c.hidden_size * c.vocab_size
+    head = c.hidden_size * c.vocab_size  # the LM head runs on the last token only
+    prefill_flops = 2 * (linear_params - head) * n + attn_flops + 2 * head
     mfu = prefill_flops / t / flops
     result["prefill"] = {"tokens": n, "seconds": t, "tok_s": n / t, "flops": prefill_flops, "mfu": mfu}
     print(f"prefill {n} tokens: {t * 1e3:.0f} ms = {n / t:.0f} tok/s, {prefill_flops / t / 1e9:.0f} GFLOP/s "

@@ -201,18 +201,18 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One query token per request over its gathered context, as two batched matmuls.
+    """One query token per request over its gathered context, in one fused attention call.
 
-    PyTorch's fused CPU attention kernel is built for blocks of queries; with the few query heads of one
-    decode token per KV head it runs at a small fraction of matmul speed. Here the scores of all query
-    heads against all KV heads come from one ``bmm`` over the contiguous token-major context (``num_kv_heads``
-    times the FLOPs, but streaming the KV once), the diagonal KV head of each query head is kept, the
-    softmax runs in float32, and the weighted sum of values is a second batched matmul.
+    Grouped-query attention (Ainslie et al. 2023) without repeating K/V: the ``num_heads // num_kv_heads``
+    query heads that share a KV head become that head's query rows, so one
+    ``scaled_dot_product_attention`` call (PyTorch's fused CPU kernel) streams each KV head once. On the
+    default model this is 2-4x faster per layer than the two batched matmuls it replaces (BENCHMARKS.md,
+    issue 15, run 4).
 
     Args:
         q: ``[n, num_heads, head_dim]``.
-        k: ``[n, ctx, num_kv_heads, head_dim]`` contiguous.
-        v: ``[n, ctx, num_kv_heads, head_dim]`` contiguous.
+        k: ``[n, ctx, num_kv_heads, head_dim]`` (token-major, as gathered from the cache).
+        v: ``[n, ctx, num_kv_heads, head_dim]``.
         mask: ``[n, 1, 1, ctx]`` bool, True on valid positions.
 
     Returns:
@@ -220,12 +220,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """
     n, ctx, num_kv_heads, head_dim = k.shape
     num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
-    scores = torch.bmm(q, k.view(n, ctx * num_kv_heads, head_dim).transpose(1, 2))  # [n, heads, ctx * kv]
-    scores = torch.diagonal(scores.view(n, num_kv_heads, group, ctx, num_kv_heads), dim1=1, dim2=4)
-    scores = scores.permute(0, 3, 1, 2).float() * (head_dim ** -0.5)  # [n, num_kv_heads, group, ctx]
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v.transpose(1, 2))  # [n, num_kv_heads, group, head_dim]
+    queries = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
     return out.reshape(n, num_heads, head_dim)
 
 
@@ -235,7 +231,7 @@ class TorchAttentionBackend:
     Prefill chunks are shaped so that PyTorch's fused CPU kernel (flash attention for CPU) takes them rather
     than the unfused math path, which is several times slower: 4-D inputs and no ``enable_gqa``, K/V
     repeated per query head (a copy linear in the chunk, small next to its attention). Decodes, one query
-    per request, use :func:`decode_attention` (batched matmuls), faster than that kernel for them.
+    per request, use :func:`decode_attention`, the same kernel with a KV head's query heads as its rows.
     """
 
     def __init__(self) -> None:

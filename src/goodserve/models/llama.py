@@ -21,6 +21,7 @@ from torch import nn
 
 from goodserve.config import ModelConfig
 from goodserve.models.attention import AttentionBackend, AttentionMetadata
+from goodserve.models.linear import dense_linear
 from goodserve.models.quant import BlockQuantized, make_linear
 
 
@@ -156,9 +157,9 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head: Optional[nn.Linear] = None
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The LM head, made by ``load_weights`` (from the embedding when tied); until then logits use
+        # the embedding itself.
+        self.lm_head: Optional[nn.Module] = None
         self.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_tables: dict[torch.dtype, torch.Tensor] = {}
@@ -205,8 +206,10 @@ class LlamaForCausalLM(nn.Module):
         hidden, inter = c.hidden_size, c.intermediate_size
         self.embed_tokens.weight = dense("model.embed_tokens.weight", (c.vocab_size, hidden))
         self.norm.weight = dense("model.norm.weight", (hidden,))
-        if self.lm_head is not None:
-            self.lm_head.weight = dense("lm_head.weight", (c.vocab_size, hidden))
+        # Tied, the head is a second (prepacked) copy of the embedding where ``dense_linear`` packs it:
+        # the lookup needs row-major rows, the GEMM its own layout.
+        head = self.embed_tokens.weight if c.tie_word_embeddings else dense("lm_head.weight", (c.vocab_size, hidden))
+        self.lm_head = dense_linear(head)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -268,5 +271,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
-        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head.forward(hidden).float()

@@ -17,7 +17,8 @@ symmetric, round to nearest) and never exact.
 
 These kernels are matrix-vector kernels: fast while a step has few rows, far slower than oneDNN's bfloat16
 GEMM for a prefill chunk. :class:`QuantLinear` therefore runs steps of at most ``max_rows`` rows on the
-kernel and larger ones on a dense copy of the same weight, made from the codes on first use.
+kernel and larger ones on a dense copy of the same weight, made from the codes on first use (prepacked for
+oneDNN where :mod:`goodserve.models.linear` applies).
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from goodserve.config import QUANTIZATIONS
+from goodserve.models.linear import dense_linear
 
 GROUP_SIZE = 32  # weights per GGUF block (QK4_0 = QK4_1 = QK8_0 = 32)
 
 #: Steps of more rows than this run on the dense copy: on this class of CPU the int4 kernel is faster than
-#: bfloat16 GEMM up to a handful of rows and several times slower at prefill sizes (BENCHMARKS.md).
+#: bfloat16 GEMM up to a handful of rows and several times slower at prefill sizes (BENCHMARKS.md). A lone
+#: matrix in cache runs faster prepacked than on the int4 kernel from 4 rows, but a decode step streams
+#: every weight from memory, and there the int4 kernel's 2.2x fewer bytes keep it ahead at 4 rows (issue 15,
+#: run 4: batch 4 at 46 ms with 4 here, 51-54 ms with 2).
 DEFAULT_MAX_ROWS = 4
 
 # Byte layout of one block (ggml-common.h): fp16 d [, fp16 m], then the codes.
@@ -249,7 +253,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("extra", extra)  # int4: scales_and_zeros [groups, out, 2]; int8: scales [out]
         self.bias = None if bias is None else bias.to(dtype)
-        self._dense: Optional[torch.Tensor] = None
+        self._dense: Optional[nn.Module] = None
 
     @property
     def nbytes(self) -> int:
@@ -257,18 +261,22 @@ class QuantLinear(nn.Module):
         return self.packed.numel() * self.packed.element_size() + self.extra.numel() * self.extra.element_size()
 
     def dense_weight(self) -> torch.Tensor:
-        """``[out, in]`` in the activation dtype (made once, kept)."""
+        """``[out, in]`` in the activation dtype, made from the codes."""
+        if self.kind == "int4":
+            return unpack_int4(self.packed, self.extra, self.dtype)
+        return (self.packed.float() * self.extra.float()[:, None]).to(self.dtype)
+
+    def dense(self) -> nn.Module:
+        """The dense layer steps of more than ``max_rows`` rows run on (made once, kept)."""
         if self._dense is None:
-            if self.kind == "int4":
-                self._dense = unpack_int4(self.packed, self.extra, self.dtype)
-            else:
-                self._dense = (self.packed.float() * self.extra.float()[:, None]).to(self.dtype)
+            # Not registered as a submodule: it is a cache of this layer's weight, not more weights.
+            object.__setattr__(self, "_dense", dense_linear(self.dense_weight(), self.bias))
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[rows, in_features]`` in the activation dtype -> ``[rows, out_features]``."""
         if x.shape[0] > self.max_rows:
-            return F.linear(x, self.dense_weight(), self.bias)
+            return self.dense().forward(x)
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.extra)
         else:
@@ -290,7 +298,7 @@ def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quanti
         quantization: One of :data:`QUANTIZATIONS`.
 
     Returns:
-        An ``nn.Linear`` (dense, ``dtype``) or a :class:`QuantLinear`.
+        A dense layer of :func:`goodserve.models.linear.dense_linear` (``dtype``) or a :class:`QuantLinear`.
 
     Raises:
         ValueError: on an unknown ``quantization``, or ``int4`` for a weight the kernel cannot hold.
@@ -304,12 +312,7 @@ def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quanti
         return QuantLinear("int4", weight if q4 else quantize_int4(_dense(weight)), dtype, bias)
     if quantization == "int8":
         return QuantLinear("int8", _dense(weight), dtype, bias)
-    dense = _dense(weight)
-    layer = nn.Linear(dense.shape[1], dense.shape[0], bias=bias is not None, device="meta")
-    layer.weight = nn.Parameter(dense.to(dtype), requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-    return layer
+    return dense_linear(_dense(weight).to(dtype), bias)
 
 
 def _dense(weight) -> torch.Tensor:
