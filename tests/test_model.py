@@ -163,6 +163,13 @@ def test_lone_decode_on_consecutive_blocks_reads_the_cache_in_place():
     meta.decode_groups[0].first_block = None  # force the gather
     want = backend(q, k, v, k_cache.clone(), v_cache.clone(), meta)
     assert torch.equal(got, want)
+    # A lone decode has no mask: its context is cut to seq_len, the same as masking the padded blocks.
+    assert meta.decode_groups[0].mask is None and meta.decode_groups[0].seq_len == seq_len
+    kc, vc = k_cache.clone(), v_cache.clone()
+    backend(q, k, v, kc, vc, meta)  # writes the new token
+    ctx_k, ctx_v = kc[5:8].reshape(1, 3 * BLOCK, nkv, hd), vc[5:8].reshape(1, 3 * BLOCK, nkv, hd)
+    mask = (torch.arange(3 * BLOCK) < seq_len)[None, None, None, :]
+    torch.testing.assert_close(got.double(), _reference_decode_attention(q, ctx_k, ctx_v, mask), rtol=1e-5, atol=1e-5)
     scattered = AttentionMetadata.build(BLOCK, [[5, 7, 6]], [seq_len], [], slot, torch.device("cpu"))
     batched = AttentionMetadata.build(BLOCK, [[1, 2], [5, 6]], [2 * BLOCK, 2 * BLOCK], [],
                                       torch.tensor([0, 1]), torch.device("cpu"))

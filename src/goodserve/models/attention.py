@@ -51,7 +51,9 @@ class DecodeGroup:
         end: One past its last token.
         block_tables: ``[end - start, max_blocks]`` int64, padded with block 0.
         mask: ``[end - start, 1, 1, max_blocks * block_size]`` bool, True on each request's ``seq_len``
-            valid positions (the new token included).
+            valid positions (the new token included); ``None`` for a group of one request, whose context is
+            cut to its ``seq_len`` instead.
+        seq_len: The longest context of the group, new token included.
         first_block: For a group of one request whose blocks are consecutive ids (a lone stream on a pool
             that hands out blocks in order), its first block: attention reads the cache in place.
     """
@@ -59,7 +61,8 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor
-    mask: torch.Tensor
+    mask: Optional[torch.Tensor]
+    seq_len: int
     first_block: Optional[int] = None
 
 
@@ -127,13 +130,14 @@ class AttentionMetadata:
             tables = decode_block_tables[start:end]
             max_blocks = len(tables[-1])
             dbt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=device)
-            seq_lens = torch.tensor(decode_seq_lens[start:end], dtype=torch.long, device=device)
-            positions = torch.arange(max_blocks * block_size, device=device)
-            mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
-            first = None
-            if end - start == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + max_blocks)):
+            mask = first = None
+            if end - start > 1:
+                seq_lens = torch.tensor(decode_seq_lens[start:end], dtype=torch.long, device=device)
+                positions = torch.arange(max_blocks * block_size, device=device)
+                mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+            elif tables[0] == list(range(tables[0][0], tables[0][0] + max_blocks)):
                 first = tables[0][0]
-            groups.append(DecodeGroup(start, end, dbt, mask, first))
+            groups.append(DecodeGroup(start, end, dbt, mask, max(decode_seq_lens[start:end]), first))
         prefills = []
         start = num_decodes
         for num_computed, num_new, table in prefill_chunks:
@@ -200,7 +204,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return _gather_rows(cache, block_table).transpose(-3, -2)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One query token per request over its gathered context, in one fused attention call.
 
     Grouped-query attention (Ainslie et al. 2023) without repeating K/V: the ``num_heads // num_kv_heads``
@@ -213,7 +218,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q: ``[n, num_heads, head_dim]``.
         k: ``[n, ctx, num_kv_heads, head_dim]`` (token-major, as gathered from the cache).
         v: ``[n, ctx, num_kv_heads, head_dim]``.
-        mask: ``[n, 1, 1, ctx]`` bool, True on valid positions.
+        mask: ``[n, 1, 1, ctx]`` bool, True on valid positions; ``None`` when every position is valid.
 
     Returns:
         ``[n, num_heads, head_dim]``.
@@ -248,12 +253,15 @@ class TorchAttentionBackend:
 
     def _decode_context(self, cache: torch.Tensor, g: DecodeGroup, name: str) -> torch.Tensor:
         """``[n, ctx, num_kv_heads, head_dim]`` context of a decode group: the cache itself when the group is
-        one request on consecutive blocks, else gathered into a reused buffer."""
+        one request on consecutive blocks, else gathered into a reused buffer; a lone request's is cut to its
+        ``seq_len`` (its group has no mask)."""
         _, block_size, num_kv_heads, head_dim = cache.shape
         n, nb = g.block_tables.shape
         if g.first_block is not None:
-            return cache[g.first_block:g.first_block + nb].view(1, nb * block_size, num_kv_heads, head_dim)
-        return _gather_rows(cache, g.block_tables, self._buffer(name, cache, cache[0].numel() * n * nb))
+            ctx = cache[g.first_block:g.first_block + nb].view(1, nb * block_size, num_kv_heads, head_dim)
+        else:
+            ctx = _gather_rows(cache, g.block_tables, self._buffer(name, cache, cache[0].numel() * n * nb))
+        return ctx if g.mask is not None else ctx[:, :g.seq_len]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
