@@ -121,9 +121,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        # Projections are called through ``forward`` (an ``nn.Linear`` or a ``QuantLinear``) and norms through
-        # their weights: at batch 1 the per-call overhead of ``nn.Module.__call__`` is a visible share of a
-        # decode step on CPU.
+        # Projections are called through ``forward`` (``nn.Linear``, ``PackedLinear`` or ``QuantLinear``) and
+        # norms through their weights: at batch 1 the per-call overhead of ``nn.Module.__call__`` is a visible
+        # share of a decode step on CPU.
         n = x.shape[0]  # rows, possibly padded past the step's tokens (see LlamaForCausalLM.forward)
         h = _rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = self.qkv_proj.forward(h)
