@@ -211,8 +211,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Grouped-query attention (Ainslie et al. 2023) without repeating K/V: the ``num_heads // num_kv_heads``
     query heads that share a KV head become that head's query rows, so one
     ``scaled_dot_product_attention`` call (PyTorch's fused CPU kernel) streams each KV head once. On the
-    default model this is 2-4x faster per layer than the two batched matmuls it replaces (BENCHMARKS.md,
-    issue 15, run 4).
+    default model a layer's decode attention is 1.3-2.7x faster than with the two batched matmuls this
+    replaces (BENCHMARKS.md, issue 15, run 4).
 
     Args:
         q: ``[n, num_heads, head_dim]``.
