@@ -157,8 +157,7 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # The LM head, made by ``load_weights`` (from the embedding when tied); until then logits use
-        # the embedding itself.
+        # The LM head, made by ``load_weights`` (from the embedding when tied).
         self.lm_head: Optional[nn.Module] = None
         self.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -270,7 +269,5 @@ class LlamaForCausalLM(nn.Module):
         return table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
+        """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits (after :meth:`load_weights`)."""
         return self.lm_head.forward(hidden).float()
