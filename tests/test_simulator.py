@@ -18,13 +18,14 @@ from goodserve.engine.step_trace import TracedStep
 from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.sim import simulator as simulator_module
-from goodserve.sim.cost_model import ConstantCostModel, LinearCostModel, RooflineCostModel, StepShape
+from goodserve.sim.cost_model import (ConstantCostModel, LinearCostModel, NoisyCostModel, RooflineCostModel,
+                                      StepShape)
 from goodserve.sim.hardware import get_hardware
 from goodserve.sim.presets import load_arch
 from goodserve.sim.profile import fit_linear
 from goodserve.sim.replay import load_bench_runs
 from goodserve.sim.roofline import decode_step
-from goodserve.sim.simulate_cli import build_workload, parse_disaggregate, parse_rates
+from goodserve.sim.simulate_cli import build_workload, parse_disaggregate, parse_rates, parse_stall
 from goodserve.sim.simulator import ClusterConfig, Disaggregation, SimRequest, Simulator
 
 STEP = 0.1  # seconds per step under the constant cost model
@@ -404,6 +405,62 @@ def test_linear_cost_model_loads_a_profile(tmp_path):
     assert model.step_time(_step((0, 10, True))) == pytest.approx(0.02)
     with pytest.raises(ValueError, match="cannot read"):
         LinearCostModel.load(tmp_path / "missing.json")
+
+
+def test_noisy_cost_model_scatters_drifts_and_stalls_as_asked():
+    """A shared machine's step times: the noiseless model unchanged; i.i.d. log-normal scatter of the asked
+    sigma around a median of 1; an AR(1) drift with the asked sigma and step-to-step correlation
+    exp(-1/steps); stalls that add their seconds to the asked share of steps. The same seed, the same
+    factors."""
+    import numpy as np
+
+    step = _step((0, 10, True))
+    base = ConstantCostModel(0.01)
+    quiet = NoisyCostModel(base, 0.0)
+    assert [quiet.step_time(step) for _ in range(3)] == [0.01] * 3 and quiet.predict(StepShape(1, 1, 1, 1, 1)) == 0.01
+    assert NoisyCostModel(base, 0.2).step_time(SchedulerOutput()) == 0.0
+
+    noisy = NoisyCostModel(base, 0.2, seed=7)
+    logs = np.log([noisy.step_time(step) / 0.01 for _ in range(20000)])
+    assert abs(logs.mean()) < 0.01 and abs(logs.std() - 0.2) < 0.005
+    again = NoisyCostModel(base, 0.2, seed=7)
+    assert [again.step_time(step) for _ in range(5)] == pytest.approx(np.exp(logs[:5]) * 0.01, rel=1e-12)
+
+    drift = NoisyCostModel(base, 0.0, drift_sigma=0.3, drift_steps=20, seed=1)
+    d = np.log([drift.factor() for _ in range(100000)])
+    assert abs(d.std() - 0.3) < 0.02
+    assert np.corrcoef(d[:-1], d[1:])[0, 1] == pytest.approx(math.exp(-1 / 20), abs=0.01)
+
+    stalls = NoisyCostModel(base, 0.0, stall_p=0.1, stall_s=2.0, seed=3)
+    times = [stalls.step_time(step) for _ in range(10000)]
+    assert set(round(t, 12) for t in times) == {0.01, 2.01}
+    assert sum(t > 1 for t in times) / len(times) == pytest.approx(0.1, abs=0.01)
+
+    for bad in (dict(noise_sigma=-0.1), dict(noise_sigma=0.1, drift_sigma=-1), dict(noise_sigma=0, drift_steps=0),
+                dict(noise_sigma=0, stall_p=1.5), dict(noise_sigma=0, stall_p=0.1, stall_s=-1)):
+        with pytest.raises(ValueError):
+            NoisyCostModel(base, **bad)
+    assert parse_stall("0.001:2") == (0.001, 2.0) and parse_stall(None) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="P:SECONDS"):
+        parse_stall("0.001")
+
+
+def test_simulate_with_step_noise_is_seeded_and_slower_than_without(tmp_path):
+    """``--step-noise/--step-drift/--step-stall`` wrap the cost model; a run is reproducible for its seed,
+    and stalls (here one per step) lengthen it."""
+    def run(*noise: str) -> dict:
+        path = tmp_path / "run.json"
+        args = build_parser().parse_args([
+            "simulate", "--model", "SmolLM2-135M", "--hardware", "h100", "--dataset", "random", "--num-prompts", "20",
+            "--random-input-len", "100", "--random-output-len", "20", "--request-rate", "inf", "--seed", "3",
+            "--num-blocks", "200", "--save-result", str(path), *noise])
+        assert args.func(args) == 0
+        return json.loads(path.read_text())["runs"][0]["summary"]
+
+    quiet = run()
+    noisy = run("--step-noise", "0.2", "--step-drift", "0.2", "--step-stall", "1:0.5")
+    assert noisy == run("--step-noise", "0.2", "--step-drift", "0.2", "--step-stall", "1:0.5")
+    assert noisy["duration"] > quiet["duration"] + 0.5
 
 
 # ------------------------------------------------------------------------------------------------ CLI

@@ -19,6 +19,8 @@ returns seconds. Three are provided:
 * :class:`LinearCostModel`, least-squares coefficients measured on this machine by ``goodserve profile``
   (:mod:`goodserve.sim.profile`): ``overhead + a · tokens + b · sampled + c · attention pairs``.
 * :class:`ConstantCostModel`, a fixed time per step, for tests whose timings are worked out by hand.
+* :class:`NoisyCostModel` wraps any of them with the scatter and drift of a shared machine's step times,
+  seeded, so a scheduling policy can be judged against predictions that the next steps do not keep.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
+
+import numpy as np
 
 from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.sim.hardware import HardwareSpec
@@ -163,3 +167,61 @@ class LinearCostModel:
                        float(c["per_pair_s"]), source=str(path))
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot read cost model {path}: {exc!r}") from None
+
+
+class NoisyCostModel:
+    """A cost model's step times as a shared machine delivers them: ``inner × exp(drift + noise)``, plus a
+    stall of ``stall_s`` seconds with probability ``stall_p`` per step.
+
+    ``noise`` is drawn anew for every step, ``N(0, noise_sigma²)`` (a step's own scatter: a lognormal factor
+    whose 0.9 quantile is ``exp(1.28·noise_sigma)``); ``drift`` is a stationary AR(1) process over steps with
+    standard deviation ``drift_sigma`` and correlation ``exp(-1 / drift_steps)`` from one step to the next
+    (the machine's speed wandering over hundreds of steps, as another tenant comes and goes). Both are in
+    log-space, so the median factor is 1. Stalls are the single steps of seconds that no step shape
+    explains (BENCHMARKS.md, simulator §4, saw 1.7-3.0 s ones about once per thousand steps on this CPU). :meth:`predict` is the inner model's: the scheduler's step-time
+    model is seeded with what the machine would do without the noise, and learns the rest.
+
+    Args:
+        inner: The noiseless cost model.
+        noise_sigma: Standard deviation of each step's log-factor (>= 0).
+        drift_sigma: Standard deviation of the drift's log-factor (>= 0).
+        drift_steps: Correlation length of the drift, in steps (> 0).
+        stall_p: Probability of a stall per step, in ``[0, 1]``.
+        stall_s: Seconds a stall adds to its step (>= 0).
+        seed: Seed of the generator (the same seed gives the same factors step by step).
+
+    Raises:
+        ValueError: on a negative sigma or stall, a non-positive correlation length or a probability outside
+            ``[0, 1]``.
+    """
+
+    def __init__(self, inner: CostModel, noise_sigma: float, drift_sigma: float = 0.0, drift_steps: float = 500.0,
+                 stall_p: float = 0.0, stall_s: float = 0.0, seed: int = 0) -> None:
+        if noise_sigma < 0 or drift_sigma < 0:
+            raise ValueError(f"step-time noise must be >= 0, got {noise_sigma} and drift {drift_sigma}")
+        if drift_steps <= 0:
+            raise ValueError(f"drift correlation length must be > 0 steps, got {drift_steps}")
+        if not 0.0 <= stall_p <= 1.0 or stall_s < 0:
+            raise ValueError(f"stall probability must be in [0, 1] and its seconds >= 0, got {stall_p}, {stall_s}")
+        self.stall_p, self.stall_s = stall_p, stall_s
+        self.inner = inner
+        self.noise_sigma, self.drift_sigma = noise_sigma, drift_sigma
+        self._rho = float(np.exp(-1.0 / drift_steps))
+        self._rng = np.random.default_rng(seed)
+        self._drift = drift_sigma * float(self._rng.standard_normal())  # drawn from the stationary law
+
+    def factor(self) -> float:
+        """The next step's factor (advances the drift and draws the step's noise)."""
+        self._drift = self._rho * self._drift + \
+            self.drift_sigma * float(np.sqrt(1.0 - self._rho ** 2)) * float(self._rng.standard_normal())
+        return float(np.exp(self._drift + self.noise_sigma * float(self._rng.standard_normal())))
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        t = self.inner.step_time(out)
+        if t <= 0:
+            return t
+        t *= self.factor()
+        return t + self.stall_s if self.stall_p and self._rng.random() < self.stall_p else t
+
+    def predict(self, shape: StepShape) -> float:
+        return self.inner.predict(shape)

@@ -18,7 +18,7 @@ import time
 from typing import Any, Optional, TextIO
 
 from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
-from goodserve.sim.cost_model import CostModel, LinearCostModel, RooflineCostModel
+from goodserve.sim.cost_model import CostModel, LinearCostModel, NoisyCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
 from goodserve.sim.model_size import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, parse_dtype
 from goodserve.sim.planner import plan_memory
@@ -54,6 +54,15 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance (default: 1)")
     p.add_argument("--cost-model", default=None,
                    help="JSON from `goodserve profile`: fitted step times instead of the roofline")
+    p.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="scatter each step's time by a lognormal factor of this log-space sigma (a shared "
+                        "machine; 0.2 puts the 0.9 quantile at 1.29x the cost model)")
+    p.add_argument("--step-drift", type=float, default=0.0, metavar="SIGMA",
+                   help="and by a slow drift of the machine's speed: an AR(1) log-factor of this sigma")
+    p.add_argument("--step-drift-steps", type=float, default=500.0, metavar="N",
+                   help="the drift's correlation length in steps (default: 500)")
+    p.add_argument("--step-stall", default=None, metavar="P:SECONDS",
+                   help="and stall a step by SECONDS with probability P (e.g. 0.001:2)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="azure-conv", choices=DATASETS)
     w.add_argument("--num-prompts", type=int, default=200)
@@ -197,10 +206,34 @@ def build_workload(args: argparse.Namespace, rate: float, max_model_len: int) ->
     return requests
 
 
+def parse_stall(text: Optional[str]) -> tuple[float, float]:
+    """``P:SECONDS`` of ``--step-stall`` as (probability, seconds); ``(0, 0)`` for none.
+
+    Raises:
+        ValueError: if it is not two numbers separated by a colon.
+    """
+    if not text:
+        return 0.0, 0.0
+    try:
+        p, s = text.split(":")
+        return float(p), float(s)
+    except ValueError:
+        raise ValueError(f"--step-stall takes P:SECONDS (e.g. 0.001:2), got {text!r}") from None
+
+
 def build_cost_model(args: argparse.Namespace, arch: ArchSpec) -> CostModel:
+    """The flags' cost model, wrapped in the step-time noise they ask for (seeded by ``--seed``, anew for every
+    run, so the runs of a comparison see the same factors step by step)."""
     if args.cost_model:
-        return LinearCostModel.load(args.cost_model)
-    return RooflineCostModel(arch, get_hardware(args.hardware), args.dtype, args.tp)
+        model: CostModel = LinearCostModel.load(args.cost_model)
+    else:
+        model = RooflineCostModel(arch, get_hardware(args.hardware), args.dtype, args.tp)
+    noise, drift = getattr(args, "step_noise", 0.0), getattr(args, "step_drift", 0.0)
+    stall_p, stall_s = parse_stall(getattr(args, "step_stall", None))
+    if noise or drift or stall_p:
+        model = NoisyCostModel(model, noise, drift, getattr(args, "step_drift_steps", 500.0), stall_p, stall_s,
+                               args.seed)
+    return model
 
 
 def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str, policy: str = "fcfs") -> ClusterConfig:
