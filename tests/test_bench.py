@@ -285,6 +285,38 @@ def test_bench_sweep_fresh_prompts_find_nothing_cached(tmp_path, capsys, prompts
     assert cached == (32 * (3 + 2) if hits else 0)
 
 
+@pytest.mark.parametrize("interleave", [False, True])
+def test_compare_runs_each_servers_sweep_or_interleaves_rate_by_rate(monkeypatch, interleave):
+    """``bench compare`` runs server A's sweep and then B's; with ``--interleave`` each rate on A and then on
+    B, warming each server up before each of its runs. Both give the results by server, then by rate, each
+    rate with the same prompts on both servers."""
+    from types import SimpleNamespace
+
+    from goodserve.bench import serve as S
+
+    calls = []
+    monkeypatch.setattr(S, "build_from_server", lambda args, url, seed: SimpleNamespace(
+        requests=[], config={"mean_prompt_len": 0.0, "mean_output_len": 0.0, "seed": seed}))
+    monkeypatch.setattr(S, "warm_up", lambda args, url, workload: calls.append(("warm", url)))
+
+    def run_one(args, label, url, workload, rate):
+        calls.append((label, rate, workload.config["seed"]))
+        return SimpleNamespace(label=label, rate=rate, config={},
+                               summary=SimpleNamespace(goodput=0.0, attainment=0.0, failed=0))
+
+    monkeypatch.setattr(S, "run_one", run_one)
+    args = SimpleNamespace(seed=0, prompts="fresh")
+    servers = [S.ServerSpec("slo", "http://a"), S.ServerSpec("fcfs", "http://b")]
+    results = S.run_servers(args, servers, [1.0, 2.0], interleave=interleave)
+    assert [(r.label, r.rate) for r in results] == [("slo", 1.0), ("slo", 2.0), ("fcfs", 1.0), ("fcfs", 2.0)]
+    if interleave:
+        assert calls == [("warm", "http://a"), ("slo", 1.0, 1), ("warm", "http://b"), ("fcfs", 1.0, 1),
+                         ("warm", "http://a"), ("slo", 2.0, 2), ("warm", "http://b"), ("fcfs", 2.0, 2)]
+    else:
+        assert calls == [("warm", "http://a"), ("slo", 1.0, 1), ("slo", 2.0, 2),
+                         ("warm", "http://b"), ("fcfs", 1.0, 1), ("fcfs", 2.0, 2)]
+
+
 def test_launch_failure_is_reported_fast():
     from goodserve.bench.serve import LaunchedServer
 

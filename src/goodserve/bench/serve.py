@@ -4,7 +4,8 @@
   statistics, throughput, SLO attainment and goodput.
 * ``sweep``: the same requests at increasing rates; reports goodput and attainment per rate and the highest
   rate at which attainment is at least ``--min-attainment`` (DistServe's per-device goodput).
-* ``compare``: the same as ``sweep`` against two servers, run one after the other, with ratios.
+* ``compare``: the same as ``sweep`` against two servers, run one after the other (or, with
+  ``--interleave``, rate by rate), with ratios.
 
 A server is either given by URL (``--base-url``) or started by the benchmark (``--launch`` with a command
 template holding ``{port}``, and ``{python}`` for this interpreter); launched servers run one at a time, so
@@ -110,6 +111,10 @@ def add_serve_parsers(bench_sub) -> None:
     c = bench_sub.add_parser("compare", help="the same workload against two servers, with ratios")
     _add_common(c, two_servers=True)
     c.add_argument("--request-rates", default="inf", help="comma-separated requests per second")
+    c.add_argument("--interleave", action="store_true",
+                   help="run the two servers back to back at each rate (each launched anew for its rate), "
+                        "instead of one server's whole sweep and then the other's: on a machine whose speed "
+                        "drifts over minutes, each rate's pair is then measured minutes apart, not a sweep apart")
     c.set_defaults(func=run_compare_cmd)
 
 
@@ -290,8 +295,13 @@ def warm_up(args: argparse.Namespace, base_url: str, workload: Workload) -> None
 WARMUP_SEED_OFFSET = 1_000_003
 
 
-def run_servers(args: argparse.Namespace, servers: list[ServerSpec], rates: list[float]) -> list[RunResult]:
+def run_servers(args: argparse.Namespace, servers: list[ServerSpec], rates: list[float],
+                interleave: bool = False) -> list[RunResult]:
     """Every server (one at a time; launched ones are started and stopped around their runs) x every rate.
+
+    By default each server runs its whole sweep in turn; with ``interleave``, each rate runs on every server
+    in turn (a launched server is started and stopped around that one rate, and warmed up each time). The
+    results are in the same order either way: by server, then by rate.
 
     ``--prompts fresh`` (default): rate ``i`` sends prompts drawn with seed ``--seed + 1 + i`` and the warm-up
     prompts of their own, so a server with a prefix cache finds none of a rate's prompts cached by an
@@ -314,14 +324,14 @@ def run_servers(args: argparse.Namespace, servers: list[ServerSpec], rates: list
                         workloads[key].config["mean_output_len"])
         return workloads[key]
 
-    for spec in servers:
+    def run_on(spec: ServerSpec, indexed_rates: list[tuple[int, float]]) -> None:
         launched = LaunchedServer(spec.launch, args.launch_timeout, spec.label) if spec.launch else None
         if launched is not None:
             launched.__enter__()
         try:
             base_url = launched.base_url if launched else spec.base_url
             warm_up(args, base_url, workload_for(-1 if fresh else 0, base_url))
-            for i, rate in enumerate(rates):
+            for i, rate in indexed_rates:
                 result = run_one(args, spec.label, base_url, workload_for(i if fresh else 0, base_url), rate)
                 if launched is not None:
                     result.config["launch"] = launched.command
@@ -332,6 +342,16 @@ def run_servers(args: argparse.Namespace, servers: list[ServerSpec], rates: list
         finally:
             if launched is not None:
                 launched.__exit__()
+
+    if interleave:
+        for i, rate in enumerate(rates):
+            for spec in servers:
+                run_on(spec, [(i, rate)])
+        order = {spec.label: k for k, spec in enumerate(servers)}
+        results.sort(key=lambda r: order[r.label])  # stable: by server, then by rate
+    else:
+        for spec in servers:
+            run_on(spec, list(enumerate(rates)))
     return results
 
 
@@ -411,7 +431,7 @@ def run_compare_cmd(args: argparse.Namespace) -> int:
     parse_slo_class_mix(args.slo_class)
     args.trace_time_scale = None
     servers = _servers(args, need_baseline=True)
-    results = run_servers(args, servers, _rates(args.request_rates))
+    results = run_servers(args, servers, _rates(args.request_rates), interleave=args.interleave)
     if len(results) == 2:
         for r in results:
             print(format_summary(r.summary, f"{r.label} @ {rate_str(r.rate)} req/s"))
