@@ -256,6 +256,51 @@ def test_allowance_aims_below_the_tpot_slo_by_the_models_margin():
     assert _allowance_of_a_decode(policy, 0.15, 100, False, slo_tpot=0.1) == pytest.approx(0.05)
 
 
+def test_an_urgent_prompt_borrows_against_later_decode_steps():
+    """D streams (1 token at t=0 of exactly 20, TPOT SLO 50.5 ms; a decode step takes 11 ms) after a 210-ms
+    prefill, so the recent mean step (210 ms) is over its SLO and its allowance is what it banked, 50.5 ms: a
+    step may hold 39 prompt tokens beside its decode. At that pace P's 300-token prompt (TTFT SLO 350 ms)
+    gets its first token at 7 x 50 ms + 38 ms = 0.388 s, late. Priced as decodes alone, D's later 18 steps
+    leave it 18 x 39.5 ms more, 0.7615 s in all, so P is urgent rather than late: its whole prompt runs in
+    one 0.311-s step (first token in time), and D's TPOT is still (0.311 + 18 x 0.011) / 19 = 26.8 ms. A
+    prompt whose TTFT does not need it (Q) keeps the 39-token chunk. Shedding judges by the borrowed pace:
+    P is refused only if its TTFT SLO is under 311 ms."""
+    from goodserve.scheduler.slo import SLOPolicy
+
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    model.observe(StepShape(200, 1, 0, 200, 1), 0.21)
+    assert model.recent_step_s == 0.21
+    policy = SLOPolicy(model, 512, 4, shed_load=True)
+    d = Request("D", [1, 2], SamplingParams(max_tokens=20, ignore_eos=True), 0.0, max_tokens=20, slo_tpot=0.0505)
+    d.first_token_time = 0.0
+    d.append_output_token(7)
+    d.num_computed_tokens = d.num_tokens - 1
+
+    def prompt(rid: str, slo_ttft: float) -> Request:
+        return Request(rid, list(range(300)), SamplingParams(max_tokens=4), 0.0, max_tokens=4, slo_ttft=slo_ttft)
+
+    p, q = prompt("P", 0.35), prompt("Q", 10.0)
+    assert policy.triage([p, q], [d], 0.0) == [] and policy.urgent == {"P"}
+    assert policy.first_token_time(300, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.388)
+    assert policy.first_token_time(300, policy.prefill_pace([d], 0.0, borrow=True), 0.0) == pytest.approx(0.311)
+    policy.begin_step([d], 0.0)
+    assert policy.tpot_limit == pytest.approx(0.0505) and policy.borrow_limit == pytest.approx(0.7615)
+    assert policy.chunk_size(p, 0, 300, True) == 300 and policy.chunk_size(q, 0, 300, True) == 39
+    policy.check_arrival(prompt("P2", 0.312), [], [d], 0.0)  # in time when borrowing: admitted
+    with pytest.raises(SLOUnattainableError, match="predicted after 311 ms"):
+        policy.check_arrival(prompt("P3", 0.31), [], [d], 0.0)
+    # Urgency stretches the plain pace's time to first token by the model's margin: a prompt given just
+    # enough would land on its deadline. After 16 decode steps at 1.25x their prediction (margin 1.25, recent
+    # mean 25.3 ms, so D has time to lend again), the plain pace gives P4 its first token at 0.322 s: in time
+    # for a 0.38-s TTFT SLO, but not stretched (0.4025 s), so P4 is urgent.
+    for _ in range(16):
+        model.observe(StepShape(1, 1, 1, 1, 1), 0.01375)
+    assert model.margin == pytest.approx(1.25)
+    slow = prompt("P4", 0.38)
+    assert policy.triage([slow], [d], 0.0) == [] and policy.urgent == {"P4"}
+    assert policy.first_token_time(300, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.322)
+
+
 def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():
     """Five 2-token prompts with a TPOT SLO of 13.5 ms: a decode step of k requests takes 10 + k ms, so at
     most three may run at once. fcfs runs all five (15-ms steps: every TPOT missed); slo never more than

@@ -11,9 +11,12 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    already streamed tokens goes first, as under ``fcfs``.
 2. **Triage**: each step predicts when every request short of its first token would get it, the running
    ones still prefilling first (in chunk order), then the waiting ones in queue order, each behind the
-   prompts ahead of it that are not late, at the prefill pace (below). One that can no longer meet its TTFT
-   SLO is put behind all the others (it is *late*), or, with ``shed_load``, refused: on arrival with
-   :class:`SLOUnattainableError` (HTTP 429); queued or still prefilling, it ends with ``finish_reason="shed"``.
+   prompts ahead of it that are not late, at the prefill pace (below). One that cannot meet its TTFT SLO
+   even at the borrowed pace is put behind all the others (it is *late*), or, with ``shed_load``, refused:
+   on arrival with :class:`SLOUnattainableError` (HTTP 429); queued or still prefilling, it ends with
+   ``finish_reason="shed"``. One in time at the borrowed pace but late at the plain one, its predicted time
+   to first token stretched by the model's margin, is *urgent* (a prompt given just enough lands on its
+   deadline, and step times scatter).
 3. **Step time limit from the TPOT averages** (Sarathi-Serve §4.3 derives a fixed token budget from the TBT
    SLO; here it follows each request's own average): TPOT is an average, so a step may use time a request
    banked or will bank. Each streaming request's :meth:`SLOPolicy.allowance` is the longest next step that
@@ -23,9 +26,12 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    step's limit. Decodes are scheduled first and each prefill chunk is cut to the largest size whose
    predicted step time, stretched by the model's margin (:attr:`StepTimeModel.margin`, a quantile of
    measured / predicted: step times scatter on a shared CPU), stays within it; a step without decodes gives
-   its first chunk at least a block, so a step is never empty. A prompt is never given more than the limit
-   for its TTFT's sake: a request already streaming has cost its prefill, and the triage sheds the prompt
-   that cannot be served in time instead. (A first version held every step to the tightest TPOT SLO: on a
+   its first chunk at least a block, so a step is never empty. An urgent prompt's chunk is cut to the
+   *borrowed* limit instead: each allowance with the later steps priced as decodes alone (``L = d``), so
+   the step spends what the streaming requests' later steps will save by not prefilling, and the allowances
+   of the next steps hold those steps to what is left. No prompt gets more than that for its TTFT's sake:
+   a request already streaming has cost its prefill, and the triage sheds the prompt that cannot be served
+   in time instead. (A first version held every step to the tightest TPOT SLO: on a
    CPU where a decode batch alone fills most of it, prompts crawled a block per step and lost both their
    TTFT and, spread over many steps, the decodes' TPOT; a floor that gave a prompt the chunk its TTFT
    needed past the limit then broke the TPOT of the decodes at every load past the knee.)
@@ -51,7 +57,8 @@ a whole token budget made a short prompt on a slow machine look as costly as a f
 every step at ``S`` when the decodes had seconds banked shed prompts at half the knee that the steps
 rule 3 then allowed would have served in time). This errs on the side of serving: decodes also finish and
 leave, and a request refused that could have made it is a loss the policy never recovers, while one admitted
-that misses costs only the work spent on it.
+that misses costs only the work spent on it. The *borrowed pace* starts from the borrowed limit (rule 3), and
+each step leaves what it took less a decode step.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 from goodserve.request import Request
 from goodserve.scheduler.step_time import StepTimeModel
@@ -131,6 +138,8 @@ class SLOPolicy:
         self.num_shed = 0
         # Set by begin_step for the step being built.
         self.tpot_limit = INF  # the step's time limit: the smallest TPOT allowance of the running requests
+        self.borrow_limit = INF  # the same with later steps priced as decodes alone (for urgent prompts)
+        self.urgent: set[str] = set()  # prompts whose TTFT needs the borrowed limit (set by triage)
         self.tpot_min = INF  # the tightest TPOT SLO of the running requests (admission)
         self.margin = 1.0  # the step-time model's margin for this step
         self._decode_step = 0.0  # predicted seconds of a step of the running decodes alone, with the margin
@@ -215,17 +224,21 @@ class SLOPolicy:
         return acc
 
     def _set_step_figures(self, running: Iterable[Request], decodes: StepAccumulator, now: float) -> float:
-        """Set the margin, the decode step and the later step from the model and ``decodes``, and return the
-        smallest TPOT allowance of the running requests at ``now`` (rule 3; infinite if none has one)."""
+        """Set the margin, the decode step, the later step and :attr:`borrow_limit` from the model and
+        ``decodes``, and return the smallest TPOT allowance of the running requests at ``now`` (rule 3;
+        infinite if none has one)."""
         self.margin = self.model.margin
         # A step of the decodes alone: what every later step of a decoding request costs at least.
         self._decode_step = self.margin * self.model.predict(decodes.tokens, decodes.sampled, decodes.pairs) \
             if decodes.tokens else 0.0
         # Later steps hold other prompts' chunks too, as recent ones did.
         self._later_step = max(self._decode_step, self.model.recent_step_s)
-        allowances = (self.allowance(r, now) for r in running
-                      if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None)
+        streaming = [r for r in running
+                     if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None]
+        allowances = [self.allowance(r, now) for r in streaming]
+        borrowed = [max(a, self.allowance(r, now, later=self._decode_step)) for r, a in zip(streaming, allowances)]
         # A request whose TPOT is lost whatever this step does cannot be saved by a shorter step.
+        self.borrow_limit = min((a for a in borrowed if a > -INF), default=INF)
         return min((a for a in allowances if a > -INF), default=INF)
 
     @staticmethod
@@ -240,7 +253,7 @@ class SLOPolicy:
             return max(1, req.max_tokens - k)
         return max(1, p.min_tokens - k)
 
-    def allowance(self, req: Request, now: float) -> float:
+    def allowance(self, req: Request, now: float, later: Optional[float] = None) -> float:
         """Seconds the next step may take with ``req``'s TPOT SLO still met (rule 3).
 
         With ``k`` tokens streamed since its first at ``F`` and each later step taking ``L``, a request that
@@ -253,12 +266,16 @@ class SLOPolicy:
         once even a decode step ``d`` is over that allowance, ``slo_tpot`` itself. If ``d`` is over that too
         (the request is behind), the allowance is that of the earliest end ``j <= max_tokens - k`` which
         decode-only steps reach in time, ``F + slo_tpot·k - now + (j - 1)·(slo_tpot - d)``, or ``-inf`` if
-        there is none (its TPOT is lost whatever this step does)."""
+        there is none (its TPOT is lost whatever this step does).
+
+        ``later`` replaces ``L``: with ``d``, the step borrows against later steps that only decode (the
+        borrowed limit an urgent prompt may use, rule 3)."""
         k, s, d = req.num_output_tokens, req.slo_tpot, self._decode_step
+        later = self._later_step if later is None else later
         h = self.certain_tokens(req)
         for target in (s / self.margin, s):
             first = req.first_token_time + target * k - now
-            a = first + (h - 1) * (target - self._later_step)
+            a = first + (h - 1) * (target - later)
             if a >= d:
                 return a
         if s <= d:
@@ -269,7 +286,8 @@ class SLOPolicy:
     def chunk_size(self, req: Request, num_computed: int, n: int, sample: bool) -> int:
         """Cut ``req``'s prefill chunk of ``n`` tokens to the step's time limit (rule 3); in a step without
         decodes the first prefill chunk gets at least ``min(n, block_size)``, so a step is never empty."""
-        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, self.tpot_limit / self.margin)
+        limit = self.borrow_limit if req.request_id in self.urgent else self.tpot_limit
+        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, limit / self.margin)
         if not self._prefill_in_step and not self.acc.tokens:
             cut = max(cut, min(n, self.block_size))
         return cut
@@ -293,14 +311,15 @@ class SLOPolicy:
         n, pairs = self._decode_figures(running)
         return self.model.predict(n + 1, n + 1, pairs + req.num_tokens) <= limit
 
-    def prefill_pace(self, running: list[Request], now: float) -> Pace:
+    def prefill_pace(self, running: list[Request], now: float, borrow: bool = False) -> Pace:
         """How prompts progress beside the running decodes ``D`` (every step that prefills holds them too).
 
         A step gives prefill what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut as rule 3
         cuts it: while the running requests have banked TPOT time, a step may take their smallest allowance
         ``a`` (over the margin), and each step of ``t`` seconds leaves ``a - t + S`` for the next (``S``, the
         tightest TPOT SLO: the time each token earns); once the chunk that fits is no larger than the one that
-        fits ``S``, every later step gives that chunk, at least a block."""
+        fits ``S``, every later step gives that chunk, at least a block. With ``borrow`` (the borrowed pace),
+        ``a`` is :attr:`borrow_limit` and each step leaves ``a - t + d`` (``d``, a decode step alone)."""
         acc = self._decodes(running)
         n = max(1, self.max_num_batched_tokens - acc.tokens)
         limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
@@ -308,6 +327,9 @@ class SLOPolicy:
             return Pace(acc, n)
         steady = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
         bank = self._set_step_figures(running, acc, now)
+        earned = limit
+        if borrow:  # later steps priced as decodes alone: each step leaves what it took less a decode step
+            bank, earned = self.borrow_limit, self._decode_step
         banked: list[tuple[int, float]] = []
         tokens, seconds = 0, 0.0
         for _ in range(MAX_BANKED_STEPS):
@@ -317,7 +339,7 @@ class SLOPolicy:
             t = self._pace_step(acc, chunk)
             tokens, seconds = tokens + chunk, seconds + t
             banked.append((tokens, seconds))
-            bank += limit - t
+            bank += earned - t
         return Pace(acc, steady, banked)
 
     def _pace_step(self, decodes: StepAccumulator, k: int) -> float:
@@ -338,11 +360,13 @@ class SLOPolicy:
         return now + seconds + full * self._pace_step(pace.decodes, pace.chunk) + \
             self._pace_step(pace.decodes, rest)
 
-    def is_late(self, req: Request, work_tokens: int, pace: Pace, now: float) -> bool:
-        """Whether a request without a first token misses its TTFT SLO with ``work_tokens`` ahead and its own."""
+    def is_late(self, req: Request, work_tokens: int, pace: Pace, now: float, stretch: float = 1.0) -> bool:
+        """Whether a request without a first token misses its TTFT SLO with ``work_tokens`` ahead and its own,
+        the predicted time to its first token stretched by ``stretch``."""
         if req.slo_ttft is None or req.num_output_tokens > 0:
             return False
-        return self.first_token_time(work_tokens, pace, now) > req.arrival_time + req.slo_ttft
+        return now + stretch * (self.first_token_time(work_tokens, pace, now) - now) > \
+            req.arrival_time + req.slo_ttft
 
     @staticmethod
     def prefill_remaining(running: list[Request]) -> int:
@@ -353,23 +377,27 @@ class SLOPolicy:
     def triage(self, waiting: list[Request], running: list[Request], now: float) -> list[Request]:
         """Rule 2 over the running requests still prefilling towards their first token (in the order their
         chunks are given), then the waiting ones in queue order: each one's first token is predicted behind
-        the prompts ahead of it that are not late.
+        the prompts ahead of it that are not late: late at the borrowed pace, urgent (into :attr:`urgent`)
+        at the plain one with the time to its first token stretched by the model's margin.
 
         Returns:
             The requests that became late in this call (the scheduler sheds them under ``shed_load``, else
             puts them behind the others).
         """
-        pace = self.prefill_pace(running, now)
+        pace, borrowed = self.prefill_pace(running, now), self.prefill_pace(running, now, borrow=True)
         work = 0
         late = []
+        self.urgent = set()
         for req in list(running) + list(waiting):
             tokens = req.num_tokens - req.num_computed_tokens
             if req.slo_late or (req in running and tokens <= 1):
                 continue
-            if self.is_late(req, work + tokens, pace, now):
+            if self.is_late(req, work + tokens, borrowed, now):
                 late.append(req)
-            else:
-                work += tokens
+                continue
+            if self.is_late(req, work + tokens, pace, now, stretch=self.model.margin):
+                self.urgent.add(req.request_id)
+            work += tokens
         return late
 
     def check_arrival(self, req: Request, waiting: Iterable[Request], running: list[Request], now: float) -> None:
@@ -385,7 +413,7 @@ class SLOPolicy:
         work = self.prefill_remaining(running) + req.num_tokens
         work += sum(r.num_tokens - r.num_computed_tokens for r in waiting
                     if not r.slo_late and self.queue_key(r) <= key)
-        pace = self.prefill_pace(running, now)
+        pace = self.prefill_pace(running, now, borrow=True)
         if self.is_late(req, work, pace, now):
             self.num_shed += 1
             predicted = self.first_token_time(work, pace, now) - req.arrival_time
