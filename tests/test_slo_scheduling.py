@@ -260,9 +260,10 @@ def test_an_urgent_prompt_borrows_against_later_decode_steps():
     """D streams (1 token at t=0 of exactly 20, TPOT SLO 50.5 ms; a decode step takes 11 ms) after a 210-ms
     prefill, so the recent mean step (210 ms) is over its SLO and its allowance is what it banked, 50.5 ms: a
     step may hold 39 prompt tokens beside its decode. At that pace P's 300-token prompt (TTFT SLO 350 ms)
-    gets its first token at 7 x 50 ms + 38 ms = 0.388 s, late. Priced as decodes alone, D's later 18 steps
-    leave it 18 x 39.5 ms more, 0.7615 s in all, so P is urgent rather than late: its whole prompt runs in
-    one 0.311-s step (first token in time), and D's TPOT is still (0.311 + 18 x 0.011) / 19 = 26.8 ms. A
+    gets its first token at 7 x 50 ms + 38 ms = 0.388 s, late. Priced as decodes alone, D's next 16 steps
+    (BORROW_STEPS: a loan is repaid within them) leave it 16 x 39.5 ms more, 0.6825 s in all, so P is urgent
+    rather than late: its whole prompt runs in one 0.311-s step (first token in time), and D's TPOT is still
+    (0.311 + 18 x 0.011) / 19 = 26.8 ms. A
     prompt whose TTFT does not need it (Q) keeps the 39-token chunk. Shedding judges by the borrowed pace:
     P is refused only if its TTFT SLO is under 311 ms."""
     from goodserve.scheduler.slo import SLOPolicy
@@ -284,7 +285,7 @@ def test_an_urgent_prompt_borrows_against_later_decode_steps():
     assert policy.first_token_time(300, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.388)
     assert policy.first_token_time(300, policy.prefill_pace([d], 0.0, borrow=True), 0.0) == pytest.approx(0.311)
     policy.begin_step([d], 0.0)
-    assert policy.tpot_limit == pytest.approx(0.0505) and policy.borrow_limit == pytest.approx(0.7615)
+    assert policy.tpot_limit == pytest.approx(0.0505) and policy.borrow_limit == pytest.approx(0.6825)
     assert policy.chunk_size(p, 0, 300, True) == 300 and policy.chunk_size(q, 0, 300, True) == 39
     policy.check_arrival(prompt("P2", 0.312), [], [d], 0.0)  # in time when borrowing: admitted
     with pytest.raises(SLOUnattainableError, match="predicted after 311 ms"):

@@ -27,9 +27,9 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    predicted step time, stretched by the model's margin (:attr:`StepTimeModel.margin`, a quantile of
    measured / predicted: step times scatter on a shared CPU), stays within it; a step without decodes gives
    its first chunk at least a block, so a step is never empty. An urgent prompt's chunk is cut to the
-   *borrowed* limit instead: each allowance with the later steps priced as decodes alone (``L = d``), so
-   the step spends what the streaming requests' later steps will save by not prefilling, and the allowances
-   of the next steps hold those steps to what is left. No prompt gets more than that for its TTFT's sake:
+   *borrowed* limit instead: each allowance with the next :data:`BORROW_STEPS` later steps priced as
+   decodes alone (``L = d``), so the step spends what the streaming requests' next steps will save by not
+   prefilling, and the allowances of those steps hold them to what is left. No prompt gets more than that for its TTFT's sake:
    a request already streaming has cost its prefill, and the triage sheds the prompt that cannot be served
    in time instead. (A first version held every step to the tightest TPOT SLO: on a
    CPU where a decode batch alone fills most of it, prompts crawled a block per step and lost both their
@@ -73,6 +73,10 @@ from goodserve.scheduler.step_time import StepTimeModel
 
 INF = float("inf")
 MAX_BANKED_STEPS = 256  # steps of a pace's banked phase looked at (a full-budget one costs one prediction)
+#: Later steps an urgent prompt's loan is repaid over (rule 3): the decode step ``d`` the loan is priced at
+#: holds only while the batch stays as it is. Repaid over a request's whole forced length (128 tokens), a loan
+#: broke interactive TPOTs on a slow run, as new requests joined and the decode steps grew.
+BORROW_STEPS = 16
 
 
 class SLOUnattainableError(Exception):
@@ -236,7 +240,8 @@ class SLOPolicy:
         streaming = [r for r in running
                      if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None]
         allowances = [self.allowance(r, now) for r in streaming]
-        borrowed = [max(a, self.allowance(r, now, later=self._decode_step)) for r, a in zip(streaming, allowances)]
+        borrowed = [max(a, self.allowance(r, now, later=self._decode_step, horizon=BORROW_STEPS))
+                    for r, a in zip(streaming, allowances)]
         # A request whose TPOT is lost whatever this step does cannot be saved by a shorter step.
         self.borrow_limit = min((a for a in borrowed if a > -INF), default=INF)
         return min((a for a in allowances if a > -INF), default=INF)
@@ -253,7 +258,8 @@ class SLOPolicy:
             return max(1, req.max_tokens - k)
         return max(1, p.min_tokens - k)
 
-    def allowance(self, req: Request, now: float, later: Optional[float] = None) -> float:
+    def allowance(self, req: Request, now: float, later: Optional[float] = None,
+                  horizon: Optional[int] = None) -> float:
         """Seconds the next step may take with ``req``'s TPOT SLO still met (rule 3).
 
         With ``k`` tokens streamed since its first at ``F`` and each later step taking ``L``, a request that
@@ -269,10 +275,13 @@ class SLOPolicy:
         there is none (its TPOT is lost whatever this step does).
 
         ``later`` replaces ``L``: with ``d``, the step borrows against later steps that only decode (the
-        borrowed limit an urgent prompt may use, rule 3)."""
+        borrowed limit an urgent prompt may use, rule 3), and ``horizon`` caps ``h - 1``, the later steps the
+        loan is repaid over."""
         k, s, d = req.num_output_tokens, req.slo_tpot, self._decode_step
         later = self._later_step if later is None else later
         h = self.certain_tokens(req)
+        if horizon is not None:
+            h = min(h, horizon + 1)
         for target in (s / self.margin, s):
             first = req.first_token_time + target * k - now
             a = first + (h - 1) * (target - later)
