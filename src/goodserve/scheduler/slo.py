@@ -29,9 +29,9 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    its first chunk at least a block, so a step is never empty. An urgent prompt's chunk is cut to the
    *borrowed* limit instead: each allowance with the next :data:`BORROW_STEPS` later steps priced as
    decodes alone (``L = d``), so the step spends what the streaming requests' next steps will save by not
-   prefilling, and the allowances of those steps hold them to what is left. No prompt gets more than that for its TTFT's sake:
-   a request already streaming has cost its prefill, and the triage sheds the prompt that cannot be served
-   in time instead. (A first version held every step to the tightest TPOT SLO: on a
+   prefilling, and the allowances of those steps hold them to what is left. No prompt gets more than that
+   for its TTFT's sake: a request already streaming has cost its prefill, and the triage sheds the prompt
+   that cannot be served in time instead. (A first version held every step to the tightest TPOT SLO: on a
    CPU where a decode batch alone fills most of it, prompts crawled a block per step and lost both their
    TTFT and, spread over many steps, the decodes' TPOT; a floor that gave a prompt the chunk its TTFT
    needed past the limit then broke the TPOT of the decodes at every load past the knee.)

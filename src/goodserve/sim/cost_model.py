@@ -178,8 +178,9 @@ class NoisyCostModel:
     standard deviation ``drift_sigma`` and correlation ``exp(-1 / drift_steps)`` from one step to the next
     (the machine's speed wandering over hundreds of steps, as another tenant comes and goes). Both are in
     log-space, so the median factor is 1. Stalls are the single steps of seconds that no step shape
-    explains (BENCHMARKS.md, simulator §4, saw 1.7-3.0 s ones about once per thousand steps on this CPU). :meth:`predict` is the inner model's: the scheduler's step-time
-    model is seeded with what the machine would do without the noise, and learns the rest.
+    explains (BENCHMARKS.md, simulator §4, saw 1.7-3.0 s ones about once per thousand steps on this CPU).
+    :meth:`predict` is the inner model's: the scheduler's step-time model is seeded with what the machine
+    would do without the noise, and learns the rest.
 
     Args:
         inner: The noiseless cost model.
