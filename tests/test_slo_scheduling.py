@@ -302,6 +302,29 @@ def test_an_urgent_prompt_borrows_against_later_decode_steps():
     assert policy.first_token_time(300, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.322)
 
 
+def test_a_request_is_late_only_if_both_paces_miss_its_ttft():
+    """D may stop at any token (40 streamed from t=0, TPOT SLO 50.5 ms), so it has nothing later to lend: its
+    borrowed limit is its plain allowance, 2.02 s, and the borrowed pace, which credits each step only a
+    decode step, is the slower one: a 2,167-token prompt gets its first token at 2.233 s at the plain pace,
+    2.266 s at the borrowed one. With a 2.25-s TTFT SLO it is in time at the plain pace, so it is neither late
+    nor shed."""
+    from goodserve.scheduler.slo import SLOPolicy
+
+    policy = SLOPolicy(StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False), 512, 4, shed_load=True)
+    d = Request("D", [1, 2], SamplingParams(max_tokens=1000), 0.0, max_tokens=1000, slo_tpot=0.0505)
+    d.first_token_time = 0.0
+    for _ in range(40):
+        d.append_output_token(7)
+    d.num_computed_tokens = d.num_tokens - 1
+    p = Request("P", list(range(2167)), SamplingParams(max_tokens=4), 0.0, max_tokens=4, slo_ttft=2.25)
+    assert policy.first_token_time(2167, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(2.233)
+    assert policy.first_token_time(2167, policy.prefill_pace([d], 0.0, borrow=True), 0.0) == pytest.approx(2.266)
+    assert policy.triage([p], [d], 0.0) == []
+    policy.check_arrival(p, [], [d], 0.0)  # not refused
+    policy.begin_step([d], 0.0)
+    assert policy.tpot_limit == policy.borrow_limit == pytest.approx(2.02)
+
+
 def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():
     """Five 2-token prompts with a TPOT SLO of 13.5 ms: a decode step of k requests takes 10 + k ms, so at
     most three may run at once. fcfs runs all five (15-ms steps: every TPOT missed); slo never more than

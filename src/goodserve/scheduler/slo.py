@@ -12,8 +12,8 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
 2. **Triage**: each step predicts when every request short of its first token would get it, the running
    ones still prefilling first (in chunk order), then the waiting ones in queue order, each behind the
    prompts ahead of it that are not late, at the prefill pace (below). One that cannot meet its TTFT SLO
-   even at the borrowed pace is put behind all the others (it is *late*), or, with ``shed_load``, refused:
-   on arrival with :class:`SLOUnattainableError` (HTTP 429); queued or still prefilling, it ends with
+   at either pace, plain or borrowed, is put behind all the others (it is *late*), or, with ``shed_load``,
+   refused: on arrival with :class:`SLOUnattainableError` (HTTP 429); queued or still prefilling, it ends with
    ``finish_reason="shed"``. One in time at the borrowed pace but late at the plain one, its predicted time
    to first token stretched by the model's margin, is *urgent* (a prompt given just enough lands on its
    deadline, and step times scatter).
@@ -27,9 +27,12 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    predicted step time, stretched by the model's margin (:attr:`StepTimeModel.margin`, a quantile of
    measured / predicted: step times scatter on a shared CPU), stays within it; a step without decodes gives
    its first chunk at least a block, so a step is never empty. An urgent prompt's chunk is cut to the
-   *borrowed* limit instead: each allowance with the next :data:`BORROW_STEPS` later steps priced as
-   decodes alone (``L = d``), so the step spends what the streaming requests' next steps will save by not
-   prefilling, and the allowances of those steps hold them to what is left. No prompt gets more than that
+   *borrowed* limit instead: the smallest over the streaming requests of the larger of each one's allowance
+   and its allowance with only the next :data:`BORROW_STEPS` later steps counted, priced as decodes alone
+   (``L = d``). The step spends what those steps will save by not prefilling; the allowances of the next
+   steps, recomputed from what the steps took, hold them to what is left, so the debt never exceeds what 16
+   decode-only steps repay. Borrowing needs a known length (forced, or ``min_tokens``): a request that may
+   stop at any token has nothing later to lend. No prompt gets more than that
    for its TTFT's sake: a request already streaming has cost its prefill, and the triage sheds the prompt
    that cannot be served in time instead. (A first version held every step to the tightest TPOT SLO: on a
    CPU where a decode batch alone fills most of it, prompts crawled a block per step and lost both their
@@ -58,7 +61,7 @@ every step at ``S`` when the decodes had seconds banked shed prompts at half the
 rule 3 then allowed would have served in time). This errs on the side of serving: decodes also finish and
 leave, and a request refused that could have made it is a loss the policy never recovers, while one admitted
 that misses costs only the work spent on it. The *borrowed pace* starts from the borrowed limit (rule 3), and
-each step leaves what it took less a decode step.
+a step of ``t`` seconds leaves ``t - d`` less for the next (``d``, a step of the decodes alone).
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ from goodserve.scheduler.step_time import StepTimeModel
 
 INF = float("inf")
 MAX_BANKED_STEPS = 256  # steps of a pace's banked phase looked at (a full-budget one costs one prediction)
-#: Later steps an urgent prompt's loan is repaid over (rule 3): the decode step ``d`` the loan is priced at
-#: holds only while the batch stays as it is. Repaid over a request's whole forced length (128 tokens), a loan
-#: broke interactive TPOTs on a slow run, as new requests joined and the decode steps grew.
+#: Later steps an urgent prompt may borrow against (rule 3): the decode step ``d`` a loan is priced at holds
+#: only while the batch stays as it is. Priced over a request's whole forced length (128 tokens), loans broke
+#: interactive TPOTs on a slow run, as new requests joined and the decode steps grew.
 BORROW_STEPS = 16
 
 
@@ -240,8 +243,9 @@ class SLOPolicy:
         streaming = [r for r in running
                      if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None]
         allowances = [self.allowance(r, now) for r in streaming]
+        # No decodes running (the streaming requests are recomputing after a preemption): nothing to borrow.
         borrowed = [max(a, self.allowance(r, now, later=self._decode_step, horizon=BORROW_STEPS))
-                    for r, a in zip(streaming, allowances)]
+                    for r, a in zip(streaming, allowances)] if self._decode_step > 0 else allowances
         # A request whose TPOT is lost whatever this step does cannot be saved by a shorter step.
         self.borrow_limit = min((a for a in borrowed if a > -INF), default=INF)
         return min((a for a in allowances if a > -INF), default=INF)
@@ -337,7 +341,7 @@ class SLOPolicy:
         steady = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
         bank = self._set_step_figures(running, acc, now)
         earned = limit
-        if borrow:  # later steps priced as decodes alone: each step leaves what it took less a decode step
+        if borrow:  # later steps priced as decodes alone: a step of t seconds leaves t - d less for the next
             bank, earned = self.borrow_limit, self._decode_step
         banked: list[tuple[int, float]] = []
         tokens, seconds = 0, 0.0
@@ -386,8 +390,9 @@ class SLOPolicy:
     def triage(self, waiting: list[Request], running: list[Request], now: float) -> list[Request]:
         """Rule 2 over the running requests still prefilling towards their first token (in the order their
         chunks are given), then the waiting ones in queue order: each one's first token is predicted behind
-        the prompts ahead of it that are not late: late at the borrowed pace, urgent (into :attr:`urgent`)
-        at the plain one with the time to its first token stretched by the model's margin.
+        the prompts ahead of it that are not late: late at both paces, or urgent (into :attr:`urgent`) if in
+        time at the borrowed pace but not at the plain one with its time to first token stretched by the
+        model's margin.
 
         Returns:
             The requests that became late in this call (the scheduler sheds them under ``shed_load``, else
@@ -401,7 +406,7 @@ class SLOPolicy:
             tokens = req.num_tokens - req.num_computed_tokens
             if req.slo_late or (req in running and tokens <= 1):
                 continue
-            if self.is_late(req, work + tokens, borrowed, now):
+            if self.is_late(req, work + tokens, borrowed, now) and self.is_late(req, work + tokens, pace, now):
                 late.append(req)
                 continue
             if self.is_late(req, work + tokens, pace, now, stretch=self.model.margin):
@@ -422,10 +427,10 @@ class SLOPolicy:
         work = self.prefill_remaining(running) + req.num_tokens
         work += sum(r.num_tokens - r.num_computed_tokens for r in waiting
                     if not r.slo_late and self.queue_key(r) <= key)
-        pace = self.prefill_pace(running, now, borrow=True)
-        if self.is_late(req, work, pace, now):
+        paces = (self.prefill_pace(running, now), self.prefill_pace(running, now, borrow=True))
+        if all(self.is_late(req, work, pace, now) for pace in paces):
             self.num_shed += 1
-            predicted = self.first_token_time(work, pace, now) - req.arrival_time
+            predicted = min(self.first_token_time(work, pace, now) for pace in paces) - req.arrival_time
             raise SLOUnattainableError(
                 f"the server cannot meet this request's TTFT SLO of {req.slo_ttft * 1000:.0f} ms: with the "
                 f"{work} prompt tokens queued ahead of it and its own, its first token is predicted after "
