@@ -325,24 +325,34 @@ class SLOPolicy:
         return self.model.predict(n + 1, n + 1, pairs + req.num_tokens) <= limit
 
     def prefill_pace(self, running: list[Request], now: float, borrow: bool = False) -> Pace:
+        """The plain pace, or with ``borrow`` the borrowed one (see :meth:`prefill_paces`)."""
+        return self.prefill_paces(running, now)[int(borrow)]
+
+    def prefill_paces(self, running: list[Request], now: float) -> tuple[Pace, Pace]:
         """How prompts progress beside the running decodes ``D`` (every step that prefills holds them too).
 
         A step gives prefill what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut as rule 3
         cuts it: while the running requests have banked TPOT time, a step may take their smallest allowance
         ``a`` (over the margin), and each step of ``t`` seconds leaves ``a - t + S`` for the next (``S``, the
         tightest TPOT SLO: the time each token earns); once the chunk that fits is no larger than the one that
-        fits ``S``, every later step gives that chunk, at least a block. With ``borrow`` (the borrowed pace),
-        ``a`` is :attr:`borrow_limit` and each step leaves ``a - t + d`` (``d``, a decode step alone)."""
+        fits ``S``, every later step gives that chunk, at least a block. The borrowed pace starts from
+        ``a`` = :attr:`borrow_limit` and each step leaves ``a - t + d`` (``d``, a decode step alone).
+
+        Returns:
+            ``(plain, borrowed)``, both from one set of step figures."""
         acc = self._decodes(running)
         n = max(1, self.max_num_batched_tokens - acc.tokens)
         limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
         if not acc.tokens or limit == INF:
-            return Pace(acc, n)
+            return Pace(acc, n), Pace(acc, n)
         steady = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
         bank = self._set_step_figures(running, acc, now)
-        earned = limit
-        if borrow:  # later steps priced as decodes alone: a step of t seconds leaves t - d less for the next
-            bank, earned = self.borrow_limit, self._decode_step
+        # Borrowed: later steps priced as decodes alone, so a step of t seconds leaves t - d less for the next.
+        return (self._banked_pace(acc, n, steady, bank, limit),
+                self._banked_pace(acc, n, steady, self.borrow_limit, self._decode_step))
+
+    def _banked_pace(self, acc: StepAccumulator, n: int, steady: int, bank: float, earned: float) -> Pace:
+        """A pace whose banked phase starts from ``bank`` seconds, each step of ``t`` adding ``earned - t``."""
         banked: list[tuple[int, float]] = []
         tokens, seconds = 0, 0.0
         for _ in range(MAX_BANKED_STEPS):
@@ -373,13 +383,11 @@ class SLOPolicy:
         return now + seconds + full * self._pace_step(pace.decodes, pace.chunk) + \
             self._pace_step(pace.decodes, rest)
 
-    def is_late(self, req: Request, work_tokens: int, pace: Pace, now: float, stretch: float = 1.0) -> bool:
-        """Whether a request without a first token misses its TTFT SLO with ``work_tokens`` ahead and its own,
-        the predicted time to its first token stretched by ``stretch``."""
+    def is_late(self, req: Request, work_tokens: int, pace: Pace, now: float) -> bool:
+        """Whether a request without a first token misses its TTFT SLO with ``work_tokens`` ahead and its own."""
         if req.slo_ttft is None or req.num_output_tokens > 0:
             return False
-        return now + stretch * (self.first_token_time(work_tokens, pace, now) - now) > \
-            req.arrival_time + req.slo_ttft
+        return self.first_token_time(work_tokens, pace, now) > req.arrival_time + req.slo_ttft
 
     @staticmethod
     def prefill_remaining(running: list[Request]) -> int:
@@ -398,7 +406,7 @@ class SLOPolicy:
             The requests that became late in this call (the scheduler sheds them under ``shed_load``, else
             puts them behind the others).
         """
-        pace, borrowed = self.prefill_pace(running, now), self.prefill_pace(running, now, borrow=True)
+        pace, borrowed = self.prefill_paces(running, now)
         work = 0
         late = []
         self.urgent = set()
@@ -406,11 +414,14 @@ class SLOPolicy:
             tokens = req.num_tokens - req.num_computed_tokens
             if req.slo_late or (req in running and tokens <= 1):
                 continue
-            if self.is_late(req, work + tokens, borrowed, now) and self.is_late(req, work + tokens, pace, now):
-                late.append(req)
-                continue
-            if self.is_late(req, work + tokens, pace, now, stretch=self.model.margin):
-                self.urgent.add(req.request_id)
+            if req.slo_ttft is not None and req.num_output_tokens == 0:
+                deadline = req.arrival_time + req.slo_ttft
+                plain = self.first_token_time(work + tokens, pace, now)
+                if plain > deadline and self.first_token_time(work + tokens, borrowed, now) > deadline:
+                    late.append(req)
+                    continue
+                if now + self.model.margin * (plain - now) > deadline:
+                    self.urgent.add(req.request_id)
             work += tokens
         return late
 
@@ -427,7 +438,7 @@ class SLOPolicy:
         work = self.prefill_remaining(running) + req.num_tokens
         work += sum(r.num_tokens - r.num_computed_tokens for r in waiting
                     if not r.slo_late and self.queue_key(r) <= key)
-        paces = (self.prefill_pace(running, now), self.prefill_pace(running, now, borrow=True))
+        paces = self.prefill_paces(running, now)
         if all(self.is_late(req, work, pace, now) for pace in paces):
             self.num_shed += 1
             predicted = min(self.first_token_time(work, pace, now) for pace in paces) - req.arrival_time
