@@ -10,7 +10,8 @@ import transformers
 
 from goodserve.config import ModelConfig
 from goodserve.models.llama import LlamaForCausalLM, rope_inv_freq
-from goodserve.models.attention import AttentionMetadata, TorchAttentionBackend
+from goodserve.models import native
+from goodserve.models.attention import AttentionMetadata, TorchAttentionBackend, make_attention_backend
 
 BLOCK = 4
 
@@ -74,12 +75,17 @@ def test_prefill_chunks_and_decodes_match_hf(arch):
     torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_batched_decodes_with_a_prefill_match_hf():
-    """Two decodes of different context lengths plus one fresh prefill in one flat batch."""
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_batched_decodes_with_a_prefill_match_hf(backend):
+    """Two decodes of different context lengths plus one fresh prefill in one flat batch, on the portable
+    backend and on the native kernel (which reads the decodes' blocks in place)."""
+    if backend == "native" and native.load() is None:
+        pytest.skip("the native kernel cannot be built here")
     hf, ours, cfg = _tiny("llama")
     torch.manual_seed(2)
     a, b, c = torch.randint(0, 97, (10,)), torch.randint(0, 97, (17,)), torch.randint(0, 97, (6,))
-    attn = TorchAttentionBackend()
+    attn = make_attention_backend(backend, torch.device("cpu"))
+    grouped = attn.uses_decode_groups
     caches = _caches(cfg)
     ta, tb, tc = [1, 3, 4], [6, 8, 10, 12, 14], [20, 21]
     # prefill a[:-1] and b[:-1] first
@@ -90,7 +96,7 @@ def test_batched_decodes_with_a_prefill_match_hf():
         # now: decode a's and b's last token, together with c's whole prefill
         meta = AttentionMetadata.build(BLOCK, [ta[:3], tb[:5]], [10, 17], [(0, 6, tc)],
                                        torch.tensor(_slots(ta, 9, 10) + _slots(tb, 16, 17) + _slots(tc, 0, 6)),
-                                       torch.device("cpu"))
+                                       torch.device("cpu"), decode_groups=grouped)
         h = ours(torch.cat([a[9:], b[16:], c]), torch.cat([torch.tensor([9, 16]), torch.arange(6)]),
                  caches, meta, attn)
         logits = ours.compute_logits(h)

@@ -32,6 +32,11 @@ HF_CLASS_TO_MODEL_TYPE = {
 HF_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
 
+#: ``--attention-backend`` values (``goodserve.models.attention.make_attention_backend``): ``auto`` (the native
+#: CPU kernel that reads the paged KV cache in place, where it builds; else ``torch``), ``torch`` (portable
+#: PyTorch, any device), ``native`` (the CPU kernel; an error where it cannot run).
+ATTENTION_BACKENDS = ("auto", "torch", "native")
+
 #: ``--quantization`` values (``goodserve.models.quant.make_linear``): ``auto`` runs a GGUF's Q4_0/Q4_1 blocks
 #: on PyTorch's int4 CPU kernel when the dtype is bfloat16 and everything else in the dtype; ``none``
 #: dequantizes every weight to the dtype; ``int4`` / ``int8`` run every linear layer on that kernel,
@@ -250,6 +255,7 @@ class EngineConfig:
         dtype: ``"float32"`` or ``"bfloat16"``.
         quantization: How linear layers run: ``"auto"``, ``"none"``, ``"int8"`` or ``"int4"`` (see
             ``goodserve.models.quant``).
+        attention_backend: One of :data:`ATTENTION_BACKENDS`.
         device: ``"cpu"`` or ``"cuda"``.
         seed: Seed of the engine-wide generator used by unseeded sampled requests.
         log_stats_interval: Seconds between periodic stats log lines (``0`` disables them).
@@ -262,6 +268,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     dtype: str = "bfloat16"
     quantization: str = "none"
+    attention_backend: str = "auto"
     device: str = "cpu"
     seed: int = 0
     log_stats_interval: float = 10.0

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from goodserve.config import QUANTIZATIONS, SCHEDULING_MODES, SCHEDULING_POLICIES
+from goodserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, SCHEDULING_MODES, SCHEDULING_POLICIES
 from goodserve.kv_transfer.config import KV_ROLES, KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,9 @@ class EngineArgs:
             in bfloat16 only; everything else in ``dtype``), ``"none"`` (dequantize to ``dtype``), ``"int4"``
             / ``"int8"`` (every linear layer on that kernel, re-quantizing what the file holds otherwise).
         device: ``"cpu"`` or ``"cuda"``; ``None`` picks CUDA when available.
+        attention_backend: ``"auto"`` (default: decodes attended in place over the block table by the
+            native CPU kernel where it builds, else PyTorch), ``"torch"`` or ``"native"``
+            (:func:`goodserve.models.attention.make_attention_backend`).
         block_size: Tokens per KV block.
         num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
         kv_cache_memory: KV pool size in bytes; default: 20% of available memory, at most 4 GiB on CPU.
@@ -65,6 +68,7 @@ class EngineArgs:
     dtype: str = "bfloat16"
     quantization: str = "auto"
     device: Optional[str] = None
+    attention_backend: str = "auto"
     block_size: int = 16
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[int] = None
@@ -90,6 +94,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -130,6 +136,9 @@ class EngineArgs:
                        help="auto (default): a GGUF's Q4_0/Q4_1 weights as they are, on the int4 CPU kernel "
                             "(bfloat16 only); none: dequantize to --dtype; int4/int8: every linear layer")
         g.add_argument("--device", default=None, choices=["cpu", "cuda"])
+        g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                       help="auto (default): decodes read the paged KV cache in place with the native CPU "
+                            "kernel where it builds, else torch; torch: portable PyTorch; native: the CPU kernel")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
         g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")

@@ -107,7 +107,8 @@ class Engine:
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                       policy=args.scheduling_policy, mode=args.scheduler,
                                       shed_load=args.shed_load),
-            dtype=args.dtype, quantization=args.quantization, device=device, seed=args.seed,
+            dtype=args.dtype, quantization=args.quantization, attention_backend=args.attention_backend,
+            device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer())
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template

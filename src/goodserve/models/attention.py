@@ -11,8 +11,10 @@ padding and each group is attended in one vectorised call over its gathered, mas
 chunk is attended on its own, causally, over its cached context plus its own tokens — a chunk with no
 cached context never touches the cache for reading.
 
-``AttentionBackend`` is the interface a fused kernel (e.g. a CUDA paged-attention kernel) replaces;
-``TorchAttentionBackend`` is the portable, vectorised PyTorch reference.
+``AttentionBackend`` is the interface a fused kernel replaces; ``TorchAttentionBackend`` is the portable,
+vectorised PyTorch reference, and ``NativeAttentionBackend`` attends decodes in place over the block table
+with a CPU kernel (:mod:`goodserve.models.native`), prefill chunks as the reference does.
+:func:`make_attention_backend` picks one for ``--attention-backend``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from goodserve.config import ATTENTION_BACKENDS
+from goodserve.models import native
 
 
 @dataclass
@@ -99,19 +104,28 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: ``[num_tokens]`` int64 cache slot of each token of the flat batch.
         num_decodes: The first ``num_decodes`` tokens are one decode each.
-        decode_groups: The decodes, cut into groups of similar context length.
+        decode_groups: The decodes, cut into groups of similar context length (empty when built for a
+            backend that reads the block table itself).
         prefills: The prefill chunks that follow the decodes, in batch order.
+        decode_block_tables: ``[num_decodes, max_blocks]`` int32, each decode's block table padded with 0;
+            ``None`` unless built with ``decode_groups=False``.
+        decode_seq_lens: ``[num_decodes]`` int32 context length of each decode, its new token included;
+            ``None`` unless built with ``decode_groups=False``.
+        max_decode_len: The longest of ``decode_seq_lens`` (0 without decodes).
     """
 
     slot_mapping: torch.Tensor
     num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    decode_block_tables: Optional[torch.Tensor] = None
+    decode_seq_lens: Optional[torch.Tensor] = None
+    max_decode_len: int = 0
 
     @classmethod
     def build(cls, block_size: int, decode_block_tables: list[list[int]], decode_seq_lens: list[int],
               prefill_chunks: list[tuple[int, int, list[int]]], slot_mapping: torch.Tensor,
-              device: torch.device) -> "AttentionMetadata":
+              device: torch.device, decode_groups: bool = True) -> "AttentionMetadata":
         """Build the metadata from plain lists.
 
         Args:
@@ -123,10 +137,18 @@ class AttentionMetadata:
                 in batch order after the decodes.
             slot_mapping: ``[num_tokens]`` slots, decodes first.
             device: Where the tensors live.
+            decode_groups: Cut the decodes into :class:`DecodeGroup` s (for :class:`TorchAttentionBackend`);
+                ``False``: give them as one padded block table instead (``decode_block_tables``).
         """
         num_decodes = len(decode_block_tables)
         groups = []
-        for start, end in group_decodes([len(t) for t in decode_block_tables]):
+        tables = seq_lens = None
+        if not decode_groups and num_decodes:
+            max_blocks = max(len(t) for t in decode_block_tables)
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_block_tables],
+                                  dtype=torch.int32, device=device)
+            seq_lens = torch.tensor(decode_seq_lens, dtype=torch.int32, device=device)
+        for start, end in group_decodes([len(t) for t in decode_block_tables]) if decode_groups else []:
             tables = decode_block_tables[start:end]
             max_blocks = len(tables[-1])
             dbt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=device)
@@ -150,7 +172,7 @@ class AttentionMetadata:
                 mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(PrefillChunk(start, start + num_new, block_table, mask))
             start += num_new
-        return cls(slot_mapping, num_decodes, groups, prefills)
+        return cls(slot_mapping, num_decodes, groups, prefills, tables, seq_lens, max(decode_seq_lens, default=0))
 
 
 class AttentionBackend(Protocol):
@@ -263,23 +285,46 @@ class TorchAttentionBackend:
             ctx = _gather_rows(cache, g.block_tables, self._buffer(name, cache, cache[0].numel() * n * nb))
         return ctx if g.mask is not None else ctx[:, :g.seq_len]
 
+    #: Whether the backend attends decodes by :class:`DecodeGroup` (else by ``decode_block_tables``).
+    uses_decode_groups = True
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        num_heads = q.shape[1]
-        group = num_heads // num_kv_heads
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        outs = []
+        decoded = self._decodes(q[:meta.num_decodes], k_cache, v_cache, meta)
+        if not meta.prefills and decoded is not None:
+            return decoded
+        out = torch.empty_like(q)
+        if decoded is None:
+            self._decodes_into(out, q, k_cache, v_cache, meta)
+        else:
+            out[:meta.num_decodes] = decoded
+        self._prefills_into(out, q, k, v, k_cache, v_cache, meta)
+        return out
+
+    def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """``[num_decodes, num_heads, head_dim]`` when the decodes come out as one tensor without a copy (one
+        group), else ``None`` (then :meth:`_decodes_into` writes them)."""
+        if len(meta.decode_groups) != 1:  # none, or several
+            return None
+        g = meta.decode_groups[0]
+        return decode_attention(q, self._decode_context(k_cache, g, "k"), self._decode_context(v_cache, g, "v"),
+                                g.mask)
+
+    def _decodes_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> None:
         for g in meta.decode_groups:
             kd = self._decode_context(k_cache, g, "k")  # [n, ctx, num_kv_heads, head_dim]
             vd = self._decode_context(v_cache, g, "v")
-            outs.append(decode_attention(q[g.start:g.end], kd, vd, g.mask))
-        if len(outs) == 1 and not meta.prefills:
-            return outs[0]
-        out = torch.empty_like(q)
-        for g, od in zip(meta.decode_groups, outs):
-            out[g.start:g.end] = od
+            out[g.start:g.end] = decode_attention(q[g.start:g.end], kd, vd, g.mask)
+
+    @staticmethod
+    def _prefills_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        group = q.shape[1] // k_cache.shape[2]
         for chunk in meta.prefills:
             qp = q[chunk.start:chunk.end].transpose(0, 1)[None]  # [1, num_heads, n, head_dim]
             if chunk.mask is None:
@@ -293,4 +338,43 @@ class TorchAttentionBackend:
             vp = vp.repeat_interleave(group, dim=0)[None]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None)
             out[chunk.start:chunk.end] = op[0].transpose(0, 1)
-        return out
+
+
+class NativeAttentionBackend(TorchAttentionBackend):
+    """Decodes attended in place over the block table by the CPU kernel of :mod:`goodserve.models.native`
+    (no gathered copy of the context); prefill chunks as :class:`TorchAttentionBackend`.
+
+    Raises:
+        RuntimeError: at construction, if the kernel cannot be built or loaded on this machine.
+    """
+
+    uses_decode_groups = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        if native.load() is None:
+            raise RuntimeError("the native attention kernel is not available on this machine "
+                               "(no C++ compiler, a failed build, or GOODSERVE_NATIVE_KERNELS=0)")
+
+    def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        if meta.num_decodes == 0:
+            return None
+        return native.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                             meta.max_decode_len)
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend ``--attention-backend name`` selects for a model on ``device``.
+
+    Raises:
+        ValueError: on an unknown name, or ``native`` on a device other than the CPU.
+        RuntimeError: for ``native`` where the kernel cannot be built.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "native" and device.type != "cpu":
+        raise ValueError(f"the native attention backend runs on the CPU only, not on {device.type}")
+    if name == "native" or (name == "auto" and device.type == "cpu" and native.load() is not None):
+        return NativeAttentionBackend()
+    return TorchAttentionBackend()

@@ -21,7 +21,7 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.models.llama import LlamaForCausalLM
-from goodserve.models.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from goodserve.models.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from goodserve.runner.sampler import Sampler, SamplerOutput
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
 from goodserve.sampling_params import SamplingParams
@@ -88,7 +88,7 @@ class ModelRunner:
     Args:
         config: The resolved engine config (``cache.num_blocks`` set).
         weights: HF-named weights (see ``goodserve.models.loader``).
-        attn_backend: Paged attention implementation; the portable PyTorch one by default.
+        attn_backend: Paged attention implementation; default: the one ``config.attention_backend`` names.
         structured_output: A :class:`~goodserve.runner.structured_output.StructuredOutputCompiler` for the
             requests whose output is constrained (``None``: such requests fail).
     """
@@ -106,7 +106,7 @@ class ModelRunner:
         self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype,
                                 config.quantization)
         self.model.eval()
-        self.attn = attn_backend or TorchAttentionBackend()
+        self.attn = attn_backend or make_attention_backend(config.attention_backend, self.device)
         shape = (config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
         # Zeroed so masked-out slots can never hold NaN bit patterns.
         self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
@@ -254,6 +254,7 @@ class ModelRunner:
             prefill_chunks=chunks,
             slot_mapping=torch.cat(slot_parts).to(dev),
             device=dev,
+            decode_groups=getattr(self.attn, "uses_decode_groups", True),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos_parts).to(dev), meta, decodes + prefills
