@@ -72,7 +72,7 @@ def test_a_long_lone_request_is_split_and_merged_exactly(threads):
     """One request at 3,000 tokens: its context is cut into splits (flash-decoding) that the kernel merges
     by their maxima and sums; the result is the same attention, whatever the thread count."""
     lens = [3000]
-    assert native.num_splits(1, 2, 3000, threads) > 1
+    assert native.num_splits(1, 3000, threads) > 1
     q, k_cache, v_cache, tables = _case(1, lens, 2, 3, 64, 16, torch.float32, seed=1)
     k_cache[tables[0][0]] += 4  # the largest scores in the first split, so the others are rescaled
     before = torch.get_num_threads()
@@ -85,10 +85,11 @@ def test_a_long_lone_request_is_split_and_merged_exactly(threads):
 
 
 def test_num_splits():
-    assert native.num_splits(16, 3, 4096, 2) == 1  # 48 work items already
-    assert native.num_splits(1, 3, 100, 2) == 1  # too short to split
-    assert native.num_splits(1, 3, 4096, 2) == 3  # 8 items wanted: ceil(8 / 3)
-    assert native.num_splits(1, 1, 600, 2) == 3  # capped by 600 / 256
+    assert native.num_splits(8, 4096, 2) == 1  # 8 work items already
+    assert native.num_splits(1, 100, 2) == 1  # too short to split
+    assert native.num_splits(1, 4096, 2) == 8  # 8 items wanted
+    assert native.num_splits(3, 4096, 2) == 3  # ceil(8 / 3)
+    assert native.num_splits(1, 600, 2) == 3  # capped by 600 / 256
 
 
 def test_native_backend_equals_the_torch_backend_on_a_mixed_step():

@@ -102,13 +102,12 @@ def supports(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in _DTYPES and load() is not None
 
 
-def num_splits(num_seqs: int, num_kv_heads: int, max_len: int, num_threads: int) -> int:
-    """Splits of each request's context: enough work items for every thread (4 per thread), each split at
-    least :data:`MIN_SPLIT_TOKENS` long."""
-    items = num_seqs * num_kv_heads
-    if items >= 4 * num_threads:
+def num_splits(num_seqs: int, max_len: int, num_threads: int) -> int:
+    """Splits of each request's context: enough work items (a request's split, all its KV heads) for every
+    thread, 4 per thread, each split at least :data:`MIN_SPLIT_TOKENS` long."""
+    if num_seqs >= 4 * num_threads:
         return 1
-    return max(1, min(math.ceil(max_len / MIN_SPLIT_TOKENS), math.ceil(4 * num_threads / items)))
+    return max(1, min(math.ceil(max_len / MIN_SPLIT_TOKENS), math.ceil(4 * num_threads / num_seqs)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -151,7 +150,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if n == 0:
         return out
     threads = torch.get_num_threads()
-    splits = num_splits(n, num_kv_heads, max_len, threads)
+    splits = num_splits(n, max_len, threads)
     split_tokens = -(-max_len // splits)
     rc = lib.goodserve_paged_decode_attention(
         _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),

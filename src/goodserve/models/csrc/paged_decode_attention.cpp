@@ -213,81 +213,96 @@ void attend16(const Shape& s, const T* q, const T* k_cache, const T* v_cache, co
   }
 }
 
-// attend16 with head_dim = 16 * C and G query heads per KV head known at compile time, so the queries and
-// accumulators stay in registers (SmolLM2: C = 4, G = 3; Llama-3-8B: C = 8, G = 4).
+// attend16 with head_dim = 16 * C and G query heads per KV head known at compile time (SmolLM2: C = 4,
+// G = 3; Llama-3-8B: C = 8, G = 4), for every KV head of request i at once: the context is walked block by
+// block and each block's rows (all KV heads of a token are contiguous) are read once, in order, while the
+// heads' queries and accumulators live in `st` between blocks.
+template <int C, int G>
+struct HeadState {
+  __m512 q[G][C], acc[G][C];
+  float mx[G], sum[G];
+};
+
 template <typename T, int C, int G>
 void attend_fixed(const Shape& s, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-                  int64_t i, int64_t h, int64_t t0, int64_t t1, float scale, float* acc_out, float* mx_out,
-                  float* sum_out) {
+                  int64_t i, int64_t t0, int64_t t1, float scale, float* const* outs, HeadState<C, G>* st) {
   constexpr int D = 16 * C;
-  const int64_t bs = s.block_size, token_stride = s.num_kv_heads * D;
-  __m512 qv[G][C], acc[G][C];
-  float mx[G], sum[G];
-  alignas(64) float scores[G][16];
-  for (int g = 0; g < G; ++g) {
-    const T* qg = q + i * s.q_stride + (h * G + g) * D;
-    for (int c = 0; c < C; ++c) {
-      qv[g][c] = _mm512_mul_ps(load16(qg + 16 * c), _mm512_set1_ps(scale));
-      acc[g][c] = _mm512_setzero_ps();
+  const int64_t bs = s.block_size, H = s.num_kv_heads, token_stride = H * D;
+  for (int64_t h = 0; h < H; ++h) {
+    for (int g = 0; g < G; ++g) {
+      const T* qg = q + i * s.q_stride + (h * G + g) * D;
+      for (int c = 0; c < C; ++c) {
+        st[h].q[g][c] = _mm512_mul_ps(load16(qg + 16 * c), _mm512_set1_ps(scale));
+        st[h].acc[g][c] = _mm512_setzero_ps();
+      }
+      st[h].mx[g] = -std::numeric_limits<float>::infinity();
+      st[h].sum[g] = 0.f;
     }
-    mx[g] = -std::numeric_limits<float>::infinity();
-    sum[g] = 0.f;
   }
   const int32_t* table = block_tables + i * s.max_blocks;
+  alignas(64) float scores[G][16];
   for (int64_t start = t0; start < t1;) {
     const int64_t block = table[start / bs], first = start % bs;
     const int64_t n = std::min<int64_t>(std::min<int64_t>(bs - first, t1 - start), 16);
-    const int64_t base = (block * bs + first) * token_stride + h * D;
-    const T* kb = k_cache + base;
-    const T* vb = v_cache + base;
-    for (int64_t t = 0; t < n; ++t) {
-      __m512 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(kb + t * token_stride + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
-        scores[g][t] = _mm512_reduce_add_ps(a);
-      }
-    }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-    __m512 p[G];
-    for (int g = 0; g < G; ++g) {
-      const __m512 sc = _mm512_mask_load_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                            scores[g]);
-      const float m = std::max(mx[g], _mm512_reduce_max_ps(sc));
-      const float correction = std::exp(mx[g] - m);
-      p[g] = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
-      sum[g] = sum[g] * correction + _mm512_reduce_add_ps(p[g]);
-      mx[g] = m;
-      if (correction != 1.f)
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(correction));
-      _mm512_store_ps(scores[g], p[g]);
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load16(vb + t * token_stride + 16 * c);
+    for (int64_t h = 0; h < H; ++h) {
+      HeadState<C, G>& hs = st[h];
+      const int64_t base = (block * bs + first) * token_stride + h * D;
+      const T* kb = k_cache + base;
+      const T* vb = v_cache + base;
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load16(kb + t * token_stride + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          __m512 a = _mm512_mul_ps(hs.q[g][0], kv[0]);
+          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(hs.q[g][c], kv[c], a);
+          scores[g][t] = _mm512_reduce_add_ps(a);
+        }
+      }
       for (int g = 0; g < G; ++g) {
-        const __m512 pb = _mm512_set1_ps(scores[g][t]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pb, vv[c], acc[g][c]);
+        const __m512 sc = _mm512_mask_load_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                              scores[g]);
+        const float m = std::max(hs.mx[g], _mm512_reduce_max_ps(sc));
+        const float correction = std::exp(hs.mx[g] - m);  // exp(-inf) = 0 on the first block
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+        hs.sum[g] = hs.sum[g] * correction + _mm512_reduce_add_ps(p);
+        hs.mx[g] = m;
+        if (correction != 1.f)
+          for (int c = 0; c < C; ++c) hs.acc[g][c] = _mm512_mul_ps(hs.acc[g][c], _mm512_set1_ps(correction));
+        _mm512_store_ps(scores[g], p);
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        __m512 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = load16(vb + t * token_stride + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pb = _mm512_set1_ps(scores[g][t]);
+          for (int c = 0; c < C; ++c) hs.acc[g][c] = _mm512_fmadd_ps(pb, vv[c], hs.acc[g][c]);
+        }
       }
     }
     start += n;
   }
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_out + g * D + 16 * c, acc[g][c]);
-    mx_out[g] = mx[g];
-    sum_out[g] = sum[g];
+  for (int64_t h = 0; h < H; ++h) {
+    float* out = outs[h];  // group * D accumulators, then group maxima, then group sums
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + 16 * c, st[h].acc[g][c]);
+      out[G * D + g] = st[h].mx[g];
+      out[G * D + G + g] = st[h].sum[g];
+    }
   }
 }
 
+// Runs attend_fixed for request i over [t0, t1), every KV head; outs[h] receives head h's partial result.
 using FixedFn = void (*)(const Shape&, const void*, const void*, const void*, const int32_t*, int64_t, int64_t,
-                         int64_t, int64_t, float, float*, float*, float*);
+                         int64_t, float, float* const*);
 
 template <typename T, int C, int G>
 void fixed_entry(const Shape& s, const void* q, const void* k, const void* v, const int32_t* bt, int64_t i,
-                 int64_t h, int64_t t0, int64_t t1, float scale, float* acc, float* mx, float* sum) {
+                 int64_t t0, int64_t t1, float scale, float* const* outs) {
+  thread_local std::vector<HeadState<C, G>> st;
+  if (st.size() < static_cast<size_t>(s.num_kv_heads)) st.resize(s.num_kv_heads);
   attend_fixed<T, C, G>(s, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), bt, i,
-                        h, t0, t1, scale, acc, mx, sum);
+                        t0, t1, scale, outs, st.data());
 }
 
 // The compile-time variant for this shape, or nullptr.
@@ -306,27 +321,35 @@ template <typename T>
 void run(const Shape& s, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
          const int32_t* seq_lens, float scale, T* out, int num_threads) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
-  const int64_t items = s.num_seqs * s.num_kv_heads * s.num_splits;
-  // Per item: group * D accumulators, then group maxima and group sums.
+  // Per (request, KV head, split): group * D accumulators, then group maxima and group sums.
   const int64_t per_item = group * (D + 2);
-  std::vector<float> partial(static_cast<size_t>(items * per_item));
+  std::vector<float> partial(static_cast<size_t>(s.num_seqs * s.num_kv_heads * s.num_splits * per_item));
+#if defined(__AVX512F__)
+  const FixedFn fixed = pick_fixed<T>(D, group);
+  const bool wide = D % 16 == 0 && D <= 16 * kMaxChunks;
+#else
+  const bool fixed = false;
+#endif
+  // A work item is (request, split) with every KV head on the compile-time path, else (request, KV head,
+  // split).
+  const int64_t heads_per_item = fixed ? s.num_kv_heads : 1;
+  const int64_t items = s.num_seqs * (s.num_kv_heads / heads_per_item) * s.num_splits;
   std::atomic<int64_t> next(0);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> qf(group * D), scores(group * std::max<int64_t>(s.block_size, 16)), row(D);
-#if defined(__AVX512F__)
-    const bool wide = D % 16 == 0 && D <= 16 * kMaxChunks;
-    const FixedFn fixed = pick_fixed<T>(D, group);
-#endif
+    std::vector<float*> outs(s.num_kv_heads);
     for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
       const int64_t split = item % s.num_splits, ih = item / s.num_splits;
-      const int64_t i = ih / s.num_kv_heads, h = ih % s.num_kv_heads;
+      const int64_t i = ih * heads_per_item / s.num_kv_heads, h = ih * heads_per_item % s.num_kv_heads;
       const int64_t len = seq_lens[i];
       const int64_t t0 = std::min(len, split * s.split_tokens), t1 = std::min(len, t0 + s.split_tokens);
-      float* p = partial.data() + item * per_item;
+      float* p = partial.data() + ((i * s.num_kv_heads + h) * s.num_splits + split) * per_item;
 #if defined(__AVX512F__)
       if (fixed != nullptr) {
-        fixed(s, q, k_cache, v_cache, block_tables, i, h, t0, t1, scale, p, p + group * D, p + group * (D + 1));
+        for (int64_t hh = 0; hh < s.num_kv_heads; ++hh)
+          outs[hh] = partial.data() + ((i * s.num_kv_heads + hh) * s.num_splits + split) * per_item;
+        fixed(s, q, k_cache, v_cache, block_tables, i, t0, t1, scale, outs.data());
         continue;
       }
       if (wide) {
