@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.config import ModelConfig
+from goodserve.models import native
 from goodserve.models.attention import AttentionBackend, AttentionMetadata
 from goodserve.models.linear import dense_linear
 from goodserve.models.quant import BlockQuantized, make_linear
@@ -77,11 +78,41 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RMSNorm(x + residual) * weight, x + residual)``; without ``residual``, of ``x`` itself.
+
+    One native call on the CPU where the kernels build (:func:`goodserve.models.native.rms_norm`, rounded as
+    the eager ops), else the eager ops. ``x``, ``residual``: ``[rows, hidden]``.
+    """
+    if native.usable(x):
+        return native.rms_norm(x, weight, eps, residual)
+    h = x if residual is None else x + residual
+    return _rms_norm(h, weight, eps), h
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. ``x``: ``[num_tokens, heads, head_dim]``; ``cos``/``sin``: ``[num_tokens, 1, head_dim]``."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class RotaryTable:
+    """The step's rotary embedding: ``table`` (``[2, max_positions, head_dim]`` cos and sin) at ``positions``
+    (``[rows]`` int64). Calling it on ``[rows, heads, head_dim]`` rotates every head (one native call on the
+    CPU where the kernels build, else the eager ops over the rows' cos/sin, gathered once per step)."""
+
+    def __init__(self, table: torch.Tensor, positions: torch.Tensor) -> None:
+        self.table, self.positions = table, positions
+        self.cos_sin: Optional[torch.Tensor] = None
+        if not native.usable(table):
+            self.cos_sin = table.index_select(1, positions)[:, :, None, :]  # [2, rows, 1, head_dim]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cos_sin is None:
+            return native.rope(x, self.table, self.positions)
+        return _rotate(x, self.cos_sin[0], self.cos_sin[1])
 
 
 PAD_MULTIPLE = 16
@@ -119,26 +150,36 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: "RotaryTable",
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer with the residual add deferred into the next norm (as vLLM's fused add + RMSNorm).
+
+        Args:
+            x: ``[rows, hidden]``, the previous layer's MLP output (the embeddings for the first layer).
+            residual: ``[rows, hidden]`` the residual stream before ``x`` is added; ``None`` for the first layer.
+
+        Returns:
+            ``(mlp_out, residual)``: the hidden state after the layer is ``mlp_out + residual``.
+        """
         # Projections are called through ``forward`` (``nn.Linear``, ``PackedLinear`` or ``QuantLinear``) and
         # norms through their weights: at batch 1 the per-call overhead of ``nn.Module.__call__`` is a visible
         # share of a decode step on CPU.
         n = x.shape[0]  # rows, possibly padded past the step's tokens (see LlamaForCausalLM.forward)
-        h = _rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = self.qkv_proj.forward(h)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = _rotate(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # q and k at once
+        qk = rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim))  # q and k at once
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [n, num_heads | num_kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         t = meta.slot_mapping.shape[0]  # the step's real tokens; padding rows skip attention
         o = attn(q[:t], k[:t], v[:t], kv_cache[0], kv_cache[1], meta).reshape(t, self.q_size)
         if t < n:
             o = F.pad(o, (0, 0, 0, n - t))
-        x = x + self.o_proj.forward(o)
-        h = _rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        h, residual = add_rms_norm(self.o_proj.forward(o), residual, self.post_attention_layernorm.weight,
+                                   self.post_attention_layernorm.eps)
         gate, up = self.gate_up_proj.forward(h).split(self.intermediate_size, dim=-1)
-        return x + self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(F.silu(gate) * up), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -249,10 +290,11 @@ class LlamaForCausalLM(nn.Module):
             input_ids = F.pad(input_ids, (0, padded - num_tokens))
             positions = F.pad(positions, (0, padded - num_tokens))
         x = self.embed_tokens(input_ids)  # [padded, hidden]
-        cos, sin = self.rope_cos_sin(x.dtype).index_select(1, positions)[:, :, None, :]  # [padded, 1, head_dim] each
+        rope = RotaryTable(self.rope_cos_sin(x.dtype), positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer.forward(x, cos, sin, kv_cache, meta, attn)
-        return self.norm(x[:num_tokens])
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta, attn)
+        return add_rms_norm(x[:num_tokens], residual[:num_tokens], self.norm.weight, self.norm.eps)[0]
 
     def rope_cos_sin(self, dtype: torch.dtype) -> torch.Tensor:
         """``[2, max_position_embeddings, head_dim]`` cos and sin of every position, made once per dtype.

@@ -1,13 +1,16 @@
 """Native CPU kernels: compiled once per machine from ``models/csrc`` and called through ``ctypes``.
 
-PyTorch has no CPU kernel that attends over a paged KV cache in place, so the portable backend gathers
-every decode's context into a contiguous copy first (``models/attention.py``); at batch 16 and 384 tokens
-of context that copy and the attention after it were a third of a decode step of the default model. The
-kernel here reads the blocks where they are.
+- :func:`paged_decode_attention`: PyTorch has no CPU kernel that attends over a paged KV cache in place, so
+  the portable backend gathers every decode's context into a contiguous copy first (``models/attention.py``);
+  at batch 16 and 384 tokens of context that copy and the attention after it were a third of a decode step
+  of the default model. The kernel reads the blocks where they are.
+- :func:`rms_norm` (with the residual add before it) and :func:`rope`: at decode sizes each is several eager
+  ops of a few microseconds of dispatch, more than their arithmetic, ~180 calls per step of the default
+  model; here each is one call, rounded as the ops it replaces.
 
-Building: the first call compiles ``csrc/paged_decode_attention.cpp`` with the system C++ compiler (``c++``,
-or ``$CXX``; about a second, no torch headers) into ``$XDG_CACHE_HOME/goodserve/kernels/`` (default
-``~/.cache``), keyed by the source's hash, the compiler and the flags, and later processes load the cached
+Building: the first call compiles every ``csrc/*.cpp`` with the system C++ compiler (``c++``, or ``$CXX``;
+a few seconds, no torch headers) into one library under ``$XDG_CACHE_HOME/goodserve/kernels/`` (default
+``~/.cache``), keyed by the sources' hash, the compiler and the flags, and later processes load the cached
 library. Where there is no compiler, or the build fails, :func:`load` returns ``None`` with one warning and
 the engine stays on the portable backend. ``GOODSERVE_NATIVE_KERNELS=0`` turns the kernels off.
 """
@@ -30,16 +33,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 # -march=native: the library is built on the machine that runs it. -fopenmp: the parallel region binds to
-# the libgomp torch has already loaded (same soname), so both share one thread pool.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# the libgomp torch has already loaded (same soname), so both share one thread pool. -ffp-contract=off: no
+# fused multiply-adds the source does not write, so each product is rounded as PyTorch's eager op rounds it.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 #: A split of a request's context holds at least this many tokens (smaller ones cost more to merge).
 MIN_SPLIT_TOKENS = 256
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
+#: Whether the model's norms and RoPE run on the native kernels where they can (a switch for A/B benchmarks).
+use_decoder_ops = True
 
 
 def _cache_dir() -> Path:
@@ -53,16 +59,16 @@ def _build(compiler: str) -> Path:
     Raises:
         subprocess.CalledProcessError, OSError: if compiling fails.
     """
-    source = SOURCE.read_bytes()
+    source = b"".join(p.name.encode() + p.read_bytes() for p in SOURCES)
     key = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"paged_decode_attention-{key}.so"
+    path = _cache_dir() / f"goodserve-kernels-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True,
-                       timeout=300)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)], check=True, capture_output=True,
+                       text=True, timeout=300)
         os.replace(out, path)  # atomic: a concurrent build of the same key writes the same bytes
     return path
 
@@ -70,6 +76,8 @@ def _build(compiler: str) -> Path:
 def load() -> Optional[ctypes.CDLL]:
     """The kernel library, built on first use; ``None`` where it cannot be built or is turned off."""
     global _lib, _tried
+    if _tried:
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -78,18 +86,24 @@ def load() -> Optional[ctypes.CDLL]:
             return None
         compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         if compiler is None:
-            logger.warning("no C++ compiler found: decode attention stays on the portable PyTorch backend")
+            logger.warning("no C++ compiler found: the model runs on PyTorch ops only")
             return None
         try:
             lib = ctypes.CDLL(str(_build(compiler)))
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", "") or e
-            logger.warning("building the native attention kernel failed, using the PyTorch backend: %s", detail)
+            logger.warning("building the native kernels failed, the model runs on PyTorch ops only: %s", detail)
             return None
         fn = lib.goodserve_paged_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9
                        + [ctypes.c_float, ctypes.c_int])
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.goodserve_rms_norm.restype = ctypes.c_int
+        lib.goodserve_rms_norm.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, vp, i64, i64, ctypes.c_float,
+                                           ctypes.c_int]
+        lib.goodserve_rope.restype = ctypes.c_int
+        lib.goodserve_rope.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, ctypes.c_int]
         _lib = lib
         return _lib
 
@@ -97,9 +111,10 @@ def load() -> Optional[ctypes.CDLL]:
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def supports(q: torch.Tensor) -> bool:
-    """Whether the kernel runs attention for queries like ``q`` (CPU, float32 or bfloat16) on this machine."""
-    return q.device.type == "cpu" and q.dtype in _DTYPES and load() is not None
+def usable(x: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` and :func:`rope` run for tensors like ``x`` (CPU, float32 or bfloat16, the
+    kernels built, :data:`use_decoder_ops` on)."""
+    return use_decoder_ops and x.device.type == "cpu" and x.dtype in _DTYPES and load() is not None
 
 
 def num_splits(num_seqs: int, max_len: int, num_threads: int) -> int:
@@ -159,4 +174,85 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale if scale is not None else 1.0 / math.sqrt(head_dim), threads)
     if rc != 0:
         raise RuntimeError(f"the native paged attention kernel refused the call (code {rc})")
+    return out
+
+
+def _rows(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name} must be [rows, cols] with contiguous rows, got shape {tuple(x.shape)} "
+                         f"and strides {x.stride()}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x + residual`` (Zhang and Sennrich 2019), as ``weight * F.rms_norm(h.float()).to(dtype)``.
+
+    Args:
+        x: ``[rows, hidden]``, rows contiguous (a row stride is allowed).
+        weight: ``[hidden]``, ``x``'s dtype.
+        eps: Added to the mean square.
+        residual: ``[rows, hidden]`` or ``None``; added to ``x`` first (rounded to the dtype, as ``x + r``).
+
+    Returns:
+        ``(normed, h)``: ``[rows, hidden]`` each, ``h`` being ``x + residual`` (``x`` itself without one).
+
+    Raises:
+        RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype mismatch.
+    """
+    lib = load()
+    if lib is None or x.device.type != "cpu":
+        raise RuntimeError("the native kernels are not available")
+    _rows(x, "x")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.shape != (x.shape[1],) \
+            or not weight.is_contiguous():
+        raise ValueError(f"weight must be [{x.shape[1]}] contiguous and share x's dtype among {list(_DTYPES)}")
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=x.dtype)
+    h = x
+    if residual is not None:
+        _rows(residual, "residual")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("residual must have x's shape and dtype")
+        h = torch.empty((rows, cols), dtype=x.dtype)
+    rc = lib.goodserve_rms_norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                None if residual is None else residual.data_ptr(),
+                                0 if residual is None else residual.stride(0),
+                                None if residual is None else h.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                rows, cols, eps, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the native rms_norm refused the call (code {rc})")
+    return out, h
+
+
+def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embeddings (Su et al. 2021, RoFormer §3.4): ``x * cos + rotate_half(x) * sin``.
+
+    Args:
+        x: ``[rows, heads, head_dim]``, each row's heads contiguous (a row stride is allowed).
+        table: ``[2, max_positions, head_dim]`` cos then sin of every position, ``x``'s dtype, contiguous.
+        positions: ``[rows]`` int64 position of each row, each ``< max_positions`` (not checked here: the
+            engine caps ``max_model_len`` at the model's positions).
+
+    Returns:
+        ``[rows, heads, head_dim]``, contiguous, ``x``'s dtype.
+
+    Raises:
+        RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype mismatch.
+    """
+    lib = load()
+    if lib is None or x.device.type != "cpu":
+        raise RuntimeError("the native kernels are not available")
+    rows, heads, head_dim = x.shape
+    if x.dtype not in _DTYPES or table.dtype != x.dtype or not table.is_contiguous() or table.dim() != 3 \
+            or table.shape[0] != 2 or table.shape[2] != head_dim:
+        raise ValueError("table must be [2, max_positions, head_dim] contiguous in x's dtype")
+    if x.stride(2) != 1 or x.stride(1) != head_dim:
+        raise ValueError("each row's heads of x must be contiguous")
+    if positions.dtype != torch.int64 or positions.shape != (rows,) or not positions.is_contiguous():
+        raise ValueError("positions must be [rows] int64, contiguous")
+    out = torch.empty((rows, heads, head_dim), dtype=x.dtype)
+    rc = lib.goodserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
+                            positions.data_ptr(), out.data_ptr(), rows, heads, head_dim, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the native rope refused the call (code {rc})")
     return out
