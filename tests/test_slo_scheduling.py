@@ -302,36 +302,6 @@ def test_an_urgent_prompt_borrows_against_later_decode_steps():
     assert policy.first_token_time(300, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.322)
 
 
-def test_steps_stay_lean_while_every_prompt_is_in_time_without_the_banked_time():
-    """D streams (10 of exactly 20 tokens since t=0, TPOT SLO 50.5 ms; a decode step takes 11 ms), so at
-    0.1 s it has banked 0.7605 s: a step may hold 749 prompt tokens. Spending it only helps a prompt whose
-    TTFT needs it, and risks D's TPOT if steps run slower than predicted. At the lean pace, steps held to the
-    tightest TPOT SLO (39 prompt tokens beside D's decode, 50 ms a step), P's 300-token prompt gets its
-    first token 7 x 50 ms + 38 ms = 0.388 s later: in time for a 10-s TTFT SLO, so P's chunk is 39 tokens.
-    With a 0.45-s TTFT SLO (due 0.45 s, lean first token 0.488 s) the step spends D's bank on Q's whole
-    prompt instead; so it does beside a prompt without a TTFT SLO (no deadline to pace it by)."""
-    from goodserve.scheduler.slo import SLOPolicy
-
-    policy = SLOPolicy(StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False), 512, 4)
-    d = Request("D", [1, 2], SamplingParams(max_tokens=20, ignore_eos=True), 0.0, max_tokens=20, slo_tpot=0.0505)
-    d.first_token_time = 0.0
-    for _ in range(10):
-        d.append_output_token(7)
-    d.num_computed_tokens = d.num_tokens - 1
-
-    def prompt(rid: str, slo_ttft) -> Request:
-        return Request(rid, list(range(300)), SamplingParams(max_tokens=4), 0.0, max_tokens=4, slo_ttft=slo_ttft)
-
-    lean = policy.lean_pace([d])
-    assert lean.chunk == 39 and policy.first_token_time(300, lean, 0.1) == pytest.approx(0.1 + 0.388)
-    for req, lean_step, chunk in ((prompt("P", 10.0), True, 39), (prompt("Q", 0.45), False, 300),
-                                  (prompt("R", None), False, 300)):
-        assert policy.triage([req], [d], 0.1) == [] and policy.urgent == set() and policy.lean is lean_step
-        policy.begin_step([d], 0.1)
-        assert policy.tpot_limit == pytest.approx(0.7605)
-        assert policy.chunk_size(req, 0, 300, True) == chunk
-
-
 def test_a_request_is_late_only_if_both_paces_miss_its_ttft():
     """D may stop at any token (40 streamed from t=0, TPOT SLO 50.5 ms), so it has nothing later to lend: its
     borrowed limit is its plain allowance, 2.02 s, and the borrowed pace, which credits each step only a

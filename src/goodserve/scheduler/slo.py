@@ -32,12 +32,8 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    (``L = d``). The step spends what those steps will save by not prefilling; the allowances of the next
    steps, recomputed from what the steps took, hold them to what is left, so the debt never exceeds what 16
    decode-only steps repay. Borrowing needs a known length (forced, or ``min_tokens``): a request that may
-   stop at any token has nothing later to lend. **Lean steps**: while every prompt (still prefilling or
-   waiting) has a TTFT SLO and gets its first token in time at the *lean pace*, steps held to the tightest
-   running TPOT SLO over the margin, with its time to first token stretched by the margin, chunks are cut to
-   that SLO rather than to the allowance: the banked time would buy no goodput, and spent it leaves the
-   decodes' TPOT no room for steps that run slower than predicted. No prompt gets more than the borrowed
-   limit for its TTFT's sake: a request already streaming has cost its prefill, and the triage sheds the prompt
+   stop at any token has nothing later to lend. No prompt gets more than that
+   for its TTFT's sake: a request already streaming has cost its prefill, and the triage sheds the prompt
    that cannot be served in time instead. (A first version held every step to the tightest TPOT SLO: on a
    CPU where a decode batch alone fills most of it, prompts crawled a block per step and lost both their
    TTFT and, spread over many steps, the decodes' TPOT; a floor that gave a prompt the chunk its TTFT
@@ -151,7 +147,6 @@ class SLOPolicy:
         self.tpot_limit = INF  # the step's time limit: the smallest TPOT allowance of the running requests
         self.borrow_limit = INF  # the same with later steps priced as decodes alone (for urgent prompts)
         self.urgent: set[str] = set()  # prompts whose TTFT needs the borrowed limit (set by triage)
-        self.lean = False  # every prompt is in time at the lean pace: steps stay within the tightest SLO
         self.tpot_min = INF  # the tightest TPOT SLO of the running requests (admission)
         self.margin = 1.0  # the step-time model's margin for this step
         self._decode_step = 0.0  # predicted seconds of a step of the running decodes alone, with the margin
@@ -302,13 +297,9 @@ class SLOPolicy:
         return first + (j - 1) * (s - d) if req.max_tokens is None or j <= req.max_tokens - k else -INF
 
     def chunk_size(self, req: Request, num_computed: int, n: int, sample: bool) -> int:
-        """Cut ``req``'s prefill chunk of ``n`` tokens to the step's time limit (rule 3), or to the tightest
-        TPOT SLO when the prompts need no more (:attr:`lean`); in a step without decodes the first prefill
-        chunk gets at least ``min(n, block_size)``, so a step is never empty."""
-        if req.request_id in self.urgent:
-            limit = self.borrow_limit
-        else:
-            limit = min(self.tpot_limit, self.tpot_min) if self.lean else self.tpot_limit
+        """Cut ``req``'s prefill chunk of ``n`` tokens to the step's time limit (rule 3); in a step without
+        decodes the first prefill chunk gets at least ``min(n, block_size)``, so a step is never empty."""
+        limit = self.borrow_limit if req.request_id in self.urgent else self.tpot_limit
         cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, limit / self.margin)
         if not self._prefill_in_step and not self.acc.tokens:
             cut = max(cut, min(n, self.block_size))
@@ -359,16 +350,6 @@ class SLOPolicy:
         # Borrowed: later steps priced as decodes alone, so a step of t seconds leaves t - d less for the next.
         return (self._banked_pace(acc, n, steady, bank, limit),
                 self._banked_pace(acc, n, steady, self.borrow_limit, self._decode_step))
-
-    def lean_pace(self, running: list[Request]) -> Optional[Pace]:
-        """Prompts progressing in steps held to the tightest TPOT SLO over the margin, spending no banked
-        time (rule 3's lean steps); ``None`` without running decodes or a TPOT SLO to hold to."""
-        acc = self._decodes(running)
-        limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
-        if not acc.tokens or limit == INF:
-            return None
-        n = max(1, self.max_num_batched_tokens - acc.tokens)
-        return Pace(acc, max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit / self.margin)))
 
     def _banked_pace(self, acc: StepAccumulator, n: int, steady: int, bank: float, earned: float) -> Pace:
         """A pace whose banked phase starts from ``bank`` seconds, each step of ``t`` adding ``earned - t``."""
@@ -426,18 +407,14 @@ class SLOPolicy:
             puts them behind the others).
         """
         pace, borrowed = self.prefill_paces(running, now)
-        lean = self.lean_pace(running)
         work = 0
         late = []
         self.urgent = set()
-        self.lean = lean is not None
         for req in list(running) + list(waiting):
             tokens = req.num_tokens - req.num_computed_tokens
             if req.slo_late or (req in running and tokens <= 1):
                 continue
-            if req.slo_ttft is None or req.num_output_tokens > 0:
-                self.lean = False  # no deadline to pace it by, or a preempted stream recomputing: no waiting
-            else:
+            if req.slo_ttft is not None and req.num_output_tokens == 0:
                 deadline = req.arrival_time + req.slo_ttft
                 plain = self.first_token_time(work + tokens, pace, now)
                 if plain > deadline and self.first_token_time(work + tokens, borrowed, now) > deadline:
@@ -445,9 +422,6 @@ class SLOPolicy:
                     continue
                 if now + self.model.margin * (plain - now) > deadline:
                     self.urgent.add(req.request_id)
-                if self.lean and now + self.margin * (self.first_token_time(work + tokens, lean, now) - now) \
-                        > deadline:
-                    self.lean = False
             work += tokens
         return late
 
