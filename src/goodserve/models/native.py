@@ -53,6 +53,20 @@ def _cache_dir() -> Path:
     return Path(base) / "goodserve" / "kernels"
 
 
+def _cpu_id() -> bytes:
+    """The CPU's instruction-set flags (``-march=native`` builds for them; a cache shared between machines
+    must not hand one machine another's library)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return (platform.machine() + platform.processor()).encode()
+
+
 def _build(compiler: str) -> Path:
     """Compile the kernel (or find it built) and return the library's path.
 
@@ -60,7 +74,7 @@ def _build(compiler: str) -> Path:
         subprocess.CalledProcessError, OSError: if compiling fails.
     """
     source = b"".join(p.name.encode() + p.read_bytes() for p in SOURCES)
-    key = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode() + _cpu_id()).hexdigest()[:16]
     path = _cache_dir() / f"goodserve-kernels-{key}.so"
     if path.exists():
         return path
