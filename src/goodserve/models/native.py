@@ -34,6 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # -march=native: the library is built on the machine that runs it. -fopenmp: the parallel region binds to
 # the libgomp torch has already loaded (same soname), so both share one thread pool. -ffp-contract=off: no
 # fused multiply-adds the source does not write, so each product is rounded as PyTorch's eager op rounds it.
@@ -73,7 +74,7 @@ def _build(compiler: str) -> Path:
     Raises:
         subprocess.CalledProcessError, OSError: if compiling fails.
     """
-    source = b"".join(p.name.encode() + p.read_bytes() for p in SOURCES)
+    source = b"".join(p.name.encode() + p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode() + _cpu_id()).hexdigest()[:16]
     path = _cache_dir() / f"goodserve-kernels-{key}.so"
     if path.exists():

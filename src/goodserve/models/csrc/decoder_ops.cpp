@@ -13,26 +13,12 @@
 
 #include <omp.h>
 
+#include "dtype.h"
+
 namespace {
 
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) {
-  uint32_t u = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
+using goodserve::load;
+using goodserve::store;
 // The value rounded to the activation dtype, as float32.
 inline float round_to(float v, const float*) { return v; }
 inline float round_to(float v, const uint16_t*) {

@@ -26,30 +26,16 @@
 #include <vector>
 
 #include <omp.h>
+
+#include "dtype.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) {  // bfloat16 -> float32: the high half of the float's bits
-  uint32_t u = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) {  // float32 -> bfloat16, round to nearest even (as torch does)
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *p = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
+using goodserve::load;
+using goodserve::store;
 
 constexpr int kLanes = 16;  // independent partial sums, so the compiler vectorises the dot products
 
@@ -72,6 +58,20 @@ struct Shape {
   int64_t split_tokens, num_splits;
 };
 
+// Starts a work item: the group's queries, scaled, into qf; accumulators, maxima and sums emptied.
+template <typename T>
+void init_item(const Shape& s, const T* q, int64_t i, int64_t h, float scale, float* qf, float* acc, float* mx,
+               float* sum) {
+  const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qg = q + i * s.q_stride + (h * group + g) * D;
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qg + d) * scale;
+    mx[g] = -std::numeric_limits<float>::infinity();
+    sum[g] = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+}
+
 // One work item: query heads [h * group, (h + 1) * group) of request i over context tokens [t0, t1).
 // Writes the group's unnormalised accumulators, maxima and sums into acc / mx / sum.
 template <typename T>
@@ -80,13 +80,7 @@ void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, cons
             std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& row) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, bs = s.block_size;
   const int64_t token_stride = s.num_kv_heads * D;
-  for (int64_t g = 0; g < group; ++g) {
-    const T* qg = q + i * s.q_stride + (h * group + g) * D;
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qg + d) * scale;
-    mx[g] = -std::numeric_limits<float>::infinity();
-    sum[g] = 0.f;
-    for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.f;
-  }
+  init_item(s, q, i, h, scale, qf.data(), acc, mx, sum);
   const int32_t* table = block_tables + i * s.max_blocks;
   for (int64_t start = t0; start < t1;) {
     const int64_t block = table[start / bs], first = start % bs;
@@ -158,13 +152,7 @@ void attend16(const Shape& s, const T* q, const T* k_cache, const T* v_cache, co
               std::vector<float>& qf, std::vector<float>& scores) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, bs = s.block_size, C = D / 16;
   const int64_t token_stride = s.num_kv_heads * D;
-  for (int64_t g = 0; g < group; ++g) {
-    const T* qg = q + i * s.q_stride + (h * group + g) * D;
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qg + d) * scale;
-    mx[g] = -std::numeric_limits<float>::infinity();
-    sum[g] = 0.f;
-    for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.f;
-  }
+  init_item(s, q, i, h, scale, qf.data(), acc, mx, sum);
   const int32_t* table = block_tables + i * s.max_blocks;
   __m512 kv[kMaxChunks];
   for (int64_t start = t0; start < t1;) {
