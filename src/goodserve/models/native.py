@@ -10,8 +10,8 @@
 
 Building: the first call compiles every ``csrc/*.cpp`` with the system C++ compiler (``c++``, or ``$CXX``;
 a few seconds, no torch headers) into one library under ``$XDG_CACHE_HOME/goodserve/kernels/`` (default
-``~/.cache``), keyed by the sources' hash, the compiler and the flags, and later processes load the cached
-library. Where there is no compiler, or the build fails, :func:`load` returns ``None`` with one warning and
+``~/.cache``), keyed by the hash of the sources and headers, the compiler, the flags and the CPU's
+instruction-set flags, and later processes load the cached library. Where there is no compiler, or the build fails, :func:`load` returns ``None`` with one warning and
 the engine stays on the portable backend. ``GOODSERVE_NATIVE_KERNELS=0`` turns the kernels off.
 """
 
@@ -69,7 +69,7 @@ def _cpu_id() -> bytes:
 
 
 def _build(compiler: str) -> Path:
-    """Compile the kernel (or find it built) and return the library's path.
+    """Compile the kernels (or find them built) and return the library's path.
 
     Raises:
         subprocess.CalledProcessError, OSError: if compiling fails.
@@ -126,6 +126,23 @@ def load() -> Optional[ctypes.CDLL]:
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _library(x: torch.Tensor) -> ctypes.CDLL:
+    """The loaded library for a call on ``x``.
+
+    Raises:
+        RuntimeError: if the kernels are not built or ``x`` is not on the CPU.
+    """
+    lib = load()
+    if lib is None or x.device.type != "cpu":
+        raise RuntimeError("the native kernels are not available (they run on the CPU where they build)")
+    return lib
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"the native {name} kernel refused the call (code {rc})")
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` and :func:`rope` run for tensors like ``x`` (CPU, float32 or bfloat16, the
     kernels built, :data:`use_decoder_ops` on)."""
@@ -159,12 +176,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ``[n, num_heads, head_dim]``, ``q``'s dtype.
 
     Raises:
-        RuntimeError: if the kernel is not available (see :func:`supports`) or refuses the call.
+        RuntimeError: if the kernels are not available (see :func:`load`) or the kernel refuses the call.
         ValueError: on inconsistent shapes, dtypes or layouts.
     """
-    lib = load()
-    if lib is None or q.device.type != "cpu":
-        raise RuntimeError("the native paged attention kernel is not available")
+    lib = _library(q)
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -187,8 +202,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim, block_size,
         block_tables.shape[1], q.stride(0), split_tokens, splits,
         scale if scale is not None else 1.0 / math.sqrt(head_dim), threads)
-    if rc != 0:
-        raise RuntimeError(f"the native paged attention kernel refused the call (code {rc})")
+    _check(rc, "paged attention")
     return out
 
 
@@ -214,9 +228,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Raises:
         RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype mismatch.
     """
-    lib = load()
-    if lib is None or x.device.type != "cpu":
-        raise RuntimeError("the native kernels are not available")
+    lib = _library(x)
     _rows(x, "x")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.shape != (x.shape[1],) \
             or not weight.is_contiguous():
@@ -234,8 +246,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                 0 if residual is None else residual.stride(0),
                                 None if residual is None else h.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                 rows, cols, eps, torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"the native rms_norm refused the call (code {rc})")
+    _check(rc, "rms_norm")
     return out, h
 
 
@@ -254,9 +265,7 @@ def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch
     Raises:
         RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype mismatch.
     """
-    lib = load()
-    if lib is None or x.device.type != "cpu":
-        raise RuntimeError("the native kernels are not available")
+    lib = _library(x)
     rows, heads, head_dim = x.shape
     if x.dtype not in _DTYPES or table.dtype != x.dtype or not table.is_contiguous() or table.dim() != 3 \
             or table.shape[0] != 2 or table.shape[2] != head_dim:
@@ -268,6 +277,5 @@ def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch
     out = torch.empty((rows, heads, head_dim), dtype=x.dtype)
     rc = lib.goodserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
                             positions.data_ptr(), out.data_ptr(), rows, heads, head_dim, torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"the native rope refused the call (code {rc})")
+    _check(rc, "rope")
     return out
