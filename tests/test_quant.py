@@ -110,7 +110,7 @@ def test_quant_linear_kernel_and_dense_paths_agree(kind):
     data, ref = _gguf_weight("Q4_1", n=128, k=96)
     weight = unpack_gguf_blocks(data, "Q4_1", (128, 96)) if kind == "int4" else ref
     bias = torch.randn(128)
-    layer = QuantLinear(kind, weight, torch.bfloat16, bias, max_rows=4)
+    layer = QuantLinear(kind, weight, torch.bfloat16, bias, max_rows=4, dense_after_rows=0)
     x = torch.randn(8, 96).to(torch.bfloat16)
     small = torch.cat([layer(x[i:i + 4]) for i in (0, 4)])  # kernel
     large = layer(x)  # dense copy
@@ -118,6 +118,26 @@ def test_quant_linear_kernel_and_dense_paths_agree(kind):
     scale = expect.abs().max()
     assert (small.float() - large.float()).abs().max() <= 0.02 * scale
     assert (large.float() - expect).abs().max() <= (0.02 if kind == "int4" else 0.05) * scale
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_dense_copy_is_made_once_large_steps_reach_dense_after_rows(kind):
+    """Ski rental: steps past ``max_rows`` run on the kernel until their rows reach ``dense_after_rows``; the
+    step that reaches it and every large step after it run on the dense copy."""
+    torch.manual_seed(0)
+    data, ref = _gguf_weight("Q4_1", n=128, k=96)
+    weight = unpack_gguf_blocks(data, "Q4_1", (128, 96)) if kind == "int4" else ref
+    layer = QuantLinear(kind, weight, torch.bfloat16, max_rows=4, dense_after_rows=20)
+    x = torch.randn(8, 96).to(torch.bfloat16)
+    kernel = torch.cat([layer(x[:4]), layer(x[4:])])  # 4 rows each: the kernel, and not counted
+    assert layer._dense is None and layer._rows_past_max == 0
+    for seen in (8, 16):  # 8 and 16 rows past max_rows: still the kernel, the same values as 4 rows at a time
+        assert torch.equal(layer(x), kernel)
+        assert layer._dense is None and layer._rows_past_max == seen
+    dense = layer(x)  # 24 >= 20: the copy is made and used from now on
+    assert layer._dense is not None and torch.equal(dense, layer.dense().forward(x))
+    assert torch.equal(layer(x), dense) and layer._rows_past_max == 24
+    assert torch.equal(torch.cat([layer(x[:4]), layer(x[4:])]), kernel)  # small steps stay on the kernel
 
 
 def test_make_linear_auto_keeps_4bit_blocks_only_in_bfloat16():

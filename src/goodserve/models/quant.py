@@ -17,8 +17,9 @@ symmetric, round to nearest) and never exact.
 
 These kernels are matrix-vector kernels: fast while a step has few rows, far slower than oneDNN's bfloat16
 GEMM for a prefill chunk. :class:`QuantLinear` therefore runs steps of at most ``max_rows`` rows on the
-kernel and larger ones on a dense copy of the same weight, made from the codes on first use (prepacked for
-oneDNN where :mod:`goodserve.models.linear` applies).
+kernel and larger ones on a dense copy of the same weight, made from the codes (prepacked for oneDNN where
+:mod:`goodserve.models.linear` applies) once the larger steps have cost the kernel about what the copy costs
+(:data:`DENSE_AFTER_ROWS`): a one-shot command with a short prompt never pays for it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ GROUP_SIZE = 32  # weights per GGUF block (QK4_0 = QK4_1 = QK8_0 = 32)
 #: every weight from memory, and there the int4 kernel's 2.2x fewer bytes keep it ahead at 4 rows (issue 15,
 #: run 4: batch 4 at 46 ms with 4 here, 51-54 ms with 2).
 DEFAULT_MAX_ROWS = 4
+
+#: Rows of steps past ``max_rows`` a layer runs on the kernel before it makes its dense copy: the ski-rental
+#: rule (Karlin et al., "Competitive snoopy caching", 1988; buy once renting has cost the price), so the rows
+#: never cost more than twice the better choice made in hindsight. Measured on this CPU (issue 15, run 6):
+#: the dense copies of one layer's four matrices take ~11.5 ms, and the kernel costs ~0.025-0.06 ms more per
+#: row than the dense GEMM at 16-128 rows, so the copy pays for itself after ~190-460 rows.
+DENSE_AFTER_ROWS = 256
 
 # Byte layout of one block (ggml-common.h): fp16 d [, fp16 m], then the codes.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -232,16 +240,20 @@ class QuantLinear(nn.Module):
         weight: For int4, a Q4_0/Q4_1 :class:`BlockQuantized`; for int8, a dense ``[out, in]`` tensor.
         dtype: Activation dtype (the kernels are fast in bfloat16).
         bias: ``[out]`` or ``None``.
-        max_rows: Steps of more rows run on a dense ``dtype`` copy of the weight, made on first use.
+        max_rows: Steps of more rows run on a dense ``dtype`` copy of the weight, once it is made.
+        dense_after_rows: The copy is made by the step that brings the rows of such steps to this many
+            (:data:`DENSE_AFTER_ROWS`); the steps before it run on the kernel.
 
     Raises:
         ValueError: see :func:`pack_int4`.
     """
 
     def __init__(self, kind: str, weight, dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
-                 max_rows: int = DEFAULT_MAX_ROWS) -> None:
+                 max_rows: int = DEFAULT_MAX_ROWS, dense_after_rows: int = DENSE_AFTER_ROWS) -> None:
         super().__init__()
         self.kind, self.dtype, self.max_rows = kind, dtype, max_rows
+        self.dense_after_rows = dense_after_rows
+        self._rows_past_max = 0  # rows of steps past max_rows so far (until the dense copy is made)
         if kind == "int4":
             self.out_features, self.in_features = weight.shape
             packed, extra = pack_int4(weight, dtype)
@@ -267,7 +279,7 @@ class QuantLinear(nn.Module):
         return (self.packed.float() * self.extra.float()[:, None]).to(self.dtype)
 
     def dense(self) -> nn.Module:
-        """The dense layer steps of more than ``max_rows`` rows run on (made once, kept)."""
+        """The dense layer large steps run on (made once, kept; see ``dense_after_rows``)."""
         if self._dense is None:
             # Not registered as a submodule: it is a cache of this layer's weight, not more weights.
             object.__setattr__(self, "_dense", dense_linear(self.dense_weight(), self.bias))
@@ -275,8 +287,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[rows, in_features]`` in the activation dtype -> ``[rows, out_features]``."""
-        if x.shape[0] > self.max_rows:
-            return self.dense().forward(x)
+        rows = x.shape[0]
+        if rows > self.max_rows:
+            if self._dense is None:
+                self._rows_past_max += rows
+            if self._dense is not None or self._rows_past_max >= self.dense_after_rows:
+                return self.dense().forward(x)
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.extra)
         else:
