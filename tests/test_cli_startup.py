@@ -27,6 +27,22 @@ def test_one_shot_chat_imports_nothing_heavy(tmp_path):
     assert "RC 0 LOADED []" in out.stdout, out.stdout + out.stderr
 
 
+def test_one_shot_process_exits_with_its_output_and_code(tmp_path):
+    """``python -m goodserve.cli chat`` ends with ``os._exit`` (skipping the interpreter's teardown): its
+    answer and log line still reach a pipe, and its exit code is main's (0, or 2 on bad input)."""
+    path, _ = make_tiny_gguf(tmp_path, "llama")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "goodserve.cli", "chat", "Hello there", "--model", path]
+    ok = subprocess.run(cmd + ["--max-tokens", "3", "--temperature", "0"], capture_output=True, text=True,
+                        env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.endswith("\n") and len(ok.stdout) > 1
+    assert "prompt + 3 output tokens, finish_reason=length" in ok.stderr
+    bad = subprocess.run(cmd + ["--temperature", "-1"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "goodserve: error:" in bad.stderr and "temperature" in bad.stderr
+
+
 def test_command_word_found_past_the_log_level():
     from goodserve.cli import _command, build_parser
 
