@@ -8,9 +8,10 @@ import sys
 
 from tiny_models import make_tiny_gguf
 
-# Imported by `serve`, the other commands, structured outputs or torch.compile, never needed to answer one prompt.
+# Imported by `serve`, the other commands, structured outputs, torch.compile or a progress bar, never needed to
+# answer one prompt.
 HEAVY = ("fastapi", "uvicorn", "starlette", "prometheus_client", "xgrammar", "ray", "httpx", "torch._dynamo",
-         "transformers", "goodserve.bench", "goodserve.server", "goodserve.sim", "goodserve.router")
+         "transformers", "tqdm.auto", "goodserve.bench", "goodserve.server", "goodserve.sim", "goodserve.router")
 
 
 def test_one_shot_chat_imports_nothing_heavy(tmp_path):
