@@ -25,7 +25,7 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    margin while that is in reach (under load the TPOT lands on its target); the smallest allowance is the
    step's limit. Decodes are scheduled first and each prefill chunk is cut to the largest size whose
    predicted step time, stretched by the model's margin (:attr:`StepTimeModel.margin`, a quantile of
-   measured / predicted: step times scatter on a shared CPU), stays within it; a step without decodes gives
+   measured / predicted time over runs of steps: step times scatter and drift on a shared CPU), stays within it; a step without decodes gives
    its first chunk at least a block, so a step is never empty. An urgent prompt's chunk is cut to the
    *borrowed* limit instead: the smallest over the streaming requests of the larger of each one's allowance
    and its allowance with only the next :data:`BORROW_STEPS` later steps counted, priced as decodes alone

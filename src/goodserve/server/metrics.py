@@ -96,8 +96,8 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(PREFIX + "step_time_prediction_abs_error_seconds",
                                   "Sum of |predicted - measured| step time (s).", value=s.step_time_abs_error_s_total)
         yield GaugeMetricFamily(PREFIX + "step_time_margin",
-                                "The step-time model's margin: the 0.9 quantile of measured / predicted step time "
-                                "over recent steps (>= 1); the slo policy stretches predictions by it.",
+                                "The step-time model's margin: the 0.9 quantile of measured / predicted time over runs "
+                                "of 16 recent steps (>= 1); the slo policy stretches predictions by it.",
                                 value=s.step_time_margin)
         yield GaugeMetricFamily(PREFIX + "kv_transfer_blocks_held",
                                 "KV blocks of finished requests held for a consumer's pull (producer).",
