@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from goodserve.models.quant import (BlockQuantized, QuantLinear, dequantize_rows, make_linear, pack_int4,
-                                    pack_int4_codes, quantize_int4, unpack_gguf_blocks, unpack_int4)
+from goodserve.models.quant import (DENSE_AFTER_ROWS, BlockQuantized, QuantLinear, dequantize_rows,
+                                    make_dense_copies, make_linear, pack_int4, pack_int4_codes, quantize_int4,
+                                    unpack_gguf_blocks, unpack_int4)
 
 
 def _gguf_weight(qtype: str, n: int = 128, k: int = 96, seed: int = 0):
@@ -138,6 +139,18 @@ def test_dense_copy_is_made_once_large_steps_reach_dense_after_rows(kind):
     assert layer._dense is not None and torch.equal(dense, layer.dense().forward(x))
     assert torch.equal(layer(x), dense) and layer._rows_past_max == 24
     assert torch.equal(torch.cat([layer(x[:4]), layer(x[4:])]), kernel)  # small steps stay on the kernel
+
+
+def test_dense_copies_by_default_only_wait_for_int4_in_bfloat16_and_a_server_makes_them_all():
+    data, ref = _gguf_weight("Q4_1", n=128, k=96)
+    weight = unpack_gguf_blocks(data, "Q4_1", (128, 96))
+    assert QuantLinear("int4", weight, torch.bfloat16).dense_after_rows == DENSE_AFTER_ROWS == 256
+    assert QuantLinear("int4", weight, torch.float32).dense_after_rows == 0  # the kernel is ~30x slower there
+    assert QuantLinear("int8", ref, torch.bfloat16).dense_after_rows == 0
+    model = nn.Sequential(QuantLinear("int4", weight, torch.bfloat16), nn.ReLU(),
+                          QuantLinear("int8", ref, torch.bfloat16))  # never run: only its layers are looked at
+    assert make_dense_copies(model) == 2 and make_dense_copies(model) == 0
+    assert all(m._dense is not None for m in model if isinstance(m, QuantLinear))
 
 
 def test_make_linear_auto_keeps_4bit_blocks_only_in_bfloat16():

@@ -31,6 +31,7 @@ from goodserve.engine.async_types import (AbortCommand, AddCommand, CallCommand,
                                           RequestStream)
 from goodserve.engine.engine import Engine, PromptType
 from goodserve.engine.engine_thread import EngineThread
+from goodserve.models.quant import make_dense_copies
 from goodserve.outputs import RequestOutput
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SchedulerStats
@@ -121,7 +122,7 @@ class AsyncEngine:
             ValueError, FileNotFoundError: as :class:`Engine`.
             OSError: if ``step_trace`` cannot be opened.
         """
-        return cls(build=lambda: Engine(args), step_trace=step_trace, **kwargs)
+        return cls(build=lambda: _serving_engine(args), step_trace=step_trace, **kwargs)
 
     @property
     def model_name(self) -> str:
@@ -267,3 +268,12 @@ class AsyncEngine:
         self._engine_thread.submit(CallCommand(fn, future))
         return await asyncio.wrap_future(future)
 
+
+def _serving_engine(args: EngineArgs) -> Engine:
+    """An :class:`Engine` for serving: the dense copies of its quantized layers are made before the first
+    step (:func:`goodserve.models.quant.make_dense_copies`), so no served step pays for them."""
+    engine = Engine(args)
+    made = make_dense_copies(engine.core.runner.model)
+    if made:
+        logger.debug("made the dense copies of %d quantized layers", made)
+    return engine

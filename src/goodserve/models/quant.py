@@ -36,18 +36,20 @@ from goodserve.models.linear import dense_linear
 
 GROUP_SIZE = 32  # weights per GGUF block (QK4_0 = QK4_1 = QK8_0 = 32)
 
-#: Steps of more rows than this run on the dense copy: on this class of CPU the int4 kernel is faster than
+#: Steps of more rows than this run on the dense copy, once it is made (:data:`DENSE_AFTER_ROWS`): on this class of CPU the int4 kernel is faster than
 #: bfloat16 GEMM up to a handful of rows and several times slower at prefill sizes (BENCHMARKS.md). A lone
 #: matrix in cache runs faster prepacked than on the int4 kernel from 4 rows, but a decode step streams
 #: every weight from memory, and there the int4 kernel's 2.2x fewer bytes keep it ahead at 4 rows (issue 15,
 #: run 4: batch 4 at 46 ms with 4 here, 51-54 ms with 2).
 DEFAULT_MAX_ROWS = 4
 
-#: Rows of steps past ``max_rows`` a layer runs on the kernel before it makes its dense copy: the ski-rental
-#: rule (Karlin et al., "Competitive snoopy caching", 1988; buy once renting has cost the price), so the rows
-#: never cost more than twice the better choice made in hindsight. Measured on this CPU (issue 15, run 6):
-#: the dense copies of one layer's four matrices take ~11.5 ms, and the kernel costs ~0.025-0.06 ms more per
-#: row than the dense GEMM at 16-128 rows, so the copy pays for itself after ~190-460 rows.
+#: Rows of steps past ``max_rows`` an int4 layer in bfloat16 runs on the kernel before it makes its dense
+#: copy: the ski-rental rule (Karlin et al., "Competitive snoopy caching", 1988; buy once renting has cost
+#: the price), so the rows never cost more than twice the better choice made in hindsight. Measured on this
+#: CPU (issue 15, run 6): the dense copies of one layer's four matrices take ~11.5 ms, and the kernel costs
+#: ~0.025-0.06 ms more per row than the dense GEMM at 16-128 rows, so the copy pays for itself after
+#: ~190-460 rows. Other kernels and dtypes (not measured; int4 in float32 is ~30x slower) copy at once. A
+#: server makes every copy before its first step (:func:`make_dense_copies`).
 DENSE_AFTER_ROWS = 256
 
 # Byte layout of one block (ggml-common.h): fp16 d [, fp16 m], then the codes.
@@ -215,7 +217,7 @@ def unpack_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: tor
     q = torch.cat([tiles & 15, tiles >> 4], dim=-1).permute(0, 2, 1).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     sz = scales_and_zeros.float()  # [groups, n, 2]
     # In place on one float32 buffer: the same operations as ``(q - 8) * scale + zero``, without three more
-    # weight-sized temporaries (a one-shot command makes every dense copy on its first prefill).
+    # weight-sized temporaries (a server makes every dense copy at start).
     w = q.float().sub_(8).mul_(sz[..., 0].t()[..., None]).add_(sz[..., 1].t()[..., None])
     return w.view(n, k).to(dtype)
 
@@ -241,17 +243,19 @@ class QuantLinear(nn.Module):
         dtype: Activation dtype (the kernels are fast in bfloat16).
         bias: ``[out]`` or ``None``.
         max_rows: Steps of more rows run on a dense ``dtype`` copy of the weight, once it is made.
-        dense_after_rows: The copy is made by the step that brings the rows of such steps to this many
-            (:data:`DENSE_AFTER_ROWS`); the steps before it run on the kernel.
+        dense_after_rows: The copy is made by the step that brings the rows of such steps to this many; the
+            steps before it run on the kernel. Default: :data:`DENSE_AFTER_ROWS` for int4 in bfloat16, else 0.
 
     Raises:
         ValueError: see :func:`pack_int4`.
     """
 
     def __init__(self, kind: str, weight, dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
-                 max_rows: int = DEFAULT_MAX_ROWS, dense_after_rows: int = DENSE_AFTER_ROWS) -> None:
+                 max_rows: int = DEFAULT_MAX_ROWS, dense_after_rows: Optional[int] = None) -> None:
         super().__init__()
         self.kind, self.dtype, self.max_rows = kind, dtype, max_rows
+        if dense_after_rows is None:
+            dense_after_rows = DENSE_AFTER_ROWS if kind == "int4" and dtype == torch.bfloat16 else 0
         self.dense_after_rows = dense_after_rows
         self._rows_past_max = 0  # rows of steps past max_rows so far (until the dense copy is made)
         if kind == "int4":
@@ -298,6 +302,22 @@ class QuantLinear(nn.Module):
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.extra)
         return y if self.bias is None else y + self.bias
+
+
+def make_dense_copies(model: nn.Module) -> int:
+    """Make the dense copy of every :class:`QuantLinear` in ``model`` now (a server, before its first step:
+    made lazily, ~0.3 s of copies for the default model would land in one served step, and a request's
+    greedy tokens would depend on whether earlier traffic had already made them).
+
+    Returns:
+        The number of layers whose copy was made by this call.
+    """
+    made = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and module._dense is None:
+            module.dense()
+            made += 1
+    return made
 
 
 def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quantization: str) -> nn.Module:
