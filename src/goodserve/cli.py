@@ -119,7 +119,8 @@ def run() -> None:
     A one-shot command (``generate``, ``chat``) ends the process with ``os._exit`` once its output and logs
     are flushed: an interpreter's ordinary exit then tears down torch and the model object by object, ~0.3 s
     of a ~3 s command on the project's 2-core machine (issue 15, part 5), and an exiting process needs none
-    of it. Other commands exit normally (servers have shutdown work of their own).
+    of it (nor do atexit hooks run: ``python -m cProfile`` or coverage around it then write nothing; call
+    :func:`main` for those). Other commands exit normally (servers have shutdown work of their own).
     """
     argv = sys.argv[1:]
     code = main(argv)

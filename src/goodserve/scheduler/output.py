@@ -195,7 +195,8 @@ class SchedulerStats:
         step_time_predicted_s_total: Sum of the model's predictions for those steps, made before each ran (s).
         step_time_actual_s_total: Sum of their measured times (s).
         step_time_abs_error_s_total: Sum of ``|predicted - actual|`` (s).
-        step_time_margin: The model's margin (a quantile of measured / predicted over recent steps, >= 1).
+        step_time_margin: The model's margin (a quantile of measured / predicted time over runs of recent steps,
+            >= 1).
         num_blocks_held_for_pull: Blocks of finished requests held for a consumer's pull (producer).
         num_kv_transfers_in_flight: Pulls of prompt K/V not yet ended (consumer).
         num_kv_transfer_timeouts_total: Holds that ended because no consumer pulled in time (producer).

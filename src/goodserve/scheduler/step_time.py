@@ -92,7 +92,8 @@ class StepTimeModel:
         window: Observed steps the fit remembers.
         prior_weight: Weight of each of the seed's pseudo-steps in the fit (an observed step weighs 1).
         adapt: Refit on observations; ``False`` keeps the seed (tests, or a trusted profile).
-        margin_quantile: The quantile of measured / predicted step time that :attr:`margin` reports.
+        margin_quantile: The quantile, over runs of :data:`MIN_MARGIN_STEPS` steps, of measured / predicted
+            time that :attr:`margin` reports.
 
     Raises:
         ValueError: on a negative coefficient, ``window < 1``, ``prior_weight <= 0`` or a quantile outside
@@ -111,7 +112,8 @@ class StepTimeModel:
         self.coefficients = seed
         self.adapt = adapt
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
-        self._times: deque[tuple[float, float]] = deque(maxlen=window)  # (measured, predicted) of the last steps
+        # (measured, predicted) of the last steps: at least one run's worth whatever the fit's window.
+        self._times: deque[tuple[float, float]] = deque(maxlen=max(window, MIN_MARGIN_STEPS))
         self._margin: Optional[float] = 1.0  # margin of the steps observed so far (None: not computed yet)
         self.recent_step_s = 0.0  # exponentially weighted mean of the measured step times (RECENT_STEPS)
         xs = np.array([_features(x) for x in _PRIOR_SHAPES])
