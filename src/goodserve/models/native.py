@@ -7,6 +7,8 @@
 - :func:`rms_norm` (with the residual add before it) and :func:`rope`: at decode sizes each is several eager
   ops of a few microseconds of dispatch, more than their arithmetic, ~180 calls per step of the default
   model; here each is one call, rounded as the ops it replaces.
+- :func:`argmax`: greedy sampling. PyTorch's CPU argmax over a batch's logits cost ~10x a max over the same
+  rows (4.3-7.8 ms at batch 64, 49,152 tokens).
 
 Building: the first call compiles every ``csrc/*.cpp`` with the system C++ compiler (``c++``, or ``$CXX``;
 a few seconds, no torch headers) into one library under ``$XDG_CACHE_HOME/goodserve/kernels/`` (default
@@ -119,6 +121,8 @@ def load() -> Optional[ctypes.CDLL]:
                                            ctypes.c_int]
         lib.goodserve_rope.restype = ctypes.c_int
         lib.goodserve_rope.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, ctypes.c_int]
+        lib.goodserve_argmax.restype = ctypes.c_int
+        lib.goodserve_argmax.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int]
         _lib = lib
         return _lib
 
@@ -278,4 +282,26 @@ def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch
     rc = lib.goodserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
                             positions.data_ptr(), out.data_ptr(), rows, heads, head_dim, torch.get_num_threads())
     _check(rc, "rope")
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)``: the first index of each row's maximum, or of its first NaN.
+
+    Args:
+        x: ``[rows, cols]`` float32 or bfloat16, ``cols >= 1``, rows contiguous (a row stride is allowed).
+
+    Returns:
+        ``[rows]`` int64.
+
+    Raises:
+        RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype it does not take.
+    """
+    lib = _library(x)
+    _rows(x, "x")
+    if x.dtype not in _DTYPES or x.shape[1] < 1:
+        raise ValueError(f"x must be float32 or bfloat16 with at least one column, got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _check(lib.goodserve_argmax(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
+                                out.data_ptr(), torch.get_num_threads()), "argmax")
     return out

@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from goodserve.models import native
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "apply_min_tokens", "apply_penalties"]
@@ -100,6 +101,16 @@ def _apply_grammar_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         from goodserve.runner.structured_output import apply_bitmask_
 
         apply_bitmask_(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (``[B]`` int64: each row's first maximum, or its first NaN), on the native
+    kernel where it runs (CPU, float32 or bfloat16 rows: 3-5x faster than PyTorch's CPU argmax at batch 16-64,
+    :func:`goodserve.models.native.argmax`)."""
+    if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.shape[1] > 0
+            and logits.stride(1) == 1 and native.load() is not None):
+        return native.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -254,8 +265,12 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
             raise ValueError(f"logits must be [{metadata.num_seqs}, vocab_size], got {tuple(logits.shape)}")
-        if (metadata.min_tokens_block is None and metadata.no_penalties and metadata.logit_bias_entries is None
-                and metadata.grammar_rows is None):
+        unprocessed = (metadata.min_tokens_block is None and metadata.no_penalties
+                       and metadata.logit_bias_entries is None and metadata.grammar_rows is None)
+        if unprocessed and metadata.all_greedy and not metadata.need_logprobs:
+            # The common decode step: the argmax of the logits as they are (widening to float32 is exact).
+            return SamplerOutput(token_ids=greedy(logits).tolist())
+        if unprocessed:
             logits = logits.float()  # no copy when already float32; never modified in place below
         else:
             logits = logits.to(torch.float32, copy=True)
@@ -267,14 +282,14 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.need_logprobs else None  # [B, V]
 
         if metadata.all_greedy:
-            tokens = logits.argmax(dim=-1)  # [B]
+            tokens = greedy(logits)  # [B]
         else:
             rows = None if metadata.all_random else metadata.random_rows
             sampled = self._sample(logits if rows is None else logits[rows], metadata, rows)
             if metadata.all_random:
                 tokens = sampled
             else:
-                tokens = logits.argmax(dim=-1)
+                tokens = greedy(logits)
                 tokens[rows] = sampled
 
         token_ids = tokens.tolist()
