@@ -36,11 +36,11 @@ from goodserve.models.linear import dense_linear
 
 GROUP_SIZE = 32  # weights per GGUF block (QK4_0 = QK4_1 = QK8_0 = 32)
 
-#: Steps of more rows than this run on the dense copy, once it is made (:data:`DENSE_AFTER_ROWS`): on this class of CPU the int4 kernel is faster than
-#: bfloat16 GEMM up to a handful of rows and several times slower at prefill sizes (BENCHMARKS.md). A lone
-#: matrix in cache runs faster prepacked than on the int4 kernel from 4 rows, but a decode step streams
-#: every weight from memory, and there the int4 kernel's 2.2x fewer bytes keep it ahead at 4 rows (issue 15,
-#: run 4: batch 4 at 46 ms with 4 here, 51-54 ms with 2).
+#: Steps of more rows than this run on the dense copy, once it is made (:data:`DENSE_AFTER_ROWS`): on this
+#: class of CPU the int4 kernel is faster than bfloat16 GEMM up to a handful of rows and several times slower
+#: at prefill sizes (BENCHMARKS.md). A lone matrix in cache runs faster prepacked than on the int4 kernel from
+#: 4 rows, but a decode step streams every weight from memory, and there the int4 kernel's 2.2x fewer bytes
+#: keep it ahead at 4 rows (issue 15, run 4: batch 4 at 46 ms with 4 here, 51-54 ms with 2).
 DEFAULT_MAX_ROWS = 4
 
 #: Rows of steps past ``max_rows`` an int4 layer in bfloat16 runs on the kernel before it makes its dense

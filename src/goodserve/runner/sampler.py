@@ -105,8 +105,8 @@ def _apply_grammar_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (``[B]`` int64: each row's first maximum, or its first NaN), on the native
-    kernel where it runs (CPU, float32 or bfloat16 rows: 3-5x faster than PyTorch's CPU argmax at batch 16-64,
-    :func:`goodserve.models.native.argmax`)."""
+    kernel where it runs (CPU, float32 or bfloat16 rows; :func:`goodserve.models.native.argmax`: ~2.7x faster
+    than PyTorch's CPU argmax on the engine's float32 logits at batch 16-64)."""
     if (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.shape[1] > 0
             and logits.stride(1) == 1 and native.load() is not None):
         return native.argmax(logits)
@@ -265,12 +265,8 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
             raise ValueError(f"logits must be [{metadata.num_seqs}, vocab_size], got {tuple(logits.shape)}")
-        unprocessed = (metadata.min_tokens_block is None and metadata.no_penalties
-                       and metadata.logit_bias_entries is None and metadata.grammar_rows is None)
-        if unprocessed and metadata.all_greedy and not metadata.need_logprobs:
-            # The common decode step: the argmax of the logits as they are (widening to float32 is exact).
-            return SamplerOutput(token_ids=greedy(logits).tolist())
-        if unprocessed:
+        if (metadata.min_tokens_block is None and metadata.no_penalties and metadata.logit_bias_entries is None
+                and metadata.grammar_rows is None):
             logits = logits.float()  # no copy when already float32; never modified in place below
         else:
             logits = logits.to(torch.float32, copy=True)
