@@ -46,11 +46,15 @@ def test_argmax_reads_rows_through_a_stride_and_refuses_what_it_cannot_take():
         native.argmax(torch.randn(4, 6).t())  # columns not contiguous
 
 
-def test_greedy_uses_the_kernel_and_falls_back_to_torch():
+def test_greedy_uses_the_kernel_and_falls_back_to_torch(monkeypatch):
+    calls = []
+    kernel = native.argmax
+    monkeypatch.setattr(native, "argmax", lambda x: calls.append(x.dtype) or kernel(x))
     torch.manual_seed(1)
-    x = torch.randn(16, 49152).bfloat16()
-    assert torch.equal(greedy(x), x.argmax(dim=-1))
+    for x in (torch.randn(16, 49152), torch.randn(4, 1000).bfloat16()):  # the kernel
+        assert torch.equal(greedy(x), x.argmax(dim=-1))
     t = torch.randn(6, 4).t()  # columns strided: torch's argmax
     assert torch.equal(greedy(t), t.argmax(dim=-1))
     h = torch.randn(3, 50).half()  # a dtype the kernel does not take
     assert torch.equal(greedy(h), h.argmax(dim=-1))
+    assert calls == [torch.float32, torch.bfloat16]
