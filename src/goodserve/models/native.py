@@ -147,10 +147,15 @@ def _check(rc: int, name: str) -> None:
         raise RuntimeError(f"the native {name} kernel refused the call (code {rc})")
 
 
+def supports(x: torch.Tensor) -> bool:
+    """Whether the kernels take tensors like ``x``: on the CPU, float32 or bfloat16, the library built."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and load() is not None
+
+
 def usable(x: torch.Tensor) -> bool:
-    """Whether :func:`rms_norm` and :func:`rope` run for tensors like ``x`` (CPU, float32 or bfloat16, the
-    kernels built, :data:`use_decoder_ops` on)."""
-    return use_decoder_ops and x.device.type == "cpu" and x.dtype in _DTYPES and load() is not None
+    """Whether :func:`rms_norm` and :func:`rope` run for tensors like ``x`` (:func:`supports`, and
+    :data:`use_decoder_ops` on)."""
+    return use_decoder_ops and supports(x)
 
 
 def num_splits(num_seqs: int, max_len: int, num_threads: int) -> int:
