@@ -229,6 +229,11 @@ class Scheduler:
         elif not out.preempted_req_ids or not self.running:
             # No admission in a step that preempted (it would thrash) unless nothing else can run.
             self._schedule_waiting(out, budget, now)
+        if self.slo is not None and self.slo.deferred and not out.scheduled:
+            # The prompts the decodes sat out for got nothing (no blocks): the decodes run after all.
+            self.slo.deferred = set()
+            self.slo.begin_step(self.running, now)
+            self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
         """``prefill-first`` (vLLM v0): admit whole prompts; only a step that admitted none runs the decodes.
@@ -263,7 +268,7 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining == 1:
                 decodes_left -= 1
-                n = 1
+                n = 0 if self.slo is not None and req.request_id in self.slo.deferred else 1
             else:
                 n = min(remaining, budget - decodes_left)
                 if self.slo is not None and n > 0:

@@ -147,6 +147,7 @@ class SLOPolicy:
         self.tpot_limit = INF  # the step's time limit: the smallest TPOT allowance of the running requests
         self.borrow_limit = INF  # the same with later steps priced as decodes alone (for urgent prompts)
         self.urgent: set[str] = set()  # prompts whose TTFT needs the borrowed limit (set by triage)
+        self.deferred: set[str] = set()  # decodes that sit out the step for a prompt's TTFT (rule 6, triage)
         self.tpot_min = INF  # the tightest TPOT SLO of the running requests (admission)
         self.margin = 1.0  # the step-time model's margin for this step
         self._decode_step = 0.0  # predicted seconds of a step of the running decodes alone, with the margin
@@ -215,8 +216,9 @@ class SLOPolicy:
         being built."""
         self._now = now
         self._prefill_in_step = False
-        self.acc = self._decodes(running)
-        self.tpot_limit = self._set_step_figures(running, self.acc, now)
+        kept = [r for r in running if r.request_id not in self.deferred] if self.deferred else running
+        self.acc = self._decodes(kept)
+        self.tpot_limit = self._set_step_figures(kept, self.acc, now)
         self.tpot_min = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
                                               default=INF))
         running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
@@ -344,6 +346,7 @@ class SLOPolicy:
         n = max(1, self.max_num_batched_tokens - acc.tokens)
         limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
         if not acc.tokens or limit == INF:
+            self._decode_step = 0.0  # nothing for rule 6 to defer
             return Pace(acc, n), Pace(acc, n)
         steady = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
         bank = self._set_step_figures(running, acc, now)
@@ -400,30 +403,73 @@ class SLOPolicy:
         chunks are given), then the waiting ones in queue order: each one's first token is predicted behind
         the prompts ahead of it that are not late: late at both paces, or urgent (into :attr:`urgent`) if in
         time at the borrowed pace but not at the plain one with its time to first token stretched by the
-        model's margin.
+        model's margin. Rule 6: if some prompt is late, or late at the borrowed pace stretched by the margin,
+        the decodes that can sit out until the latest TTFT deadline among those prompts do so in this step
+        (into :attr:`deferred`) if that brings one of them in time, and the prompts are judged again, with
+        the pace of the remaining decodes as a third pace.
 
         Returns:
             The requests that became late in this call (the scheduler sheds them under ``shed_load``, else
             puts them behind the others).
         """
         pace, borrowed = self.prefill_paces(running, now)
+        self.deferred = set()
+        pending = [r for r in list(running) + list(waiting)
+                   if not r.slo_late and not (r in running and r.num_tokens - r.num_computed_tokens <= 1)]
+        late, urgent, short = self._judge(pending, (pace, borrowed), None, now)
+        if short:
+            horizon = max(r.arrival_time + r.slo_ttft for r in short) - now
+            deferrable = self.deferrable(running, now, horizon)
+            if deferrable:
+                kept = [r for r in running if r.request_id not in deferrable]
+                late2, urgent2, _ = self._judge(pending, (pace, borrowed), self.prefill_paces(kept, now)[1], now)
+                if len(late2) < len(late):
+                    late, urgent, self.deferred = late2, urgent2, deferrable
+        self.urgent = urgent
+        return late
+
+    def _judge(self, pending: list[Request], paces: tuple[Pace, Pace], deferred_pace: Optional[Pace],
+               now: float) -> tuple[list[Request], set[str], list[Request]]:
+        """Rule 2 over ``pending`` in order (see :meth:`triage`), with ``deferred_pace`` a third pace a request
+        may be in time at.
+
+        Returns:
+            The late requests, the ids of the urgent ones, and those late, or late at the borrowed pace
+            stretched by the margin (the ones deferred decodes would help).
+        """
+        pace, borrowed = paces
         work = 0
-        late = []
-        self.urgent = set()
-        for req in list(running) + list(waiting):
+        late, short = [], []
+        urgent: set[str] = set()
+        margin = self.model.margin
+        for req in pending:
             tokens = req.num_tokens - req.num_computed_tokens
-            if req.slo_late or (req in running and tokens <= 1):
-                continue
             if req.slo_ttft is not None and req.num_output_tokens == 0:
                 deadline = req.arrival_time + req.slo_ttft
                 plain = self.first_token_time(work + tokens, pace, now)
-                if plain > deadline and self.first_token_time(work + tokens, borrowed, now) > deadline:
+                lent = self.first_token_time(work + tokens, borrowed, now)
+                if now + margin * (lent - now) > deadline:
+                    short.append(req)
+                if plain > deadline and lent > deadline and (
+                        deferred_pace is None or self.first_token_time(work + tokens, deferred_pace, now) > deadline):
                     late.append(req)
                     continue
-                if now + self.model.margin * (plain - now) > deadline:
-                    self.urgent.add(req.request_id)
+                if now + margin * (plain - now) > deadline:
+                    urgent.add(req.request_id)
             work += tokens
-        return late
+        return late, urgent, short
+
+    def deferrable(self, running: list[Request], now: float, horizon: float) -> set[str]:
+        """Rule 6: the ids of the streaming requests with a TPOT SLO that can sit out every step of the next
+        ``horizon`` seconds and still afford a decode step after them (allowance - horizon >= decode step,
+        from the figures :meth:`prefill_paces` or :meth:`begin_step` set last: the allowance falls by the
+        length of each step a request sits out)."""
+        if self._decode_step <= 0:
+            return set()
+        return {r.request_id for r in running
+                if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None
+                and r.num_tokens - r.num_computed_tokens == 1
+                and self.allowance(r, now) - horizon >= self._decode_step}
 
     def check_arrival(self, req: Request, waiting: Iterable[Request], running: list[Request], now: float) -> None:
         """Under ``shed_load``, refuse a new request that cannot meet its TTFT SLO behind the work queued
@@ -439,6 +485,11 @@ class SLOPolicy:
         work += sum(r.num_tokens - r.num_computed_tokens for r in waiting
                     if not r.slo_late and self.queue_key(r) <= key)
         paces = self.prefill_paces(running, now)
+        if all(self.is_late(req, work, pace, now) for pace in paces):
+            deferrable = self.deferrable(running, now, req.arrival_time + req.slo_ttft - now)
+            if deferrable:
+                kept = [r for r in running if r.request_id not in deferrable]
+                paces = paces + (self.prefill_paces(kept, now)[1],)
         if all(self.is_late(req, work, pace, now) for pace in paces):
             self.num_shed += 1
             predicted = min(self.first_token_time(work, pace, now) for pace in paces) - req.arrival_time
