@@ -183,6 +183,58 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
     assert sched.slo.first_token_time(200, pace, 0.013) == pytest.approx(0.013 + 0.11 + 0.12 + 0.014)
 
 
+def _interactive_beside_batch(batch_tpot: float, batch_forced: bool):
+    """I (TPOT SLO 60.5 ms, may stop at any token) and four batch requests B0-B3 decode; a step costs 10 ms,
+    1 ms per computed token and 5 ms per sampled token. All five got their first token at 0.05 s."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo", shed_load=True),
+                      CacheConfig(num_blocks=256, block_size=4),
+                      StepTimeModel(StepCoefficients(0.01, 0.001, 0.005, 0), adapt=False))
+    sched.add_request(Request("I", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
+    for i in range(4):
+        sched.add_request(Request(f"B{i}", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=batch_forced), 0.0,
+                                  max_tokens=50, slo_tpot=batch_tpot))
+    step = sched.schedule(0.0)
+    assert step.total_num_scheduled_tokens == 15
+    sched.update_from_output(step, {r: SampledToken(5) for r in ("I", "B0", "B1", "B2", "B3")}, 0.05)
+    return sched
+
+
+def test_decodes_with_slack_sit_out_steps_for_a_prompt_that_needs_the_room():
+    """Rule 6 (the two-class mix where slo lost the interactive class, BENCHMARKS.md v8). Beside the five
+    decodes a step holds 15 prompt tokens within I's 60.5 ms (45 + 15 ms), so the 78-token prompt P (TTFT SLO
+    0.2 s) would get its first token after 5 such steps and one of 3 tokens: 0.348 s. The batch requests
+    (forced to 50 tokens, TPOT SLO 0.3 s) can spare seconds, so they sit out P's steps: beside I alone a step
+    holds 39 prompt tokens (10 + 40 + 10 ms: a chunk is sized as if it sampled), then the last 39 and P's first
+    token, TTFT 0.115 s. Then every decode runs again."""
+    sched = _interactive_beside_batch(0.3, True)
+    sched.add_request(Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
+                              slo_ttft=0.2))
+    step = sched.schedule(0.05)
+    assert sched.slo.deferred == {"B0", "B1", "B2", "B3"}
+    assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("I", 1), ("P", 39)]
+    sched.update_from_output(step, {"I": SampledToken(5)}, 0.105)
+    step = sched.schedule(0.105)
+    assert sched.slo.deferred == {"B0", "B1", "B2", "B3"}
+    assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("I", 1), ("P", 39)]
+    outs = sched.update_from_output(step, {"I": SampledToken(5), "P": SampledToken(7)}, 0.165)
+    assert [o.new_token_ids for o in outs if o.request_id == "P"] == [[7]]  # first token at 0.165: TTFT 0.115 s
+    step = sched.schedule(0.165)
+    assert not sched.slo.deferred
+    assert sorted(s.request_id for s in step.scheduled) == ["B0", "B1", "B2", "B3", "I", "P"]
+
+
+def test_decodes_that_cannot_spare_the_time_do_not_sit_out_and_the_prompt_is_refused():
+    """As above, but the batch requests may stop at any token with a TPOT SLO of 0.2 s: each can spare only
+    its 0.2 s banked, less than P's 0.2 s to its deadline plus a decode step. Nothing sits out, and P is
+    refused on arrival at the pace beside all five decodes (0.348 s)."""
+    sched = _interactive_beside_batch(0.2, False)
+    with pytest.raises(SLOUnattainableError, match="predicted after 348 ms"):
+        sched.add_request(Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
+                                  slo_ttft=0.2))
+    assert sorted(s.request_id for s in sched.schedule(0.05).scheduled) == ["B0", "B1", "B2", "B3", "I"]
+    assert not sched.slo.deferred
+
+
 # ------------------------------------------------------------------------------------- step budget
 def test_token_budget_from_the_tpot_average_of_a_request_of_known_length():
     """D (10-token prompt, exactly 3 output tokens, as the bench client forces them) has a TPOT SLO of
