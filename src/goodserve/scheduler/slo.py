@@ -414,8 +414,6 @@ class SLOPolicy:
         """
         pace, borrowed = self.prefill_paces(running, now)
         self.deferred = set()
-        # Streaming requests whose TPOT can no longer aim at its SLO over the margin beside every decode.
-        needy = [r for r in running if self._streams(r) and self._on_target(r, now) < self._decode_step]
         pending = [r for r in list(running) + list(waiting)
                    if not r.slo_late and not (r in running and r.num_tokens - r.num_computed_tokens <= 1)]
         late, urgent, short = self._judge(pending, (pace, borrowed), None, now)
@@ -427,31 +425,8 @@ class SLOPolicy:
                 late2, urgent2, _ = self._judge(pending, (pace, borrowed), self.prefill_paces(kept, now)[1], now)
                 if len(late2) < len(late):
                     late, urgent, self.deferred = late2, urgent2, deferrable
-        if needy and not self.deferred:
-            self.prefill_paces(running, now)  # the figures of every decode again
-            deferrable = self.deferrable(running, now, min(r.slo_tpot for r in needy)) - {r.request_id for r in needy}
-            if deferrable:
-                kept = [r for r in running if r.request_id not in deferrable]
-                self._set_step_figures(kept, self._decodes(kept), now)
-                if any(self._on_target(r, now) >= self._decode_step for r in needy):
-                    self.deferred = deferrable
         self.urgent = urgent
         return late
-
-    @staticmethod
-    def _streams(req: Request) -> bool:
-        """Whether ``req`` decodes with a TPOT SLO (its first token out)."""
-        return req.num_output_tokens > 0 and req.slo_tpot is not None and req.first_token_time is not None \
-            and req.num_tokens - req.num_computed_tokens == 1
-
-    def _on_target(self, req: Request, now: float, horizon: Optional[int] = None) -> float:
-        """``req``'s allowance aimed at ``slo_tpot`` over the margin (the first target of :meth:`allowance`),
-        with at most ``horizon`` later steps counted."""
-        k, target = req.num_output_tokens, req.slo_tpot / self.margin
-        h = self.certain_tokens(req)
-        if horizon is not None:
-            h = min(h, horizon + 1)
-        return req.first_token_time + target * k - now + (h - 1) * (target - self._later_step)
 
     def _judge(self, pending: list[Request], paces: tuple[Pace, Pace], deferred_pace: Optional[Pace],
                now: float) -> tuple[list[Request], set[str], list[Request]]:
@@ -492,7 +467,9 @@ class SLOPolicy:
         if self._decode_step <= 0:
             return set()
         return {r.request_id for r in running
-                if self._streams(r) and self._on_target(r, now, BORROW_STEPS) - horizon >= self._decode_step}
+                if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None
+                and r.num_tokens - r.num_computed_tokens == 1
+                and self.allowance(r, now) - horizon >= self._decode_step}
 
     def check_arrival(self, req: Request, waiting: Iterable[Request], running: list[Request], now: float) -> None:
         """Under ``shed_load``, refuse a new request that cannot meet its TTFT SLO behind the work queued
