@@ -316,8 +316,8 @@ def test_metrics_match_traffic(http, client, engine):
                  "goodserve:request_queue_time_seconds_count", "goodserve:request_prefill_time_seconds_count",
                  "goodserve:request_decode_time_seconds_count", "goodserve:request_prompt_tokens_count",
                  "goodserve:request_time_per_output_token_seconds_count", "goodserve:num_requests_shed_total",
-                 "goodserve:step_time_predicted_seconds_total", "goodserve:step_time_actual_seconds_total",
-                 "goodserve:step_time_margin"):
+                 "goodserve:num_deferred_decodes_total", "goodserve:step_time_predicted_seconds_total",
+                 "goodserve:step_time_actual_seconds_total", "goodserve:step_time_margin"):
         assert (name, frozenset()) in after, name
     # No SLO set on this server: the default class's series exists and counts nothing.
     assert delta("goodserve:request_slo_attained_total", slo_class="default") == 0

@@ -150,9 +150,7 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
     to come its TPOT average lets the next step take 60.5 + 48 x (60.5 - 11) ms = 2.4365 s, and every step of
     t leaves t - 60.5 ms less. So prefill runs at the full 99-token budget (0.11 s) for as long as that lasts:
     the 147-token prompt is predicted at 0.11 + 0.059 = 0.169 s and admitted under a TTFT SLO of 0.17 s,
-    which it meets. With 2 tokens to come (a = 110 ms), one full step is banked, then the 49-token pace. Under
-    a TTFT SLO of 0.16 s the prompt is refused: even with D sitting its decodes out (rule 6, D can spare
-    2.4 s) its steps give 100 tokens, then 47: 0.11 + 0.057 = 0.167 s."""
+    which it meets. With 2 tokens to come (a = 110 ms), one full step is banked, then the 49-token pace."""
     def scheduler(max_tokens: int):
         sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo",
                                           shed_load=True), CacheConfig(num_blocks=256, block_size=4),
@@ -165,7 +163,7 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
     sched = scheduler(50)
     pace = sched.slo.prefill_pace(sched.running, 0.013)
     assert pace.chunk == 49 and pace.banked[:2] == [(99, pytest.approx(0.11)), (198, pytest.approx(0.22))]
-    with pytest.raises(SLOUnattainableError, match="predicted after 167 ms"):
+    with pytest.raises(SLOUnattainableError, match="predicted after 169 ms"):
         sched.add_request(Request("P", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
                                   slo_ttft=0.16))
     sched.add_request(Request("Q", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
@@ -208,7 +206,7 @@ def test_decodes_with_slack_sit_out_steps_for_a_prompt_that_needs_the_room():
     token, TTFT 0.115 s. Then every decode runs again."""
     sched = _interactive_beside_batch(0.3, True)
     sched.add_request(Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
-                              slo_ttft=0.2))
+                              slo_ttft=0.2, slo_tpot=0.0605))
     step = sched.schedule(0.05)
     assert sched.slo.deferred == {"B0", "B1", "B2", "B3"}
     assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("I", 1), ("P", 39)]
@@ -219,18 +217,20 @@ def test_decodes_with_slack_sit_out_steps_for_a_prompt_that_needs_the_room():
     outs = sched.update_from_output(step, {"I": SampledToken(5), "P": SampledToken(7)}, 0.165)
     assert [o.new_token_ids for o in outs if o.request_id == "P"] == [[7]]  # first token at 0.165: TTFT 0.115 s
     step = sched.schedule(0.165)
-    assert not sched.slo.deferred
+    assert not sched.slo.deferred and sched.make_stats().num_deferred_decodes_total == 8
     assert sorted(s.request_id for s in step.scheduled) == ["B0", "B1", "B2", "B3", "I", "P"]
 
 
-def test_decodes_that_cannot_spare_the_time_do_not_sit_out_and_the_prompt_is_refused():
-    """As above, but the batch requests may stop at any token with a TPOT SLO of 0.2 s: each can spare only
-    its 0.2 s banked, less than P's 0.2 s to its deadline plus a decode step. Nothing sits out, and P is
+@pytest.mark.parametrize("batch_tpot, forced", [(0.2, False), (0.0605, True)])
+def test_decodes_that_cannot_spare_the_time_or_share_the_prompts_slo_do_not_sit_out(batch_tpot, forced):
+    """As above, but the other four decodes either may stop at any token with a TPOT SLO of 0.2 s (each can
+    spare only its 0.2 s banked, less than P's 0.2 s to its deadline plus a decode step), or have P's own TPOT
+    SLO (they could spare the time, but rule 6 lets only a looser class yield). Nothing sits out, and P is
     refused on arrival at the pace beside all five decodes (0.348 s)."""
-    sched = _interactive_beside_batch(0.2, False)
+    sched = _interactive_beside_batch(batch_tpot, forced)
     with pytest.raises(SLOUnattainableError, match="predicted after 348 ms"):
         sched.add_request(Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
-                                  slo_ttft=0.2))
+                                  slo_ttft=0.2, slo_tpot=0.0605))
     assert sorted(s.request_id for s in sched.schedule(0.05).scheduled) == ["B0", "B1", "B2", "B3", "I"]
     assert not sched.slo.deferred
 

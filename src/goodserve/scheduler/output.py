@@ -191,6 +191,8 @@ class SchedulerStats:
         prefix_cache_hits: Of which found (tokens).
         num_shed_total: Requests refused by the ``slo`` policy's load shedding since start (on arrival or
             while queued).
+        num_deferred_decodes_total: Decodes that sat out a step so that prompts of a tighter SLO class could
+            meet their TTFT (``slo`` policy, rule 6), since start.
         num_steps_observed: Steps whose time the step-time model observed.
         step_time_predicted_s_total: Sum of the model's predictions for those steps, made before each ran (s).
         step_time_actual_s_total: Sum of their measured times (s).
@@ -211,6 +213,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_shed_total: int = 0
+    num_deferred_decodes_total: int = 0
     num_steps_observed: int = 0
     step_time_predicted_s_total: float = 0.0
     step_time_actual_s_total: float = 0.0

@@ -234,6 +234,8 @@ class Scheduler:
             self.slo.deferred = set()
             self.slo.begin_step(self.running, now)
             self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
+        if self.slo is not None:
+            self.slo.num_deferred += len(self.slo.deferred)
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
         """``prefill-first`` (vLLM v0): admit whole prompts; only a step that admitted none runs the decodes.
@@ -583,6 +585,7 @@ class Scheduler:
                               num_preemptions_total=self.num_preemptions_total,
                               prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                               num_shed_total=self.slo.num_shed if self.slo else 0,
+                              num_deferred_decodes_total=self.slo.num_deferred if self.slo else 0,
                               num_steps_observed=m.num_observed, step_time_predicted_s_total=m.predicted_s_total,
                               step_time_actual_s_total=m.actual_s_total,
                               step_time_abs_error_s_total=m.abs_error_s_total, step_time_margin=m.margin,

@@ -48,6 +48,14 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    pressure (the tail) is the one with the most slack: a streaming request's allowance; for one still
    prefilling, its TTFT deadline minus now minus its predicted remaining prefill (infinite once late);
    infinite without SLOs.
+6. **Deferred decodes**: when the triage finds prompts late, or late at the borrowed pace stretched by the
+   margin, the streaming requests with a looser TPOT SLO than theirs that can sit out every step until the
+   latest TTFT deadline among them
+   and still afford a decode step (:meth:`SLOPolicy.deferrable`; a request's allowance falls by the length
+   of each step it sits out) are left out of this step (:attr:`SLOPolicy.deferred`) if the pace of the
+   decodes that stay brings more prompts in time. Every step holds every decode, so a request with a loose
+   TPOT SLO otherwise makes each step as long for a tight class as for itself, and the prompts of the tight
+   class are shed.
 
 **Prefill pace.** With the running decodes ``D`` (one token each) in every step, a step's prefill share is
 what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut as rule 3 cuts it: while the running
@@ -84,6 +92,11 @@ BORROW_STEPS = 16
 
 class SLOUnattainableError(Exception):
     """A request's TTFT SLO cannot be met with the work queued ahead of it (the server answers 429)."""
+
+
+def _tpot(req: Request) -> float:
+    """``req``'s TPOT SLO in seconds, infinite if it has none."""
+    return INF if req.slo_tpot is None else req.slo_tpot
 
 
 def chunk_pairs(n: int, num_computed: int) -> int:
@@ -143,6 +156,7 @@ class SLOPolicy:
         self.block_size = block_size
         self.shed_load = shed_load
         self.num_shed = 0
+        self.num_deferred = 0  # decodes that sat out a step (rule 6), counted by the scheduler
         # Set by begin_step for the step being built.
         self.tpot_limit = INF  # the step's time limit: the smallest TPOT allowance of the running requests
         self.borrow_limit = INF  # the same with later steps priced as decodes alone (for urgent prompts)
@@ -419,7 +433,7 @@ class SLOPolicy:
         late, urgent, short = self._judge(pending, (pace, borrowed), None, now)
         if short:
             horizon = max(r.arrival_time + r.slo_ttft for r in short) - now
-            deferrable = self.deferrable(running, now, horizon)
+            deferrable = self.deferrable(running, now, horizon, min(_tpot(r) for r in short))
             if deferrable:
                 kept = [r for r in running if r.request_id not in deferrable]
                 late2, urgent2, _ = self._judge(pending, (pace, borrowed), self.prefill_paces(kept, now)[1], now)
@@ -459,16 +473,17 @@ class SLOPolicy:
             work += tokens
         return late, urgent, short
 
-    def deferrable(self, running: list[Request], now: float, horizon: float) -> set[str]:
-        """Rule 6: the ids of the streaming requests with a TPOT SLO that can sit out every step of the next
-        ``horizon`` seconds and still afford a decode step after them (allowance - horizon >= decode step,
-        from the figures :meth:`prefill_paces` or :meth:`begin_step` set last: the allowance falls by the
-        length of each step a request sits out)."""
+    def deferrable(self, running: list[Request], now: float, horizon: float, looser_than: float) -> set[str]:
+        """Rule 6: the ids of the streaming requests with a TPOT SLO looser than ``looser_than`` (seconds; that
+        of the prompts they would sit out for) that can sit out every step of the next ``horizon`` seconds and
+        still afford a decode step after them (allowance - horizon >= decode step, from the figures
+        :meth:`prefill_paces` or :meth:`begin_step` set last: the allowance falls by the length of each step a
+        request sits out)."""
         if self._decode_step <= 0:
             return set()
         return {r.request_id for r in running
                 if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None
-                and r.num_tokens - r.num_computed_tokens == 1
+                and r.num_tokens - r.num_computed_tokens == 1 and r.slo_tpot > looser_than
                 and self.allowance(r, now) - horizon >= self._decode_step}
 
     def check_arrival(self, req: Request, waiting: Iterable[Request], running: list[Request], now: float) -> None:
@@ -486,7 +501,7 @@ class SLOPolicy:
                     if not r.slo_late and self.queue_key(r) <= key)
         paces = self.prefill_paces(running, now)
         if all(self.is_late(req, work, pace, now) for pace in paces):
-            deferrable = self.deferrable(running, now, req.arrival_time + req.slo_ttft - now)
+            deferrable = self.deferrable(running, now, req.arrival_time + req.slo_ttft - now, _tpot(req))
             if deferrable:
                 kept = [r for r in running if r.request_id not in deferrable]
                 paces = paces + (self.prefill_paces(kept, now)[1],)
