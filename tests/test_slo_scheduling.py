@@ -181,11 +181,11 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
     assert sched.slo.first_token_time(200, pace, 0.013) == pytest.approx(0.013 + 0.11 + 0.12 + 0.014)
 
 
-def _interactive_beside_batch(batch_tpot: float, batch_forced: bool):
+def _interactive_beside_batch(batch_tpot: float, batch_forced: bool, shed_load: bool = True):
     """I (TPOT SLO 60.5 ms, may stop at any token) and four batch requests B0-B3 decode; a step costs 10 ms,
     1 ms per computed token and 5 ms per sampled token. All five got their first token at 0.05 s."""
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo", shed_load=True),
-                      CacheConfig(num_blocks=256, block_size=4),
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo",
+                                      shed_load=shed_load), CacheConfig(num_blocks=256, block_size=4),
                       StepTimeModel(StepCoefficients(0.01, 0.001, 0.005, 0), adapt=False))
     sched.add_request(Request("I", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
     for i in range(4):
@@ -226,13 +226,60 @@ def test_decodes_that_cannot_spare_the_time_or_share_the_prompts_slo_do_not_sit_
     """As above, but the other four decodes either may stop at any token with a TPOT SLO of 0.2 s (each can
     spare only its 0.2 s banked, less than P's 0.2 s to its deadline plus a decode step), or have P's own TPOT
     SLO (they could spare the time, but rule 6 lets only a looser class yield). Nothing sits out, and P is
-    refused on arrival at the pace beside all five decodes (0.348 s)."""
+    refused on arrival at the pace beside all five decodes (0.348 s); without shedding it is late and gets the
+    15 tokens a step beside them."""
+    def prompt():
+        return Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.2,
+                       slo_tpot=0.0605)
+
     sched = _interactive_beside_batch(batch_tpot, forced)
     with pytest.raises(SLOUnattainableError, match="predicted after 348 ms"):
-        sched.add_request(Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
-                                  slo_ttft=0.2, slo_tpot=0.0605))
-    assert sorted(s.request_id for s in sched.schedule(0.05).scheduled) == ["B0", "B1", "B2", "B3", "I"]
-    assert not sched.slo.deferred
+        sched.add_request(prompt())
+    sched = _interactive_beside_batch(batch_tpot, forced, shed_load=False)
+    p = prompt()
+    sched.add_request(p)
+    step = sched.schedule(0.05)
+    assert p.slo_late and not sched.slo.deferred  # late, it is served behind the others, beside every decode
+    assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == \
+        [("B0", 1), ("B1", 1), ("B2", 1), ("B3", 1), ("I", 1), ("P", 15)]
+
+
+def test_decodes_sit_out_for_the_earliest_deadline_they_can_cover():
+    """The batch requests may stop at any token (TPOT SLO 0.3 s): each can spare 0.3 s banked less a decode
+    step (40 ms), 0.26 s. That covers P's deadline (0.2 s away), not Q's (300 tokens, TTFT SLO 0.5 s). Sitting
+    out until P's deadline brings P in time (0.12 s, as above); Q is late at every pace (378 prompt
+    tokens at 39 a step take 0.6 s)."""
+    sched = _interactive_beside_batch(0.3, False)
+    p = Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.2,
+                slo_tpot=0.0605)
+    q = Request("Q", list(range(300)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.5,
+                slo_tpot=0.0605)
+    sched.slo.prefill_paces(sched.running, 0.05)  # the figures of every decode
+    assert sched.slo.spare(sched.running, 0.05, 0.0605) == {f"B{i}": pytest.approx(0.26) for i in range(4)}
+    late, urgent, deferred, paces = sched.slo.assess([p, q], sched.running, 0.05)
+    assert late == [q] and urgent == {"P"} and deferred == {"B0", "B1", "B2", "B3"} and len(paces) == 3
+    assert sched.slo.first_token_time(78, paces[2], 0.05) == pytest.approx(0.17)
+
+
+def test_deferred_decodes_run_when_the_prompt_gets_no_blocks():
+    """Rule 6 would have B0-B3 sit out for P, but P's 20 tokens need 5 KV blocks and 2 are free: no prompt
+    gets a chunk, so the decodes run in the same step after all and none is counted as deferred."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo"),
+                      CacheConfig(num_blocks=6, block_size=4),
+                      StepTimeModel(StepCoefficients(0.01, 0.001, 0.005, 0), adapt=False))
+    for i in range(4):
+        sched.add_request(Request(f"B{i}", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True), 0.0,
+                                  max_tokens=10, slo_tpot=0.3))
+    step = sched.schedule(0.0)
+    sched.update_from_output(step, {s.request_id: SampledToken(5) for s in step.scheduled}, 0.05)
+    p = Request("P", list(range(20)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.055,
+                slo_tpot=0.0605)
+    sched.add_request(p)
+    assert sched.slo.assess([p], sched.running, 0.05)[2] == {"B0", "B1", "B2", "B3"}
+    step = sched.schedule(0.05)
+    assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [(f"B{i}", 1) for i in range(4)]
+    assert not sched.slo.deferred and sched.make_stats().num_deferred_decodes_total == 0
+    assert sched.waiting.peek() is p
 
 
 # ------------------------------------------------------------------------------------- step budget

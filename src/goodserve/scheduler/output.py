@@ -191,7 +191,7 @@ class SchedulerStats:
         prefix_cache_hits: Of which found (tokens).
         num_shed_total: Requests refused by the ``slo`` policy's load shedding since start (on arrival or
             while queued).
-        num_deferred_decodes_total: Decodes that sat out a step so that prompts of a tighter SLO class could
+        num_deferred_decodes_total: Decodes that sat out a step so that prompts with a tighter TPOT SLO could
             meet their TTFT (``slo`` policy, rule 6), since start.
         num_steps_observed: Steps whose time the step-time model observed.
         step_time_predicted_s_total: Sum of the model's predictions for those steps, made before each ran (s).

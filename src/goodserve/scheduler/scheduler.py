@@ -229,13 +229,24 @@ class Scheduler:
         elif not out.preempted_req_ids or not self.running:
             # No admission in a step that preempted (it would thrash) unless nothing else can run.
             self._schedule_waiting(out, budget, now)
-        if self.slo is not None and self.slo.deferred and not out.scheduled:
-            # The prompts the decodes sat out for got nothing (no blocks): the decodes run after all.
-            self.slo.deferred = set()
-            self.slo.begin_step(self.running, now)
+        if self.slo is not None and self.slo.deferred:
+            self._end_deferral(out, budget)
+
+    def _end_deferral(self, out: SchedulerOutput, budget: int) -> None:
+        """``slo`` rule 6: count the decodes that sat out this step, or, if no prompt got a chunk after all
+        (no free blocks, the admission stop, ``max_num_seqs``), schedule them in this step."""
+        deferred = [r for r in self.running if r.request_id in self.slo.deferred]
+        if self.slo.prefill_scheduled:
+            self.slo.num_deferred += len(deferred)
+            return
+        self.slo.deferred = set()
+        for req in deferred:
+            if budget <= 0 or self.kv_cache_manager.allocate_slots(req, 1) is None:
+                break
+            self._record(out, req, req.num_computed_tokens, 1)
+            budget -= 1
+        if not out.scheduled:  # not even a decode's block: the running pass, preempting as it does
             self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
-        if self.slo is not None:
-            self.slo.num_deferred += len(self.slo.deferred)
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
         """``prefill-first`` (vLLM v0): admit whole prompts; only a step that admitted none runs the decodes.
@@ -263,14 +274,19 @@ class Scheduler:
         Returns:
             The token budget left.
         """
-        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        deferred = self.slo.deferred if self.slo is not None else ()
+        decodes_left = sum(1 for r in self.running
+                           if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in deferred)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1 and req.request_id in deferred:  # slo rule 6: it sits this step out
+                i += 1
+                continue
             if remaining == 1:
                 decodes_left -= 1
-                n = 0 if self.slo is not None and req.request_id in self.slo.deferred else 1
+                n = 1
             else:
                 n = min(remaining, budget - decodes_left)
                 if self.slo is not None and n > 0:

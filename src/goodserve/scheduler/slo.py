@@ -49,13 +49,14 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    prefilling, its TTFT deadline minus now minus its predicted remaining prefill (infinite once late);
    infinite without SLOs.
 6. **Deferred decodes**: when the triage finds prompts late, or late at the borrowed pace stretched by the
-   margin, the streaming requests with a looser TPOT SLO than theirs that can sit out every step until the
-   latest TTFT deadline among them
-   and still afford a decode step (:meth:`SLOPolicy.deferrable`; a request's allowance falls by the length
-   of each step it sits out) are left out of this step (:attr:`SLOPolicy.deferred`) if the pace of the
-   decodes that stay brings more prompts in time. Every step holds every decode, so a request with a loose
-   TPOT SLO otherwise makes each step as long for a tight class as for itself, and the prompts of the tight
-   class are shed.
+   margin, the decoding requests with a looser TPOT SLO than the tightest of theirs that can sit out every
+   step up to one of their deadlines and still afford a decode step (:meth:`SLOPolicy.spare`; a request's
+   allowance falls by the length of each step it sits out) are left out of this step
+   (:attr:`SLOPolicy.deferred`) if the pace of the decodes that stay leaves fewer prompts late (each
+   deadline is tried, earliest first). Every step holds every decode, so a request with a loose TPOT SLO
+   otherwise makes each step as long for a tight class as for itself, and the tight class's prompts are
+   shed. The same judgement refuses arrivals (:meth:`SLOPolicy.check_arrival`). If no prompt gets a chunk
+   after all (no free blocks, rule 4, ``max_num_seqs``), the deferred decodes run in the same step.
 
 **Prefill pace.** With the running decodes ``D`` (one token each) in every step, a step's prefill share is
 what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut as rule 3 cuts it: while the running
@@ -233,8 +234,7 @@ class SLOPolicy:
         kept = [r for r in running if r.request_id not in self.deferred] if self.deferred else running
         self.acc = self._decodes(kept)
         self.tpot_limit = self._set_step_figures(kept, self.acc, now)
-        self.tpot_min = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None),
-                                              default=INF))
+        self.tpot_min = self._protectable(min(map(_tpot, running), default=INF))
         running.sort(key=lambda r: (self.slack(r, now), r.arrival_time))
 
     @staticmethod
@@ -256,8 +256,7 @@ class SLOPolicy:
             if decodes.tokens else 0.0
         # Later steps hold other prompts' chunks too, as recent ones did.
         self._later_step = max(self._decode_step, self.model.recent_step_s)
-        streaming = [r for r in running
-                     if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None]
+        streaming = [r for r in running if self._streams(r)]
         allowances = [self.allowance(r, now) for r in streaming]
         # No decodes running (the streaming requests are recomputing after a preemption): nothing to borrow.
         borrowed = [max(a, self.allowance(r, now, later=self._decode_step, horizon=BORROW_STEPS))
@@ -277,6 +276,18 @@ class SLOPolicy:
                 and req.max_tokens is not None:
             return max(1, req.max_tokens - k)
         return max(1, p.min_tokens - k)
+
+    @staticmethod
+    def _streams(req: Request) -> bool:
+        """Whether ``req`` streams tokens under a TPOT SLO (its first token is out)."""
+        return req.num_output_tokens > 0 and req.slo_tpot is not None and req.first_token_time is not None
+
+    def _aimed_allowance(self, req: Request, now: float) -> float:
+        """``req``'s allowance aimed at its TPOT SLO over the margin (the first target of :meth:`allowance`),
+        whether or not a decode step fits it."""
+        target = req.slo_tpot / self.margin
+        return req.first_token_time + target * req.num_output_tokens - now + \
+            (self.certain_tokens(req) - 1) * (target - self._later_step)
 
     def allowance(self, req: Request, now: float, later: Optional[float] = None,
                   horizon: Optional[int] = None) -> float:
@@ -321,6 +332,11 @@ class SLOPolicy:
             cut = max(cut, min(n, self.block_size))
         return cut
 
+    @property
+    def prefill_scheduled(self) -> bool:
+        """Whether the step being built holds a prefill chunk."""
+        return self._prefill_in_step
+
     def count(self, num_computed: int, n: int, sample: bool) -> None:
         """Record a chunk scheduled in this step (decodes were counted by :meth:`begin_step`)."""
         self.acc.add(n, num_computed, sample)
@@ -334,7 +350,7 @@ class SLOPolicy:
         """Rule 4: one more decode keeps the predicted decode step within the tightest TPOT SLO."""
         if not running:
             return True
-        limit = min(self.tpot_min, self._protectable(req.slo_tpot if req.slo_tpot is not None else INF))
+        limit = min(self.tpot_min, self._protectable(_tpot(req)))
         if limit == INF:
             return True
         n, pairs = self._decode_figures(running)
@@ -358,7 +374,7 @@ class SLOPolicy:
             ``(plain, borrowed)``, both from one set of step figures."""
         acc = self._decodes(running)
         n = max(1, self.max_num_batched_tokens - acc.tokens)
-        limit = self._protectable(min((r.slo_tpot for r in running if r.slo_tpot is not None), default=INF))
+        limit = self._protectable(min(map(_tpot, running), default=INF))
         if not acc.tokens or limit == INF:
             self._decode_step = 0.0  # nothing for rule 6 to defer
             return Pace(acc, n), Pace(acc, n)
@@ -414,44 +430,70 @@ class SLOPolicy:
 
     def triage(self, waiting: list[Request], running: list[Request], now: float) -> list[Request]:
         """Rule 2 over the running requests still prefilling towards their first token (in the order their
-        chunks are given), then the waiting ones in queue order: each one's first token is predicted behind
-        the prompts ahead of it that are not late: late at both paces, or urgent (into :attr:`urgent`) if in
-        time at the borrowed pace but not at the plain one with its time to first token stretched by the
-        model's margin. Rule 6: if some prompt is late, or late at the borrowed pace stretched by the margin,
-        the decodes that can sit out until the latest TTFT deadline among those prompts do so in this step
-        (into :attr:`deferred`) if that brings one of them in time, and the prompts are judged again, with
-        the pace of the remaining decodes as a third pace.
+        chunks are given), then the waiting ones in queue order (see :meth:`assess`); sets :attr:`urgent` and
+        :attr:`deferred` for the step.
 
         Returns:
             The requests that became late in this call (the scheduler sheds them under ``shed_load``, else
             puts them behind the others).
         """
-        pace, borrowed = self.prefill_paces(running, now)
-        self.deferred = set()
-        pending = [r for r in list(running) + list(waiting)
-                   if not r.slo_late and not (r in running and r.num_tokens - r.num_computed_tokens <= 1)]
-        late, urgent, short = self._judge(pending, (pace, borrowed), None, now)
-        if short:
-            horizon = max(r.arrival_time + r.slo_ttft for r in short) - now
-            deferrable = self.deferrable(running, now, horizon, min(_tpot(r) for r in short))
-            if deferrable:
-                kept = [r for r in running if r.request_id not in deferrable]
-                late2, urgent2, _ = self._judge(pending, (pace, borrowed), self.prefill_paces(kept, now)[1], now)
-                if len(late2) < len(late):
-                    late, urgent, self.deferred = late2, urgent2, deferrable
-        self.urgent = urgent
+        late, self.urgent, self.deferred, _ = self.assess(self._pending(waiting, running), running, now)
         return late
 
-    def _judge(self, pending: list[Request], paces: tuple[Pace, Pace], deferred_pace: Optional[Pace],
-               now: float) -> tuple[list[Request], set[str], list[Request]]:
-        """Rule 2 over ``pending`` in order (see :meth:`triage`), with ``deferred_pace`` a third pace a request
-        may be in time at.
+    @staticmethod
+    def _pending(waiting: Iterable[Request], running: list[Request]) -> list[Request]:
+        """The requests short of their first token that the triage judges, in order: the running ones still
+        prefilling, then the waiting ones; late ones excluded."""
+        return [r for r in list(running) + list(waiting)
+                if not r.slo_late and not (r in running and r.num_tokens - r.num_computed_tokens <= 1)]
+
+    def assess(self, pending: list[Request], running: list[Request], now: float
+               ) -> tuple[list[Request], set[str], set[str], tuple[Pace, ...]]:
+        """Rules 2 and 6 over ``pending``, in order: each one's first token is predicted behind the prompts
+        ahead of it that are not late. One late at both paces is late; one in time at the borrowed pace but
+        not at the plain one with its time to first token stretched by the model's margin is urgent.
+
+        Rule 6: if some are late, or late at the borrowed pace stretched by the margin (*short*), the decodes
+        with a looser TPOT SLO than the tightest of the short ones that can sit out every step up to a short
+        one's deadline (:meth:`spare`) are left out, and the prompts are judged again with a third pace,
+        that of the decodes that stay (borrowed). Each short one's deadline is tried, earliest first, and the
+        choice that leaves the fewest late is kept, if that is fewer than without.
 
         Returns:
-            The late requests, the ids of the urgent ones, and those late, or late at the borrowed pace
-            stretched by the margin (the ones deferred decodes would help).
+            ``(late, urgent ids, deferred ids, paces)``: ``paces`` are the plain and borrowed ones and, if
+            decodes are deferred, the third.
         """
-        pace, borrowed = paces
+        paces = self.prefill_paces(running, now)
+        late, urgent, short = self._judge(pending, paces, now)
+        deferred: set[str] = set()
+        spare = self.spare(running, now, min(map(_tpot, short))) if short else {}
+        if spare:
+            tried: list[set[str]] = []
+            for deadline in sorted({r.arrival_time + r.slo_ttft for r in short}):
+                ids = {rid for rid, seconds in spare.items() if seconds >= deadline - now}
+                if not ids or ids in tried:
+                    continue
+                tried.append(ids)
+                third = paces + (self.prefill_paces([r for r in running if r.request_id not in ids], now)[1],)
+                late2, urgent2, _ = self._judge(pending, third, now)
+                if len(late2) < len(late):
+                    late, urgent, deferred, best = late2, urgent2, ids, third
+                    if not late:
+                        break
+            if deferred:
+                paces = best
+        return late, urgent, deferred, paces
+
+    def _judge(self, pending: list[Request], paces: tuple[Pace, ...], now: float
+               ) -> tuple[list[Request], set[str], list[Request]]:
+        """Rule 2 over ``pending`` in order (see :meth:`assess`); a request is late only if late at every
+        pace of ``paces`` (plain, borrowed, and a third if given).
+
+        Returns:
+            The late requests, the ids of the urgent ones, and the short ones: late, or late at the borrowed
+            pace stretched by the margin.
+        """
+        pace, borrowed = paces[:2]
         work = 0
         late, short = [], []
         urgent: set[str] = set()
@@ -464,8 +506,7 @@ class SLOPolicy:
                 lent = self.first_token_time(work + tokens, borrowed, now)
                 if now + margin * (lent - now) > deadline:
                     short.append(req)
-                if plain > deadline and lent > deadline and (
-                        deferred_pace is None or self.first_token_time(work + tokens, deferred_pace, now) > deadline):
+                if plain > deadline and all(self.is_late(req, work + tokens, p, now) for p in paces[1:]):
                     late.append(req)
                     continue
                 if now + margin * (plain - now) > deadline:
@@ -473,22 +514,25 @@ class SLOPolicy:
             work += tokens
         return late, urgent, short
 
-    def deferrable(self, running: list[Request], now: float, horizon: float, looser_than: float) -> set[str]:
-        """Rule 6: the ids of the streaming requests with a TPOT SLO looser than ``looser_than`` (seconds; that
-        of the prompts they would sit out for) that can sit out every step of the next ``horizon`` seconds and
-        still afford a decode step after them (allowance - horizon >= decode step, from the figures
-        :meth:`prefill_paces` or :meth:`begin_step` set last: the allowance falls by the length of each step a
-        request sits out)."""
+    def spare(self, running: list[Request], now: float, looser_than: float) -> dict[str, float]:
+        """Rule 6: for each decoding request with a TPOT SLO looser than ``looser_than`` (seconds; the tightest
+        of the prompts it would sit out for), the seconds of steps it can sit out and still afford a decode
+        step after them: its allowance aimed at its SLO over the margin (rule 3) minus a decode step, if
+        positive. An allowance falls by the length of each step a request sits out. Uses the figures
+        :meth:`prefill_paces` or :meth:`begin_step` set last (none if they found no decodes to protect)."""
         if self._decode_step <= 0:
-            return set()
-        return {r.request_id for r in running
-                if r.num_output_tokens > 0 and r.slo_tpot is not None and r.first_token_time is not None
-                and r.num_tokens - r.num_computed_tokens == 1 and r.slo_tpot > looser_than
-                and self.allowance(r, now) - horizon >= self._decode_step}
+            return {}
+        out = {}
+        for r in running:
+            if self._streams(r) and r.num_tokens - r.num_computed_tokens == 1 and r.slo_tpot > looser_than:
+                seconds = self._aimed_allowance(r, now) - self._decode_step
+                if seconds > 0:
+                    out[r.request_id] = seconds
+        return out
 
     def check_arrival(self, req: Request, waiting: Iterable[Request], running: list[Request], now: float) -> None:
         """Under ``shed_load``, refuse a new request that cannot meet its TTFT SLO behind the work queued
-        ahead of it.
+        ahead of it: the triage (:meth:`assess`) with it placed in the queue by its key.
 
         Raises:
             SLOUnattainableError: naming the predicted and the allowed time to first token.
@@ -496,17 +540,14 @@ class SLOPolicy:
         if not self.shed_load or req.slo_ttft is None:
             return
         key = self.queue_key(req)
-        work = self.prefill_remaining(running) + req.num_tokens
-        work += sum(r.num_tokens - r.num_computed_tokens for r in waiting
-                    if not r.slo_late and self.queue_key(r) <= key)
-        paces = self.prefill_paces(running, now)
-        if all(self.is_late(req, work, pace, now) for pace in paces):
-            deferrable = self.deferrable(running, now, req.arrival_time + req.slo_ttft - now, _tpot(req))
-            if deferrable:
-                kept = [r for r in running if r.request_id not in deferrable]
-                paces = paces + (self.prefill_paces(kept, now)[1],)
-        if all(self.is_late(req, work, pace, now) for pace in paces):
+        queued = [r for r in waiting if not r.slo_late]
+        ahead = [r for r in queued if self.queue_key(r) <= key]
+        pending = self._pending(ahead, running) + [req] + [r for r in queued if self.queue_key(r) > key]
+        late, _, _, paces = self.assess(pending, running, now)
+        if req in late:
             self.num_shed += 1
+            work = self.prefill_remaining(running) + req.num_tokens + \
+                sum(r.num_tokens - r.num_computed_tokens for r in ahead)
             predicted = min(self.first_token_time(work, pace, now) for pace in paces) - req.arrival_time
             raise SLOUnattainableError(
                 f"the server cannot meet this request's TTFT SLO of {req.slo_ttft * 1000:.0f} ms: with the "

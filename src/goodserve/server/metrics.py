@@ -87,7 +87,7 @@ class _EngineCollector(Collector):
                                   "Requests refused by load shedding (slo policy): their TTFT SLO could not be met.",
                                   value=s.num_shed_total)
         yield CounterMetricFamily(PREFIX + "num_deferred_decodes",
-                                  "Decodes that sat out a step so that prompts of a tighter SLO class could meet their "
+                                  "Decodes that sat out a step so that prompts with a tighter TPOT SLO could meet their "
                                   "TTFT (slo policy).", value=s.num_deferred_decodes_total)
         yield CounterMetricFamily(PREFIX + "steps_observed", "Engine steps the step-time model observed.",
                                   value=s.num_steps_observed)
