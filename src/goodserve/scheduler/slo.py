@@ -282,12 +282,16 @@ class SLOPolicy:
         """Whether ``req`` streams tokens under a TPOT SLO (its first token is out)."""
         return req.num_output_tokens > 0 and req.slo_tpot is not None and req.first_token_time is not None
 
+    @staticmethod
+    def _allowance_at(req: Request, now: float, target: float, later: float, h: int) -> float:
+        """``a(h) = F + target·k - now + (h - 1)·(target - later)`` (see :meth:`allowance`)."""
+        return req.first_token_time + target * req.num_output_tokens - now + (h - 1) * (target - later)
+
     def _aimed_allowance(self, req: Request, now: float) -> float:
         """``req``'s allowance aimed at its TPOT SLO over the margin (the first target of :meth:`allowance`),
         whether or not a decode step fits it."""
-        target = req.slo_tpot / self.margin
-        return req.first_token_time + target * req.num_output_tokens - now + \
-            (self.certain_tokens(req) - 1) * (target - self._later_step)
+        return self._allowance_at(req, now, req.slo_tpot / self.margin, self._later_step,
+                                  self.certain_tokens(req))
 
     def allowance(self, req: Request, now: float, later: Optional[float] = None,
                   horizon: Optional[int] = None) -> float:
@@ -314,12 +318,12 @@ class SLOPolicy:
         if horizon is not None:
             h = min(h, horizon + 1)
         for target in (s / self.margin, s):
-            first = req.first_token_time + target * k - now
-            a = first + (h - 1) * (target - later)
+            a = self._allowance_at(req, now, target, later, h)
             if a >= d:
                 return a
         if s <= d:
             return -INF
+        first = self._allowance_at(req, now, s, later, 1)
         j = max(1, 1 + math.ceil((d - first) / (s - d)))
         return first + (j - 1) * (s - d) if req.max_tokens is None or j <= req.max_tokens - k else -INF
 
