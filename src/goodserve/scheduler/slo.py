@@ -472,12 +472,12 @@ class SLOPolicy:
         deferred: set[str] = set()
         spare = self.spare(running, now, min(map(_tpot, short))) if short else {}
         if spare:
-            tried: list[set[str]] = []
+            last: set[str] = set()  # later deadlines leave fewer requests able to sit out: a repeat is the last
             for deadline in sorted({r.arrival_time + r.slo_ttft for r in short}):
                 ids = {rid for rid, seconds in spare.items() if seconds >= deadline - now}
-                if not ids or ids in tried:
+                if not ids or ids == last:
                     continue
-                tried.append(ids)
+                last = ids
                 third = paces + (self.prefill_paces([r for r in running if r.request_id not in ids], now)[1],)
                 late2, urgent2, _ = self._judge(pending, third, now)
                 if len(late2) < len(late):
@@ -544,9 +544,12 @@ class SLOPolicy:
         if not self.shed_load or req.slo_ttft is None:
             return
         key = self.queue_key(req)
-        queued = [r for r in waiting if not r.slo_late]
-        ahead = [r for r in queued if self.queue_key(r) <= key]
-        pending = self._pending(ahead, running) + [req] + [r for r in queued if self.queue_key(r) > key]
+        ahead: list[Request] = []
+        behind: list[Request] = []
+        for r in waiting:
+            if not r.slo_late:
+                (ahead if self.queue_key(r) <= key else behind).append(r)
+        pending = self._pending(ahead, running) + [req] + behind
         late, _, _, paces = self.assess(pending, running, now)
         if req in late:
             self.num_shed += 1
