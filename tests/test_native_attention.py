@@ -120,6 +120,9 @@ def test_metadata_for_the_native_backend_holds_one_padded_table():
     assert meta.decode_block_tables.tolist() == [[3, 9, 0], [1, 7, 20]]
     assert meta.decode_block_tables.dtype == torch.int32 and meta.decode_seq_lens.tolist() == [6, 11]
     assert meta.max_decode_len == 11
+    # Built for decode groups, it holds no padded table (the one-call decode step keys on it).
+    grouped = AttentionMetadata.build(4, [[3, 9], [1, 7, 20]], [6, 11], [], torch.tensor([0, 1]), torch.device("cpu"))
+    assert grouped.decode_block_tables is None and grouped.decode_seq_lens is None and len(grouped.decode_groups) == 1
 
 
 def test_bad_inputs_are_refused_with_a_clear_error():

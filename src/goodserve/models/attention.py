@@ -149,16 +149,16 @@ class AttentionMetadata:
                                   dtype=torch.int32, device=device)
             seq_lens = torch.tensor(decode_seq_lens, dtype=torch.int32, device=device)
         for start, end in group_decodes([len(t) for t in decode_block_tables]) if decode_groups else []:
-            tables = decode_block_tables[start:end]
-            max_blocks = len(tables[-1])
-            dbt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=device)
+            group = decode_block_tables[start:end]
+            max_blocks = len(group[-1])
+            dbt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in group], dtype=torch.long, device=device)
             mask = first = None
             if end - start > 1:
-                seq_lens = torch.tensor(decode_seq_lens[start:end], dtype=torch.long, device=device)
+                lens = torch.tensor(decode_seq_lens[start:end], dtype=torch.long, device=device)
                 positions = torch.arange(max_blocks * block_size, device=device)
-                mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
-            elif tables[0] == list(range(tables[0][0], tables[0][0] + max_blocks)):
-                first = tables[0][0]
+                mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+            elif group[0] == list(range(group[0][0], group[0][0] + max_blocks)):
+                first = group[0][0]
             groups.append(DecodeGroup(start, end, dbt, mask, max(decode_seq_lens[start:end]), first))
         prefills = []
         start = num_decodes
