@@ -167,11 +167,12 @@ def test_make_linear_auto_keeps_4bit_blocks_only_in_bfloat16():
         make_linear(ref, None, torch.bfloat16, "int3")
 
 
-def _stepwise_logits(weights, config, dtype, quantization, ids):
+def _stepwise_logits(weights, config, dtype, quantization, ids, attn=None):
     """Logits at every position of ``ids`` fed one token per step (the decode path: one row per step)."""
     from goodserve.models.attention import AttentionMetadata, TorchAttentionBackend
     from goodserve.models.llama import LlamaForCausalLM
 
+    attn = attn or TorchAttentionBackend()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.load_weights(weights, dtype, quantization)
@@ -179,25 +180,32 @@ def _stepwise_logits(weights, config, dtype, quantization, ids):
     shape = (4, block, config.num_key_value_heads, config.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
               for _ in range(config.num_hidden_layers)]
-    attn, out = TorchAttentionBackend(), []
+    out = []
     with torch.inference_mode():
         for p, t in enumerate(ids):
             table = list(range(p // block + 1))
-            meta = AttentionMetadata.build(block, [table], [p + 1], [], torch.tensor([p]), torch.device("cpu"))
+            meta = AttentionMetadata.build(block, [table], [p + 1], [], torch.tensor([p]), torch.device("cpu"),
+                                           decode_groups=attn.uses_decode_groups)
             h = model(torch.tensor([t]), torch.tensor([p]), caches, meta, attn)
             out.append(model.compute_logits(h)[0])
     return torch.stack(out)
 
 
 @pytest.mark.slow
-def test_default_model_int4_logits_close_to_the_float32_dequantized_model():
-    """Issue 15: the default model's Q4_1 blocks on the int4 kernel (bfloat16 activations) against the same
-    file dequantized to float32, on the 28 decode steps of a real prompt.
+@pytest.mark.parametrize("quantization", ["int4", "auto"])
+def test_default_model_low_bit_logits_close_to_the_float32_dequantized_model(quantization):
+    """Issue 15: the default model's Q4_1 blocks (and, under ``auto``, its Q8_0 LM head) as the file holds
+    them, bfloat16 activations, against the same file dequantized to float32, on the 28 decode steps of a
+    real prompt. ``int4`` is PyTorch's int4 kernel; ``auto`` is the native block kernel (int16 activations)
+    through the one-call decode step, where the machine builds it.
 
-    Documented tolerance: the int4 path's largest logit error is at most 1.5x that of the dense bfloat16
+    Documented tolerance: the low-bit path's largest logit error is at most 1.5x that of the dense bfloat16
     path (the file dequantized, then rounded to bfloat16) and below 5% of the largest logit; the greedy
-    (argmax) token agrees with float32 at >= 90% of positions. Measured (2026-12-01): largest error 0.84
-    (int4) vs 0.77 (bf16) on logits up to 32.7; argmax agreement 27/28 (int4), 26/28 (bf16)."""
+    (argmax) token agrees with float32 at >= 90% of positions. Measured (2026-12-02): largest error 0.97
+    (int4), 0.84 (auto) and 0.86 (bf16) on logits up to 32.7; argmax agreement 28/28 (int4), 26/28 (auto
+    and bf16). (With int8 activations, llama.cpp's rounding, the block kernel's error was 2.1-2.3 and its
+    agreement 24-27/28: hence int16.)"""
+    from goodserve.models.attention import make_attention_backend
     from goodserve.models.loader import default_model_path, load_model
     from tiny_models import smollm2_tokenizer
 
@@ -206,8 +214,9 @@ def test_default_model_int4_logits_close_to_the_float32_dequantized_model():
                                      "walked on the Moon, and since then")[:40]
     ref = _stepwise_logits(loaded.weights, loaded.config, torch.float32, "none", ids)
     bf16 = _stepwise_logits(loaded.weights, loaded.config, torch.bfloat16, "none", ids)
-    int4 = _stepwise_logits(loaded.weights, loaded.config, torch.bfloat16, "auto", ids)
-    err_bf16, err_int4 = (bf16 - ref).abs().max(), (int4 - ref).abs().max()
-    assert err_int4 <= 1.5 * err_bf16 and err_int4 <= 0.05 * ref.abs().max(), (err_bf16, err_int4)
-    agree = (int4.argmax(-1) == ref.argmax(-1)).float().mean()
+    low = _stepwise_logits(loaded.weights, loaded.config, torch.bfloat16, quantization, ids,
+                           make_attention_backend("auto", torch.device("cpu")))
+    err_bf16, err_low = (bf16 - ref).abs().max(), (low - ref).abs().max()
+    assert err_low <= 1.5 * err_bf16 and err_low <= 0.05 * ref.abs().max(), (err_bf16, err_low)
+    agree = (low.argmax(-1) == ref.argmax(-1)).float().mean()
     assert agree >= 0.9, agree

@@ -24,8 +24,9 @@ class EngineArgs:
         model: GGUF file or HF model directory; ``None`` is the default model (SmolLM2-135M-Instruct).
         dtype: ``"bfloat16"`` (default: faster on this class of CPU and on GPUs) or ``"float32"``.
         quantization: How linear layers run (``goodserve.models.quant``): ``"auto"`` (default: a GGUF's
-            Q4_0/Q4_1 weights run as they are in the file on PyTorch's int4 CPU kernel for small steps,
-            in bfloat16 only; everything else in ``dtype``), ``"none"`` (dequantize to ``dtype``), ``"int4"``
+            Q4_0/Q4_1/Q8_0 weights run as they are in the file for small steps, in bfloat16 only, on the
+            native block kernel where the CPU has AVX-512 VNNI, else Q4 on PyTorch's int4 CPU kernel;
+            everything else in ``dtype``), ``"none"`` (dequantize to ``dtype``), ``"int4"``
             / ``"int8"`` (every linear layer on that kernel, re-quantizing what the file holds otherwise).
         device: ``"cpu"`` or ``"cuda"``; ``None`` picks CUDA when available.
         attention_backend: ``"auto"`` (default: decodes attended in place over the block table by the
@@ -133,8 +134,9 @@ class EngineArgs:
         g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
         g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
         g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                       help="auto (default): a GGUF's Q4_0/Q4_1 weights as they are, on the int4 CPU kernel "
-                            "(bfloat16 only); none: dequantize to --dtype; int4/int8: every linear layer")
+                       help="auto (default): a GGUF's Q4_0/Q4_1/Q8_0 weights as they are, on the native block "
+                            "kernel (AVX-512 VNNI) or PyTorch's int4 CPU kernel (bfloat16 only); none: dequantize "
+                            "to --dtype; int4/int8: every linear layer on PyTorch's kernel")
         g.add_argument("--device", default=None, choices=["cpu", "cuda"])
         g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                        help="auto (default): decodes read the paged KV cache in place with the native CPU "

@@ -149,7 +149,8 @@ def _rotary_heads(config: ModelConfig, hf_name: str) -> Optional[int]:
 def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: torch.dtype,
                  keep_quantized: bool) -> Union[torch.Tensor, BlockQuantized]:
     """One GGUF tensor in HF layout (``[out, in]`` for linear weights): dequantized to ``dtype``, or as the
-    file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q8_0 linear weight."""
+    file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q8_0 linear weight or the token embedding
+    (the tied LM head's weight)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -158,7 +159,8 @@ def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: t
     shape = tuple(int(n) for n in reversed(tensor.shape))
     data = tensor.data  # read-only view of the memory map
     heads = _rotary_heads(config, hf_name)
-    if keep_quantized and qtype.name in BLOCK_TYPES and hf_name.endswith("proj.weight") and len(shape) == 2:
+    blocks = hf_name.endswith("proj.weight") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
+    if keep_quantized and qtype.name in BLOCK_TYPES and blocks and len(shape) == 2:
         weight = unpack_gguf_blocks(data, qtype.name, shape)
         if heads is not None:
             index = _unpermute_rotary_rows(np.arange(shape[0]), heads)

@@ -23,7 +23,7 @@ from goodserve.config import ModelConfig
 from goodserve.models import native
 from goodserve.models.attention import AttentionBackend, AttentionMetadata
 from goodserve.models.linear import dense_linear
-from goodserve.models.quant import BlockQuantized, make_linear
+from goodserve.models.quant import BlockQuantized, QuantLinear, dequantize_rows, make_linear, runs_on_blocks
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -200,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The LM head, made by ``load_weights`` (from the embedding when tied).
         self.lm_head: Optional[nn.Module] = None
+        # Decode steps in one native call (made by ``load_weights`` where every projection allows it).
+        self.decode_plan: Optional[native.DecodeLayers] = None
         self.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_tables: dict[torch.dtype, torch.Tensor] = {}
@@ -233,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         def dense(name: str, shape: tuple[int, ...]) -> nn.Parameter:
             value = take(name, shape)
             if isinstance(value, BlockQuantized):
-                value = value.dequantize()
+                value = dequantize_rows(value, dtype)
             return nn.Parameter(value.to(dtype), requires_grad=False)
 
         def fused(names: list[str], shapes: list[tuple[int, int]]):
@@ -247,9 +249,15 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens.weight = dense("model.embed_tokens.weight", (c.vocab_size, hidden))
         self.norm.weight = dense("model.norm.weight", (hidden,))
         # Tied, the head is a second (prepacked) copy of the embedding where ``dense_linear`` packs it:
-        # the lookup needs row-major rows, the GEMM its own layout.
-        head = self.embed_tokens.weight if c.tie_word_embeddings else dense("lm_head.weight", (c.vocab_size, hidden))
-        self.lm_head = dense_linear(head)
+        # the lookup needs row-major rows, the GEMM its own layout. Under ``auto`` a head in the file's blocks
+        # (SmolLM2's Q8_0 embedding) runs decode steps on the block kernel: half the bytes of bfloat16.
+        head_name = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        head = take(head_name, (c.vocab_size, hidden))
+        if quantization == "auto" and runs_on_blocks(head, dtype):
+            self.lm_head = make_linear(head, None, dtype, quantization)
+        else:
+            self.lm_head = dense_linear(self.embed_tokens.weight if c.tie_word_embeddings
+                                        else dense(head_name, (c.vocab_size, hidden)))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -268,6 +276,23 @@ class LlamaForCausalLM(nn.Module):
             layer.post_attention_layernorm.weight = dense(p + "post_attention_layernorm.weight", (hidden,))
         self.inv_freq = rope_inv_freq(c).to(self.embed_tokens.weight.device)
         self._rope_tables.clear()
+        self.decode_plan = self._decode_plan()
+
+    def _decode_plan(self) -> Optional[native.DecodeLayers]:
+        """The operands of :func:`goodserve.models.native.decode_layers` when every projection runs on the
+        block kernel (without bias) and the norms on the native kernels; else ``None``."""
+        c = self.config
+        if not native.usable(self.norm.weight):
+            return None
+        layers = []
+        for layer in self.layers:
+            projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+            if not all(isinstance(p, QuantLinear) and p.kind == "blocks" and p.bias is None for p in projections):
+                return None
+            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                           [(p.qtype, p.packed, p.extra, p.mins, p.offset) for p in projections]))
+        shape = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size)
+        return native.DecodeLayers(layers, shape, c.rms_norm_eps, self.norm.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -285,6 +310,11 @@ class LlamaForCausalLM(nn.Module):
             ``[num_tokens, hidden_size]`` final hidden states (after the last norm).
         """
         num_tokens = input_ids.shape[0]
+        if self.decode_plan is not None and native.use_decode_step and meta.num_decodes == num_tokens \
+                and num_tokens <= native.BLOCK_GEMV_MAX_ROWS and meta.decode_block_tables is not None:
+            return native.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
+                                        meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+                                        meta.max_decode_len, self.rope_cos_sin(self.norm.weight.dtype))
         padded = padded_num_tokens(num_tokens)
         if padded > num_tokens:
             input_ids = F.pad(input_ids, (0, padded - num_tokens))

@@ -7,6 +7,12 @@
 - :func:`rms_norm` (with the residual add before it) and :func:`rope`: at decode sizes each is several eager
   ops of a few microseconds of dispatch, more than their arithmetic, ~180 calls per step of the default
   model; here each is one call, rounded as the ops it replaces.
+- :func:`block_gemv`: ``x W^T`` for 1-4 rows with ``W`` in the GGUF file's Q4_0/Q4_1/Q8_0 blocks and ``x``
+  quantized to int16 per block of 32, on AVX-512 VNNI: at batch 1 the
+  decode step is a read of every weight, and this reads the file's bytes once, at the memory's rate.
+- :func:`decode_layers`: a decode step of 1-4 rows through every layer in one call, on the kernels above,
+  for a model whose projections all run on :func:`block_gemv`: at batch 1 the eager step spent about as
+  long dispatching ~15 ops per layer as computing them.
 - :func:`argmax`: greedy sampling. PyTorch's CPU argmax over a batch's logits cost ~10x a max over the same
   rows (4.3-7.8 ms at batch 64, 49,152 tokens).
 
@@ -49,6 +55,8 @@ _lib: Optional[ctypes.CDLL] = None
 _tried = False
 #: Whether the model's norms and RoPE run on the native kernels where they can (a switch for A/B benchmarks).
 use_decoder_ops = True
+#: Whether decode steps of a model on the block kernel run every layer in one native call (an A/B switch).
+use_decode_step = True
 
 
 def _cache_dir() -> Path:
@@ -123,6 +131,13 @@ def load() -> Optional[ctypes.CDLL]:
         lib.goodserve_rope.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.goodserve_argmax.restype = ctypes.c_int
         lib.goodserve_argmax.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int]
+        lib.goodserve_block_gemv_supported.restype = ctypes.c_int
+        lib.goodserve_decode_layers.restype = ctypes.c_int
+        lib.goodserve_decode_layers.argtypes = ([ctypes.c_int] + [i64] * 7 + [ctypes.c_float] + [vp] * 4 + [i64, vp, i64]
+                                                + [vp] * 2 + [i64] * 2 + [vp, i64] + [vp] * 4 + [ctypes.c_int])
+        lib.goodserve_block_gemv.restype = ctypes.c_int
+        lib.goodserve_block_gemv.argtypes = [ctypes.c_int, ctypes.c_int, vp, i64, i64, i64, vp, vp, vp, ctypes.c_int,
+                                             i64, ctypes.c_int, vp, i64, ctypes.c_int]
         _lib = lib
         return _lib
 
@@ -309,4 +324,173 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _check(lib.goodserve_argmax(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
                                 out.data_ptr(), torch.get_num_threads()), "argmax")
+    return out
+
+
+#: Rows of one pass of :func:`block_gemv` over its weight, and the most :func:`decode_layers` takes.
+BLOCK_GEMV_MAX_ROWS = 4
+#: :func:`block_gemv`'s ``kind`` codes.
+BLOCK_KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1}
+
+
+def block_gemv_usable(x: torch.Tensor) -> bool:
+    """Whether :func:`block_gemv` runs for activations like ``x`` (:func:`supports`, and the library built
+    with AVX-512 VNNI)."""
+    return supports(x) and load().goodserve_block_gemv_supported() == 1
+
+
+def block_gemv_fits(n: int, k: int) -> bool:
+    """Whether :func:`block_gemv` takes an ``[n, k]`` weight: ``k`` a multiple of 64 up to 16,384, ``n`` of 16."""
+    return k % 64 == 0 and k <= 16384 and n % 16 == 0
+
+
+def check_blocks(kind: str, codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor]) -> None:
+    """Check a weight's operands for :func:`block_gemv` once (its calls check only the activations).
+
+    Raises:
+        ValueError: for shapes, dtypes or layouts outside the kernel's range (``K`` a multiple of 64 up to
+        16,384, ``N`` a multiple of 16).
+    """
+    n, k = scales.shape[0], scales.shape[1] * 32
+    width = k // 2 if BLOCK_KINDS[kind] == 0 else k
+    if codes.dtype != torch.uint8 or codes.shape != (n, width) or scales.dtype != torch.float16 \
+            or (mins is not None and (mins.shape != scales.shape or mins.dtype != torch.float16)):
+        raise ValueError(f"{kind} operands do not hold a [{n}, {k}] weight")
+    if not (codes.is_contiguous() and scales.is_contiguous() and (mins is None or mins.is_contiguous())):
+        raise ValueError("the weight's operands must be contiguous")
+    if not block_gemv_fits(n, k):
+        raise ValueError(f"block_gemv takes K a multiple of 64 up to 16384 and N a multiple of 16, got K={k}, N={n}")
+
+
+def block_gemv(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+               offset: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``y = x W^T`` with ``W[n, 32 b + j] = scales[n, b] * (u - offset) + mins[n, b]`` (``u`` the code),
+    ``x`` quantized to int16 per row and block of 32 (``csrc/block_gemv.cpp`` states the arithmetic).
+
+    Args:
+        x: ``[rows, K]``, float32 or bfloat16, rows contiguous (a row stride is allowed). Each group of
+            :data:`BLOCK_GEMV_MAX_ROWS` rows is one pass over the weight: the kernel is for decode steps.
+        kind: A GGUF block type of :data:`BLOCK_KINDS`.
+        codes: Q4: ``[N, K // 2]`` uint8, the file's code bytes of each block (weight ``j`` in the low
+            nibble of byte ``j``, weight ``j + 16`` in its high nibble); Q8_0: ``[N, K]`` uint8, ``q + 128``.
+        scales: ``[N, K // 32]`` float16.
+        mins: ``[N, K // 32]`` float16 (Q4_1), or ``None``.
+        offset: Subtracted from each code: 8 for Q4_0, 0 for Q4_1, 128 for Q8_0 as stored here.
+        out_dtype: float32 or bfloat16.
+
+    The weight's operands are checked by :func:`check_blocks` (once, by the caller that holds them).
+
+    Returns:
+        ``[rows, N]`` in ``out_dtype``.
+
+    Raises:
+        RuntimeError: if the kernel is not available or refuses the call. ValueError: for activations it
+        does not take.
+    """
+    lib = _library(x)
+    rows, k = x.shape
+    n = scales.shape[0]
+    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or k != scales.shape[1] * 32 or x.stride(1) != 1:
+        raise ValueError(f"x must be [rows, {scales.shape[1] * 32}] float32 or bfloat16 with contiguous rows, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty((rows, n), dtype=out_dtype)
+    if rows == 0:
+        return out
+    _check(lib.goodserve_block_gemv(BLOCK_KINDS[kind], _DTYPES[x.dtype], x.data_ptr(), x.stride(0), rows, k,
+                                    codes.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
+                                    offset, n, _DTYPES[out_dtype], out.data_ptr(), n, torch.get_num_threads()),
+           "block_gemv")
+    return out
+
+
+class DecodeLayers:
+    """:func:`decode_layers`' per-model operands: the addresses of every layer's weights, gathered once.
+
+    Args:
+        layers: Per layer ``(input_norm, post_norm, projections)``: the norms' ``[hidden]`` weights and the
+            qkv, o, gate_up and down projections, each ``(kind, codes, scales, mins, offset)`` as
+            :func:`block_gemv` takes them (checked by :func:`check_blocks`).
+        shape: ``(hidden, num_heads, num_kv_heads, head_dim, intermediate)``.
+        eps: The norms' epsilon.
+        final_norm: ``[hidden]`` weight of the norm after the last layer.
+
+    The tensors must stay where they are while this object is used (it holds references to them).
+    """
+
+    def __init__(self, layers: list, shape: tuple[int, int, int, int, int], eps: float,
+                 final_norm: torch.Tensor) -> None:
+        self.shape, self.eps, self.final_norm = shape, eps, final_norm
+        self.dtype = final_norm.dtype
+        self._keep = layers
+        ptrs, ints = [], []
+        for input_norm, post_norm, projections in layers:
+            row = [input_norm.data_ptr(), post_norm.data_ptr()]
+            kinds = []
+            for kind, codes, scales, mins, offset in projections:
+                row += [codes.data_ptr(), scales.data_ptr(), 0 if mins is None else mins.data_ptr()]
+                kinds += [BLOCK_KINDS[kind], offset]
+            ptrs.append(row)
+            ints.append(kinds)
+        self.layer_ptrs = torch.tensor(ptrs, dtype=torch.int64)
+        self.layer_ints = torch.tensor(ints, dtype=torch.int32)
+        self._caches: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+
+    def cache_addresses(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[num_layers]`` int64 addresses of the K and of the V caches (gathered once per cache pool)."""
+        key = kv_caches[0][0].data_ptr()
+        if self._caches is None or self._caches[0] != key:
+            k = torch.tensor([c[0].data_ptr() for c in kv_caches], dtype=torch.int64)
+            v = torch.tensor([c[1].data_ptr() for c in kv_caches], dtype=torch.int64)
+            self._caches = (key, k, v)
+        return self._caches[1], self._caches[2]
+
+
+def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch.Tensor,
+                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+                  rope_table: torch.Tensor) -> torch.Tensor:
+    """A decode step through every layer and the final norm, one token per request, in one call.
+
+    Each layer is the pre-norm attention + SwiGLU block of ``models/llama.py`` (``DecoderLayer.forward``)
+    on the same kernels: :func:`rms_norm`, :func:`rope`, the new K/V written to their slots,
+    :func:`paged_decode_attention` and :func:`block_gemv` for the projections.
+
+    Args:
+        plan: The model's operands.
+        embeddings: ``[rows, hidden]`` (1-4 rows), contiguous, ``plan.dtype``.
+        positions: ``[rows]`` int64.
+        kv_caches: Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+            contiguous.
+        slot_mapping: ``[rows]`` int64 cache slot of each new token.
+        block_tables, seq_lens, max_len: As :func:`paged_decode_attention` takes them.
+        rope_table: ``[2, max_positions, head_dim]`` cos and sin, contiguous, ``plan.dtype``.
+
+    Returns:
+        ``[rows, hidden]``: the hidden states after the final norm.
+
+    Raises:
+        RuntimeError: if a kernel refuses the call. ValueError: for inputs of another shape or dtype.
+    """
+    lib = _library(embeddings)
+    rows = embeddings.shape[0]
+    hidden, num_heads, num_kv_heads, head_dim, inter = plan.shape
+    if embeddings.dtype != plan.dtype or embeddings.shape != (rows, hidden) or not embeddings.is_contiguous() \
+            or not 1 <= rows <= BLOCK_GEMV_MAX_ROWS or rope_table.dtype != plan.dtype:
+        raise ValueError(f"embeddings must be [1..{BLOCK_GEMV_MAX_ROWS}, {hidden}] {plan.dtype}, contiguous")
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32 \
+            or seq_lens.dtype != torch.int32 or block_tables.shape[0] != rows or seq_lens.shape != (rows,):
+        raise ValueError("positions and slot_mapping must be int64, block_tables and seq_lens int32, one row each")
+    if len(kv_caches) != plan.layer_ptrs.shape[0]:
+        raise ValueError(f"{len(kv_caches)} caches for {plan.layer_ptrs.shape[0]} layers")
+    k_addr, v_addr = plan.cache_addresses(kv_caches)
+    block_size = kv_caches[0][0].shape[1]
+    threads = torch.get_num_threads()
+    splits = num_splits(rows, max_len, threads)
+    out = torch.empty((rows, hidden), dtype=plan.dtype)
+    _check(lib.goodserve_decode_layers(
+        _DTYPES[plan.dtype], rows, hidden, num_heads, num_kv_heads, head_dim, inter, len(kv_caches), plan.eps,
+        plan.layer_ptrs.data_ptr(), plan.layer_ints.data_ptr(), k_addr.data_ptr(), v_addr.data_ptr(), block_size,
+        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), slot_mapping.data_ptr(),
+        -(-max_len // splits), splits, rope_table.data_ptr(), rope_table.stride(0), positions.data_ptr(),
+        plan.final_norm.data_ptr(), embeddings.data_ptr(), out.data_ptr(), threads), "decode_layers")
     return out

@@ -1,4 +1,4 @@
-"""Weight-only low-bit linear layers for CPU, fed from GGUF blocks as they are in the file.
+"""Low-bit linear layers for CPU, fed from GGUF blocks as they are in the file.
 
 A GGUF ``Q4_0`` / ``Q4_1`` tensor stores each row in blocks of 32 weights with an fp16 scale ``d`` (and, for
 ``Q4_1``, an fp16 minimum ``m``) and 4-bit codes ``q`` in 0..15 (llama.cpp ``ggml-quants.c``):
@@ -14,6 +14,11 @@ The scales are held in the activation dtype (bfloat16 on the fast path: ``d`` an
 bfloat16's 8 significant bits, the same relative error as widening the dequantized weight to bfloat16).
 ``aten._weight_int8pack_mm`` holds one scale per output row, so int8 is a re-quantization (per row,
 symmetric, round to nearest) and never exact.
+
+goodserve's block kernel (:func:`goodserve.models.native.block_gemv`, AVX-512 VNNI) reads ``Q4_0``,
+``Q4_1`` and ``Q8_0`` blocks with their fp16 scales and minimums exactly as the file holds them, and rounds
+the activations to int16 per block of 32 instead (2^-15 of the block's largest value; the products are
+exact integers). It is what ``--quantization auto`` runs where it builds, for the tied LM head too.
 
 These kernels are matrix-vector kernels: fast while a step has few rows, far slower than oneDNN's bfloat16
 GEMM for a prefill chunk. :class:`QuantLinear` therefore runs steps of at most ``max_rows`` rows on the
@@ -32,6 +37,7 @@ import torch
 from torch import nn
 
 from goodserve.config import QUANTIZATIONS
+from goodserve.models import native
 from goodserve.models.linear import dense_linear
 
 GROUP_SIZE = 32  # weights per GGUF block (QK4_0 = QK4_1 = QK8_0 = 32)
@@ -48,7 +54,8 @@ DEFAULT_MAX_ROWS = 4
 #: the price), so the rows never cost more than twice the better choice made in hindsight. Measured on this
 #: CPU (issue 15, run 6): the dense copies of one layer's four matrices take ~11.5 ms, and the kernel costs
 #: ~0.025-0.06 ms more per row than the dense GEMM at 16-128 rows, so the copy pays for itself after
-#: ~190-460 rows. Other kernels and dtypes (not measured; int4 in float32 is ~30x slower) copy at once. A
+#: ~190-460 rows. The block kernel reads its weight once per 4 rows, as the int4 kernel does, and follows the
+#: same rule. Other kernels and dtypes (not measured; int4 in float32 is ~30x slower) copy at once. A
 #: server makes every copy before its first step (:func:`make_dense_copies`).
 DENSE_AFTER_ROWS = 256
 
@@ -222,6 +229,42 @@ def unpack_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: tor
     return w.view(n, k).to(dtype)
 
 
+#: Code offset of each type in :func:`pack_blocks`' layout (the weight is ``d * (u - offset) + m``).
+_BLOCK_OFFSETS = {"Q4_0": 8, "Q4_1": 0, "Q8_0": 128}
+
+
+def pack_blocks(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
+    """The native block kernel's operands (:func:`goodserve.models.native.block_gemv`): the file's blocks
+    without re-rounding anything.
+
+    Returns:
+        ``(codes, scales, mins, offset)``: Q4: ``[out, in // 2]`` uint8, byte ``j`` of each block holding
+        weights ``j`` and ``j + 16`` in its low and high nibble (the file's code bytes); Q8_0: ``[out, in]``
+        uint8 ``q + 128``. ``scales`` and ``mins`` (Q4_1, else ``None``): ``[out, in // 32]`` float16, the
+        file's values. ``offset``: 8, 0 and 128 for Q4_0, Q4_1 and Q8_0.
+    """
+    n, k = weight.shape
+    if weight.qtype == "Q8_0":
+        codes = (weight.q.view(torch.uint8) ^ 0x80).contiguous()  # two's complement q + 128
+    else:
+        q = weight.q.view(n, k // GROUP_SIZE, GROUP_SIZE)
+        codes = (q[..., :16] | (q[..., 16:] << 4)).contiguous().view(n, k // 2)
+    mins = None if weight.mins is None else weight.mins.to(torch.float16).contiguous()
+    return codes, weight.scales.to(torch.float16).contiguous(), mins, _BLOCK_OFFSETS[weight.qtype]
+
+
+def unpack_blocks(qtype: str, codes: torch.Tensor, scales: torch.Tensor,
+                  mins: Optional[torch.Tensor]) -> BlockQuantized:
+    """The :class:`BlockQuantized` weight of :func:`pack_blocks`' operands."""
+    if qtype == "Q8_0":
+        q = (codes ^ 0x80).view(torch.int8)
+    else:
+        n, half = codes.shape
+        c = codes.view(n, half // 16, 16)
+        q = torch.cat([c & 15, c >> 4], dim=-1).view(n, half * 2)
+    return BlockQuantized(qtype, q, scales.float(), None if mins is None else mins.float())
+
+
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 (round to nearest) for ``aten._weight_int8pack_mm``.
 
@@ -238,16 +281,18 @@ class QuantLinear(nn.Module):
     """``y = x W^T (+ b)`` with ``W`` held as int4 groups or int8 rows.
 
     Args:
-        kind: ``"int4"`` or ``"int8"``.
-        weight: For int4, a Q4_0/Q4_1 :class:`BlockQuantized`; for int8, a dense ``[out, in]`` tensor.
+        kind: ``"int4"`` or ``"int8"`` (PyTorch's kernels), or ``"blocks"`` (the native block kernel).
+        weight: For int4, a Q4_0/Q4_1 :class:`BlockQuantized`; for blocks, a Q4_0/Q4_1/Q8_0 one; for int8, a
+            dense ``[out, in]`` tensor.
         dtype: Activation dtype (the kernels are fast in bfloat16).
         bias: ``[out]`` or ``None``.
         max_rows: Steps of more rows run on a dense ``dtype`` copy of the weight, once it is made.
         dense_after_rows: The copy is made by the step that brings the rows of such steps to this many; the
-            steps before it run on the kernel. Default: :data:`DENSE_AFTER_ROWS` for int4 in bfloat16, else 0.
+            steps before it run on the kernel. Default: :data:`DENSE_AFTER_ROWS` for int4 and blocks in
+            bfloat16, else 0.
 
     Raises:
-        ValueError: see :func:`pack_int4`.
+        ValueError: see :func:`pack_int4` and :func:`goodserve.models.native.check_blocks`; for another kind.
     """
 
     def __init__(self, kind: str, weight, dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
@@ -255,31 +300,39 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.kind, self.dtype, self.max_rows = kind, dtype, max_rows
         if dense_after_rows is None:
-            dense_after_rows = DENSE_AFTER_ROWS if kind == "int4" and dtype == torch.bfloat16 else 0
+            dense_after_rows = DENSE_AFTER_ROWS if kind in ("int4", "blocks") and dtype == torch.bfloat16 else 0
         self.dense_after_rows = dense_after_rows
         self._rows_past_max = 0  # rows of steps past max_rows so far (until the dense copy is made)
+        self.out_features, self.in_features = weight.shape
+        self.qtype, self.offset, mins = None, 0, None
         if kind == "int4":
-            self.out_features, self.in_features = weight.shape
             packed, extra = pack_int4(weight, dtype)
         elif kind == "int8":
-            self.out_features, self.in_features = weight.shape
             packed, extra = quantize_int8(weight, dtype)
+        elif kind == "blocks":
+            self.qtype = weight.qtype
+            packed, extra, mins, self.offset = pack_blocks(weight)
+            native.check_blocks(self.qtype, packed, extra, mins)
         else:
-            raise ValueError(f"unknown kernel {kind!r}; expected 'int4' or 'int8'")
+            raise ValueError(f"unknown kernel {kind!r}; expected 'int4', 'int8' or 'blocks'")
         self.register_buffer("packed", packed)
-        self.register_buffer("extra", extra)  # int4: scales_and_zeros [groups, out, 2]; int8: scales [out]
+        # int4: scales_and_zeros [groups, out, 2]; int8: scales [out]; blocks: the file's scales [out, groups]
+        self.register_buffer("extra", extra)
+        self.register_buffer("mins", mins)  # blocks of Q4_1: the file's minimums [out, groups]
         self.bias = None if bias is None else bias.to(dtype)
         self._dense: Optional[nn.Module] = None
 
     @property
     def nbytes(self) -> int:
         """Bytes a kernel call reads for the weight (codes + scales)."""
-        return self.packed.numel() * self.packed.element_size() + self.extra.numel() * self.extra.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.extra, self.mins) if t is not None)
 
     def dense_weight(self) -> torch.Tensor:
         """``[out, in]`` in the activation dtype, made from the codes."""
         if self.kind == "int4":
             return unpack_int4(self.packed, self.extra, self.dtype)
+        if self.kind == "blocks":
+            return dequantize_rows(unpack_blocks(self.qtype, self.packed, self.extra, self.mins), self.dtype)
         return (self.packed.float() * self.extra.float()[:, None]).to(self.dtype)
 
     def dense(self) -> nn.Module:
@@ -297,7 +350,9 @@ class QuantLinear(nn.Module):
                 self._rows_past_max += rows
             if self._dense is not None or self._rows_past_max >= self.dense_after_rows:
                 return self.dense().forward(x)
-        if self.kind == "int4":
+        if self.kind == "blocks":
+            y = native.block_gemv(x, self.qtype, self.packed, self.extra, self.mins, self.offset, x.dtype)
+        elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.extra)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.extra)
@@ -323,9 +378,10 @@ def make_dense_copies(model: nn.Module) -> int:
 def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quantization: str) -> nn.Module:
     """The linear layer that runs ``weight`` under ``--quantization`` (rules in :data:`QUANTIZATIONS`).
 
-    ``auto`` keeps each weight as the file holds it where a kernel exists: Q4_0/Q4_1 blocks run on the int4
-    kernel when ``dtype`` is bfloat16 (PyTorch 2.13's kernels have no fast float32 path on CPU: ~30x
-    slower); every other weight is dequantized to ``dtype``.
+    ``auto`` keeps each weight as the file holds it where a kernel exists, when ``dtype`` is bfloat16:
+    Q4_0/Q4_1/Q8_0 blocks on the native block kernel where it builds (:func:`runs_on_blocks`), else Q4_0/Q4_1
+    on PyTorch's int4 kernel; every other weight, and every weight in float32 (the precision mode; PyTorch
+    2.13's int4 kernel has no fast float32 path on CPU: ~30x slower), is dequantized to ``dtype``.
 
     Args:
         weight: ``[out, in]`` tensor or :class:`BlockQuantized`.
@@ -342,6 +398,8 @@ def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quanti
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     q4 = isinstance(weight, BlockQuantized) and weight.qtype in ("Q4_0", "Q4_1")
+    if quantization == "auto" and runs_on_blocks(weight, dtype):
+        return QuantLinear("blocks", weight, dtype, bias)
     if quantization == "auto":
         quantization = "int4" if q4 and dtype == torch.bfloat16 and weight.shape[0] % 64 == 0 else "none"
     if quantization == "int4":
@@ -349,6 +407,13 @@ def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quanti
     if quantization == "int8":
         return QuantLinear("int8", _dense(weight), dtype, bias)
     return dense_linear(_dense(weight).to(dtype), bias)
+
+
+def runs_on_blocks(weight, dtype: torch.dtype) -> bool:
+    """Whether ``--quantization auto`` runs ``weight`` on the native block kernel: the file's blocks, activations
+    in bfloat16, and the kernel built here (AVX-512 VNNI) for the weight's shape."""
+    return (isinstance(weight, BlockQuantized) and dtype == torch.bfloat16
+            and native.block_gemv_fits(*weight.shape) and native.block_gemv_usable(torch.empty(0, dtype=dtype)))
 
 
 def _dense(weight) -> torch.Tensor:

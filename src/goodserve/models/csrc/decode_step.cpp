@@ -1,0 +1,149 @@
+// A decode step of 1-4 rows through every layer of a Llama-family decoder in one call, for a model whose
+// linear layers all run on the block kernel (block_gemv.cpp). At batch 1 the eager step spends as long
+// in per-op dispatch (~15 ops of a few microseconds in each of 30 layers) as in its arithmetic; here the
+// same kernels run back to back: the norms and RoPE of decoder_ops.cpp, the attention of
+// paged_decode_attention.cpp and the block GEMVs, so the result is the one the layer-by-layer path
+// (models/llama.py with these kernels) computes, except SiLU's exp, which may round a value one
+// activation-dtype step apart.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dtype.h"
+
+extern "C" {
+int goodserve_rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
+                       void* sum_out, const void* weight, void* out, int64_t rows, int64_t cols, float eps,
+                       int num_threads);
+int goodserve_rope(int dtype, const void* x, int64_t x_stride, const void* table, int64_t table_stride,
+                   const int64_t* positions, void* out, int64_t rows, int64_t heads, int64_t head_dim,
+                   int num_threads);
+int goodserve_paged_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
+                                     const int32_t* block_tables, const int32_t* seq_lens, void* out,
+                                     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                     int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                     int64_t q_stride, int64_t split_tokens, int64_t num_splits, float scale,
+                                     int num_threads);
+int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
+                         const uint8_t* codes, const uint16_t* d, const uint16_t* mins, int offset, int64_t N,
+                         int y_dtype, void* y, int64_t y_stride, int num_threads);
+}
+
+namespace {
+
+// Per layer, in this order: the input and post-attention norms' weights, then (codes, scales, mins) of
+// the qkv, o, gate_up and down projections.
+constexpr int kLayerPointers = 14;
+// Per layer: (kind, offset) of each of the four projections.
+constexpr int kLayerInts = 8;
+
+// silu(gate) * up as the eager ops round it: silu in float32, rounded to the dtype, then the product.
+template <typename T>
+void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = goodserve::load(g + i);
+      T s;
+      goodserve::store(&s, x / (1.f + std::exp(-x)));
+      goodserve::store(o + i, goodserve::load(&s) * goodserve::load(u + i));
+    }
+  }
+}
+
+template <typename T>
+int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+        int64_t inter, int64_t num_layers, float eps, const int64_t* layer_ptrs, const int32_t* layer_ints,
+        const int64_t* k_caches, const int64_t* v_caches, int64_t block_size, const int32_t* block_tables,
+        int64_t max_blocks, const int32_t* seq_lens, const int64_t* slots, int64_t split_tokens,
+        int64_t num_splits, const void* rope_table, int64_t rope_stride, const int64_t* positions,
+        const void* final_norm, const T* embeddings, T* out, int num_threads) {
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+  thread_local std::vector<T> res, h, qkv, qk, attn, o, gu, act, x;
+  res.assign(embeddings, embeddings + M * hidden);
+  h.resize(M * hidden);
+  qkv.resize(M * qkv_size);
+  qk.resize(M * (q_size + kv_size));
+  attn.resize(M * q_size);
+  o.resize(M * hidden);
+  gu.resize(M * 2 * inter);
+  act.resize(M * inter);
+  x.resize(M * hidden);
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  auto gemv = [&](const int64_t* p, const int32_t* ki, const T* in, int64_t K, int64_t N, T* y) {
+    return goodserve_block_gemv(ki[0], dtype, in, K, M, K, reinterpret_cast<const uint8_t*>(p[0]),
+                                reinterpret_cast<const uint16_t*>(p[1]), reinterpret_cast<const uint16_t*>(p[2]),
+                                ki[1], N, dtype, y, N, num_threads);
+  };
+  int rc = 0;
+  for (int64_t l = 0; l < num_layers && rc == 0; ++l) {
+    const int64_t* p = layer_ptrs + l * kLayerPointers;
+    const int32_t* ki = layer_ints + l * kLayerInts;
+    const void* in_norm = reinterpret_cast<const void*>(p[0]);
+    const void* post_norm = reinterpret_cast<const void*>(p[1]);
+    // h = norm(x + residual); the first layer's residual is the embeddings themselves.
+    rc |= l == 0 ? goodserve_rms_norm(dtype, res.data(), hidden, nullptr, 0, nullptr, in_norm, h.data(), M, hidden,
+                                      eps, num_threads)
+                 : goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), in_norm, h.data(), M,
+                                      hidden, eps, num_threads);
+    rc |= gemv(p + 2, ki, h.data(), hidden, qkv_size, qkv.data());
+    rc |= goodserve_rope(dtype, qkv.data(), qkv_size, rope_table, rope_stride, positions, qk.data(), M,
+                         num_heads + num_kv_heads, head_dim, num_threads);
+    T* k_cache = reinterpret_cast<T*>(k_caches[l]);
+    T* v_cache = reinterpret_cast<T*>(v_caches[l]);
+    for (int64_t m = 0; m < M; ++m) {  // the new token's K and V into its slot
+      std::memcpy(k_cache + slots[m] * kv_size, qk.data() + m * (q_size + kv_size) + q_size, kv_size * sizeof(T));
+      std::memcpy(v_cache + slots[m] * kv_size, qkv.data() + m * qkv_size + q_size + kv_size, kv_size * sizeof(T));
+    }
+    rc |= goodserve_paged_decode_attention(dtype, qk.data(), k_cache, v_cache, block_tables, seq_lens, attn.data(), M,
+                                           num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                                           q_size + kv_size, split_tokens, num_splits, scale, num_threads);
+    rc |= gemv(p + 5, ki + 2, attn.data(), q_size, hidden, o.data());
+    rc |= goodserve_rms_norm(dtype, o.data(), hidden, res.data(), hidden, res.data(), post_norm, h.data(), M, hidden,
+                             eps, num_threads);
+    rc |= gemv(p + 8, ki + 4, h.data(), hidden, 2 * inter, gu.data());
+    silu_mul(gu.data(), M, inter, act.data());
+    rc |= gemv(p + 11, ki + 6, act.data(), inter, hidden, x.data());
+  }
+  if (rc == 0)
+    rc = goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), final_norm, out, M, hidden, eps,
+                            num_threads);
+  return rc;
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16 (activations, norm weights, caches, rope table). M: decode rows (1-4),
+// one token per request. layer_ptrs: [num_layers, 14] addresses (see kLayerPointers; a null mins for
+// Q4_0 and Q8_0); layer_ints: [num_layers, 8]; k_caches, v_caches: [num_layers] addresses of caches
+// [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [M, max_blocks] int32, seq_lens [M] int32
+// (new token included), slots [M] int64: as paged_decode_attention and the slot mapping; rope_table: cos
+// rows then, rope_stride elements later, sin rows; positions [M] int64; embeddings, out: [M, hidden].
+// Returns 0, or the first kernel's nonzero code (then out is not written).
+int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t inter, int64_t num_layers, float eps, const int64_t* layer_ptrs,
+                            const int32_t* layer_ints, const int64_t* k_caches, const int64_t* v_caches,
+                            int64_t block_size, const int32_t* block_tables, int64_t max_blocks,
+                            const int32_t* seq_lens, const int64_t* slots, int64_t split_tokens, int64_t num_splits,
+                            const void* rope_table, int64_t rope_stride, const int64_t* positions,
+                            const void* final_norm, const void* embeddings, void* out, int num_threads) {
+  if (dtype == 0)
+    return run<float>(dtype, M, hidden, num_heads, num_kv_heads, head_dim, inter, num_layers, eps, layer_ptrs,
+                      layer_ints, k_caches, v_caches, block_size, block_tables, max_blocks, seq_lens, slots,
+                      split_tokens, num_splits, rope_table, rope_stride, positions, final_norm,
+                      static_cast<const float*>(embeddings), static_cast<float*>(out), num_threads);
+  if (dtype == 1)
+    return run<uint16_t>(dtype, M, hidden, num_heads, num_kv_heads, head_dim, inter, num_layers, eps, layer_ptrs,
+                         layer_ints, k_caches, v_caches, block_size, block_tables, max_blocks, seq_lens, slots,
+                         split_tokens, num_splits, rope_table, rope_stride, positions, final_norm,
+                         static_cast<const uint16_t*>(embeddings), static_cast<uint16_t*>(out), num_threads);
+  return 1;
+}
+
+}  // extern "C"

@@ -1,0 +1,167 @@
+"""The native block kernel (GGUF Q4_0/Q4_1/Q8_0 weights as the file holds them, int16 activations) and the
+decode step that runs every layer in one call (issue 15, parts 1 and 2)."""
+
+import pytest
+import torch
+
+from goodserve.config import ModelConfig
+from goodserve.models import native
+from goodserve.models.attention import AttentionMetadata, NativeAttentionBackend
+from goodserve.models.llama import LlamaForCausalLM
+from goodserve.models.quant import (BlockQuantized, QuantLinear, dequantize_rows, pack_blocks, quantize_int4,
+                                    unpack_blocks)
+
+pytestmark = pytest.mark.skipif(not native.block_gemv_usable(torch.empty(0)),
+                                reason="the block kernel needs AVX-512 VNNI and a C++ compiler")
+
+
+def _blocks(qtype: str, n: int, k: int, seed: int = 0) -> BlockQuantized:
+    """A random weight in ``qtype`` blocks whose scales and minimums are fp16 values, as in a file."""
+    torch.manual_seed(seed)
+    w = torch.randn(n, k) * 0.05
+    if qtype == "Q8_0":
+        d = (w.view(n, k // 32, 32).abs().amax(-1) / 127).half().float()
+        q = (w.view(n, k // 32, 32) / d[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+        return BlockQuantized("Q8_0", q, d)
+    b = quantize_int4(w)
+    return BlockQuantized(qtype, b.q, b.scales.half().float(), None if qtype == "Q4_0" else b.mins.half().float())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_block_gemv_matches_the_float64_product(qtype, rows):
+    """Float32 in and out: the only rounding is the activations' to int16 per block of 32 (2^-15 of the
+    block's largest value) and float32 sums, so the error is ~1e-5 of the largest output."""
+    weight = _blocks(qtype, 96, 1536, seed=rows)
+    layer = QuantLinear("blocks", weight, torch.float32, max_rows=8)
+    x = torch.randn(rows, 1536)
+    want = x.double() @ weight.dequantize().double().t()
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_block_gemv_in_bfloat16_rounds_only_its_output():
+    weight = _blocks("Q4_1", 576, 576)
+    x = torch.randn(2, 640).bfloat16()[:, :576]  # a row stride, as a slice of a wider output
+    got = QuantLinear("blocks", weight, torch.bfloat16)(x)
+    want = x.double() @ weight.dequantize().double().t()
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-4 * want.abs().max()).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_packed_blocks_are_the_files_values(qtype):
+    weight = _blocks(qtype, 64, 128)
+    codes, scales, mins, offset = pack_blocks(weight)
+    back = unpack_blocks(qtype, codes, scales, mins)
+    assert torch.equal(back.q, weight.q) and torch.equal(back.scales, weight.scales)
+    assert (back.mins is None) == (weight.mins is None) and (mins is None or torch.equal(back.mins, weight.mins))
+    assert offset == {"Q4_0": 8, "Q4_1": 0, "Q8_0": 128}[qtype]
+    # Steps of more rows run on a dense copy made from the same codes: the dequantized file, rounded once.
+    layer = QuantLinear("blocks", weight, torch.bfloat16)
+    assert torch.equal(layer.dense_weight(), dequantize_rows(weight, torch.bfloat16))
+
+
+def test_block_gemv_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        QuantLinear("blocks", _blocks("Q4_1", 64, 96), torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        QuantLinear("blocks", _blocks("Q8_0", 24, 128), torch.bfloat16)
+    weight = _blocks("Q4_1", 64, 128)
+    codes, scales, mins, offset = pack_blocks(weight)
+    with pytest.raises(ValueError, match=r"\[rows, 128\]"):
+        native.block_gemv(torch.randn(1, 64), "Q4_1", codes, scales, mins, offset, torch.float32)
+    with pytest.raises(ValueError, match=r"\[rows, 128\]"):
+        native.block_gemv(torch.randn(2, 128).double(), "Q4_1", codes, scales, mins, offset, torch.float32)
+
+
+def _config(bias: bool = False) -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+                       tie_word_embeddings=True, attention_bias=bias)
+
+
+def _weights(c: ModelConfig, qtype: str = "Q4_1") -> dict:
+    """HF-named weights: the projections in ``qtype`` blocks, the (tied) embedding in Q8_0."""
+    torch.manual_seed(0)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    w = {"model.embed_tokens.weight": _blocks("Q8_0", c.vocab_size, c.hidden_size),
+         "model.norm.weight": 1 + 0.1 * torch.randn(c.hidden_size)}
+    shapes = {"self_attn.q_proj": (q, c.hidden_size), "self_attn.k_proj": (kv, c.hidden_size),
+              "self_attn.v_proj": (kv, c.hidden_size), "self_attn.o_proj": (c.hidden_size, q),
+              "mlp.gate_proj": (c.intermediate_size, c.hidden_size), "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+              "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for j, (name, shape) in enumerate(shapes.items()):
+            w[p + name + ".weight"] = _blocks(qtype, *shape, seed=100 * i + j)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w[p + norm + ".weight"] = 1 + 0.1 * torch.randn(c.hidden_size)
+        if c.attention_bias:
+            for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                w[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(n)
+    return w
+
+
+def _model(c: ModelConfig, weights: dict, dtype=torch.bfloat16, quantization: str = "auto") -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(c)
+    model.load_weights(weights, dtype, quantization)
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype, monkeypatch):
+    """Three requests prefill on the eager path, then decode 5 steps (3 rows, then 1): every step's hidden
+    states and KV writes from the one-call decode step equal the layer-by-layer path on the same kernels
+    (up to SiLU's exp, which may round an activation one bfloat16 step apart: none did here)."""
+    c = _config()
+    model = _model(c, _weights(c, qtype))
+    assert model.decode_plan is not None
+    assert model.lm_head.kind == "blocks" and model.lm_head.qtype == "Q8_0"
+    attn, bs = NativeAttentionBackend(), 4
+    shape = (32, bs, c.num_key_value_heads, c.head_dim)
+    caches = {flag: [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+                     for _ in range(c.num_hidden_layers)] for flag in (True, False)}
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    prompts = [[5, 9, 11, 3, 7], [1, 2], [8, 8, 8, 8, 8, 8, 8, 8, 8]]
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        for flag in (True, False):  # the same prefill into both caches
+            for table, ids in zip(tables, prompts):
+                n = len(ids)
+                slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+                meta = AttentionMetadata.build(bs, [], [], [(0, n, table)], slots, torch.device("cpu"), decode_groups=False)
+                model(torch.tensor(ids), torch.arange(n), caches[flag], meta, attn)
+        lens = [len(p) for p in prompts]
+        for step in range(5):
+            live = [0, 1, 2] if step < 3 else [1]
+            order = sorted(live, key=lambda i: lens[i])  # decodes sorted by context, as the runner lays them out
+            ids = torch.tensor([step + 10 * i for i in order])
+            positions = torch.tensor([lens[i] for i in order])
+            slots = torch.tensor([tables[i][lens[i] // bs] * bs + lens[i] % bs for i in order])
+            meta = AttentionMetadata.build(bs, [tables[i][:lens[i] // bs + 1] for i in order],
+                                           [lens[i] + 1 for i in order], [], slots, torch.device("cpu"),
+                                           decode_groups=False)
+            out = {}
+            for flag in (True, False):
+                monkeypatch.setattr(native, "use_decode_step", flag)
+                out[flag] = model(ids, positions, caches[flag], meta, attn)
+            assert torch.equal(out[True], out[False]), step
+            for i in order:
+                lens[i] += 1
+    for (k1, v1), (k2, v2) in zip(caches[True], caches[False]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_the_decode_plan_needs_every_projection_on_the_block_kernel():
+    c = _config()
+    weights = _weights(c)
+    assert _model(c, weights).decode_plan is not None
+    assert _model(c, weights, quantization="none").decode_plan is None  # dense bfloat16
+    assert _model(c, weights, quantization="int4").decode_plan is None  # PyTorch's int4 kernel
+    assert _model(c, weights, dtype=torch.float32).decode_plan is None  # auto keeps float32 dense
+    biased = _config(bias=True)
+    assert _model(biased, _weights(biased)).decode_plan is None  # q/k/v bias (Qwen2)
