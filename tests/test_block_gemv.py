@@ -165,3 +165,29 @@ def test_the_decode_plan_needs_every_projection_on_the_block_kernel():
     assert _model(c, weights, dtype=torch.float32).decode_plan is None  # auto keeps float32 dense
     biased = _config(bias=True)
     assert _model(biased, _weights(biased)).decode_plan is None  # q/k/v bias (Qwen2)
+
+
+def test_a_nan_activation_makes_every_output_it_feeds_nan():
+    """max() drops NaN: without the check, a NaN in a block quantized to -32768 and came out finite."""
+    weight = _blocks("Q4_1", 16, 128)
+    layer = QuantLinear("blocks", weight, torch.float32)
+    for k in (0, 5, 16, 31, 100):
+        x = torch.randn(2, 128)
+        x[1, k] = float("nan")
+        y = layer(x)
+        assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all(), k
+
+
+def test_the_decode_step_refuses_caches_it_was_not_built_for():
+    c = _config()
+    model = _model(c, _weights(c))
+    shape = (8, 4, c.num_key_value_heads, c.head_dim)
+    caches = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+              for _ in range(c.num_hidden_layers)]
+    plan = model.decode_plan
+    k, v = plan.cache_addresses(caches)
+    assert k.tolist() == [p[0].data_ptr() for p in caches] and v.tolist() == [p[1].data_ptr() for p in caches]
+    with pytest.raises(ValueError, match="pairs of contiguous"):
+        plan.cache_addresses(caches[:-1])
+    with pytest.raises(ValueError, match="pairs of contiguous"):
+        plan.cache_addresses(caches[:-1] + [(caches[0][0].float(), caches[0][1].float())])

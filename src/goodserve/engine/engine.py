@@ -95,7 +95,8 @@ class Engine:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = args.model or default_model_path()
         t0 = time.perf_counter()
-        loaded = load_model(path, DTYPES[args.dtype], keep_quantized=args.quantization != "none")
+        # The file's blocks run on CPU kernels: elsewhere every weight is dequantized at load.
+        loaded = load_model(path, DTYPES[args.dtype], keep_quantized=args.quantization != "none" and device == "cpu")
         logger.info("loaded %s (%s) in %.1f s", path, loaded.config.architecture, time.perf_counter() - t0)
         num_blocks, max_model_len = resolve_pool(args, loaded.config, device)
         self.config = EngineConfig(

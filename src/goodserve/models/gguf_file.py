@@ -203,8 +203,8 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
     Args:
         path: The ``.gguf`` file.
         dtype: Dtype every dense weight is cast to (quantized tensors are dequantized to float32 first).
-        keep_quantized: Keep Q4_0/Q4_1/Q8_0 linear weights (``*proj.weight``) as
-            :class:`~goodserve.models.quant.BlockQuantized` codes, scales and minimums, as in the file.
+        keep_quantized: Keep Q4_0/Q4_1/Q8_0 linear weights (``*proj.weight``), the token embedding and the
+            LM head as :class:`~goodserve.models.quant.BlockQuantized` codes, scales and minimums, as in the file.
 
     Returns:
         The :class:`LoadedModel` (weights on CPU, HF names); ``vocab_size`` is the embedding's rows.

@@ -21,7 +21,7 @@ from torch import nn
 
 from goodserve.config import ModelConfig
 from goodserve.models import native
-from goodserve.models.attention import AttentionBackend, AttentionMetadata
+from goodserve.models.attention import AttentionBackend, AttentionMetadata, NativeAttentionBackend
 from goodserve.models.linear import dense_linear
 from goodserve.models.quant import BlockQuantized, QuantLinear, dequantize_rows, make_linear, runs_on_blocks
 
@@ -310,8 +310,9 @@ class LlamaForCausalLM(nn.Module):
             ``[num_tokens, hidden_size]`` final hidden states (after the last norm).
         """
         num_tokens = input_ids.shape[0]
-        if self.decode_plan is not None and native.use_decode_step and meta.num_decodes == num_tokens \
-                and num_tokens <= native.BLOCK_GEMV_MAX_ROWS and meta.decode_block_tables is not None:
+        if self.decode_plan is not None and native.use_decode_step and native.use_decoder_ops \
+                and meta.num_decodes == num_tokens and num_tokens <= native.BLOCK_GEMV_MAX_ROWS \
+                and isinstance(attn, NativeAttentionBackend) and meta.decode_block_tables is not None:
             return native.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
                                         meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
                                         meta.max_decode_len, self.rope_cos_sin(self.norm.weight.dtype))

@@ -390,6 +390,8 @@ def block_gemv(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Te
     lib = _library(x)
     rows, k = x.shape
     n = scales.shape[0]
+    if scales.dtype != torch.float16 or (mins is not None and mins.dtype != torch.float16):
+        raise ValueError("the weight's scales and minimums must stay float16 (see check_blocks)")
     if x.dtype not in _DTYPES or out_dtype not in _DTYPES or k != scales.shape[1] * 32 or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, {scales.shape[1] * 32}] float32 or bfloat16 with contiguous rows, "
                          f"got {x.dtype} {tuple(x.shape)}")
@@ -436,11 +438,21 @@ class DecodeLayers:
         self._caches: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
 
     def cache_addresses(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[num_layers]`` int64 addresses of the K and of the V caches (gathered once per cache pool)."""
-        key = kv_caches[0][0].data_ptr()
+        """``[num_layers]`` int64 addresses of the K and of the V caches (checked and gathered once per pool).
+
+        Raises:
+            ValueError: for caches of another layer count, dtype or head shape, or not contiguous.
+        """
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._caches is None or self._caches[0] != key:
-            k = torch.tensor([c[0].data_ptr() for c in kv_caches], dtype=torch.int64)
-            v = torch.tensor([c[1].data_ptr() for c in kv_caches], dtype=torch.int64)
+            shape = kv_caches[0][0].shape if kv_caches else None
+            if len(kv_caches) != self.layer_ptrs.shape[0] or any(
+                    t.dtype != self.dtype or not t.is_contiguous() or t.shape != shape
+                    or tuple(t.shape[2:]) != self.shape[2:4] for pair in kv_caches for t in pair):
+                raise ValueError(f"the decode step needs {self.layer_ptrs.shape[0]} pairs of contiguous {self.dtype} "
+                                 f"caches [num_blocks, block_size, {self.shape[2]}, {self.shape[3]}] of one shape")
+            k = torch.tensor(key[0::2], dtype=torch.int64)
+            v = torch.tensor(key[1::2], dtype=torch.int64)
             self._caches = (key, k, v)
         return self._caches[1], self._caches[2]
 
@@ -480,8 +492,8 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32 \
             or seq_lens.dtype != torch.int32 or block_tables.shape[0] != rows or seq_lens.shape != (rows,):
         raise ValueError("positions and slot_mapping must be int64, block_tables and seq_lens int32, one row each")
-    if len(kv_caches) != plan.layer_ptrs.shape[0]:
-        raise ValueError(f"{len(kv_caches)} caches for {plan.layer_ptrs.shape[0]} layers")
+    if positions.shape != (rows,) or slot_mapping.shape != (rows,):
+        raise ValueError("positions and slot_mapping must hold one entry per row")
     k_addr, v_addr = plan.cache_addresses(kv_caches)
     block_size = kv_caches[0][0].shape[1]
     threads = torch.get_num_threads()

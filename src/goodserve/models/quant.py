@@ -278,7 +278,7 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 
 
 class QuantLinear(nn.Module):
-    """``y = x W^T (+ b)`` with ``W`` held as int4 groups or int8 rows.
+    """``y = x W^T (+ b)`` with ``W`` held as int4 groups, int8 rows or the file's blocks.
 
     Args:
         kind: ``"int4"`` or ``"int8"`` (PyTorch's kernels), or ``"blocks"`` (the native block kernel).

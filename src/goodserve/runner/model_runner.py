@@ -103,9 +103,8 @@ class ModelRunner:
         m = config.model
         with torch.device("meta"):  # nothing is allocated until the weights are taken
             self.model = LlamaForCausalLM(m)
-        # The low-bit kernels of ``auto`` are CPU kernels: on another device it keeps the dense weights.
-        quantization = "none" if config.quantization == "auto" and self.device.type != "cpu" else config.quantization
-        self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype, quantization)
+        self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype,
+                                config.quantization)
         self.model.eval()
         self.attn = attn_backend or make_attention_backend(config.attention_backend, self.device)
         shape = (config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)

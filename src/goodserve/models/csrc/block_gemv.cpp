@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <omp.h>
@@ -52,8 +53,10 @@ void quantize_row(const T* x, int64_t nb, bool pairs, int16_t* xq, float* dx, fl
     const float d = amax / 32767.f, id = d > 0.f ? 1.f / d : 0.f;
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
-    dx[b] = d;
-    sx[b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));  // for Q4_1's m
+    // max drops NaN: a block holding one gets a NaN scale, so every output it feeds is NaN, as in torch.
+    const bool nan = _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q);
+    dx[b] = nan ? std::numeric_limits<float>::quiet_NaN() : d;
+    sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));  // for Q4_1's m
     int16_t* out_lo = pairs ? xq + 64 * (b / 2) + 16 * (b % 2) : xq + 32 * b;
     int16_t* out_hi = pairs ? out_lo + 32 : out_lo + 16;
     _mm256_storeu_si256((__m256i*)out_lo, _mm512_cvtsepi32_epi16(qlo));

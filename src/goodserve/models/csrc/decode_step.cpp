@@ -80,39 +80,41 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
                                 ki[1], N, dtype, y, N, num_threads);
   };
   int rc = 0;
-  for (int64_t l = 0; l < num_layers && rc == 0; ++l) {
+#define GOODSERVE_TRY(call) \
+  if ((rc = (call)) != 0) return rc
+  for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layer_ptrs + l * kLayerPointers;
     const int32_t* ki = layer_ints + l * kLayerInts;
     const void* in_norm = reinterpret_cast<const void*>(p[0]);
     const void* post_norm = reinterpret_cast<const void*>(p[1]);
     // h = norm(x + residual); the first layer's residual is the embeddings themselves.
-    rc |= l == 0 ? goodserve_rms_norm(dtype, res.data(), hidden, nullptr, 0, nullptr, in_norm, h.data(), M, hidden,
-                                      eps, num_threads)
-                 : goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), in_norm, h.data(), M,
-                                      hidden, eps, num_threads);
-    rc |= gemv(p + 2, ki, h.data(), hidden, qkv_size, qkv.data());
-    rc |= goodserve_rope(dtype, qkv.data(), qkv_size, rope_table, rope_stride, positions, qk.data(), M,
-                         num_heads + num_kv_heads, head_dim, num_threads);
+    GOODSERVE_TRY(l == 0 ? goodserve_rms_norm(dtype, res.data(), hidden, nullptr, 0, nullptr, in_norm, h.data(), M,
+                                              hidden, eps, num_threads)
+                         : goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), in_norm,
+                                              h.data(), M, hidden, eps, num_threads));
+    GOODSERVE_TRY(gemv(p + 2, ki, h.data(), hidden, qkv_size, qkv.data()));
+    GOODSERVE_TRY(goodserve_rope(dtype, qkv.data(), qkv_size, rope_table, rope_stride, positions, qk.data(), M,
+                                 num_heads + num_kv_heads, head_dim, num_threads));
     T* k_cache = reinterpret_cast<T*>(k_caches[l]);
     T* v_cache = reinterpret_cast<T*>(v_caches[l]);
     for (int64_t m = 0; m < M; ++m) {  // the new token's K and V into its slot
       std::memcpy(k_cache + slots[m] * kv_size, qk.data() + m * (q_size + kv_size) + q_size, kv_size * sizeof(T));
       std::memcpy(v_cache + slots[m] * kv_size, qkv.data() + m * qkv_size + q_size + kv_size, kv_size * sizeof(T));
     }
-    rc |= goodserve_paged_decode_attention(dtype, qk.data(), k_cache, v_cache, block_tables, seq_lens, attn.data(), M,
-                                           num_heads, num_kv_heads, head_dim, block_size, max_blocks,
-                                           q_size + kv_size, split_tokens, num_splits, scale, num_threads);
-    rc |= gemv(p + 5, ki + 2, attn.data(), q_size, hidden, o.data());
-    rc |= goodserve_rms_norm(dtype, o.data(), hidden, res.data(), hidden, res.data(), post_norm, h.data(), M, hidden,
-                             eps, num_threads);
-    rc |= gemv(p + 8, ki + 4, h.data(), hidden, 2 * inter, gu.data());
+    GOODSERVE_TRY(goodserve_paged_decode_attention(dtype, qk.data(), k_cache, v_cache, block_tables, seq_lens,
+                                                   attn.data(), M, num_heads, num_kv_heads, head_dim, block_size,
+                                                   max_blocks, q_size + kv_size, split_tokens, num_splits, scale,
+                                                   num_threads));
+    GOODSERVE_TRY(gemv(p + 5, ki + 2, attn.data(), q_size, hidden, o.data()));
+    GOODSERVE_TRY(goodserve_rms_norm(dtype, o.data(), hidden, res.data(), hidden, res.data(), post_norm, h.data(), M,
+                                     hidden, eps, num_threads));
+    GOODSERVE_TRY(gemv(p + 8, ki + 4, h.data(), hidden, 2 * inter, gu.data()));
     silu_mul(gu.data(), M, inter, act.data());
-    rc |= gemv(p + 11, ki + 6, act.data(), inter, hidden, x.data());
+    GOODSERVE_TRY(gemv(p + 11, ki + 6, act.data(), inter, hidden, x.data()));
   }
-  if (rc == 0)
-    rc = goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), final_norm, out, M, hidden, eps,
+#undef GOODSERVE_TRY
+  return goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), final_norm, out, M, hidden, eps,
                             num_threads);
-  return rc;
 }
 
 }  // namespace
@@ -125,7 +127,8 @@ extern "C" {
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [M, max_blocks] int32, seq_lens [M] int32
 // (new token included), slots [M] int64: as paged_decode_attention and the slot mapping; rope_table: cos
 // rows then, rope_stride elements later, sin rows; positions [M] int64; embeddings, out: [M, hidden].
-// Returns 0, or the first kernel's nonzero code (then out is not written).
+// Returns 0, or the first kernel's nonzero code (then the step stops there: out is not written, and the
+// caches of the layers before may hold the step's K/V).
 int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t inter, int64_t num_layers, float eps, const int64_t* layer_ptrs,
                             const int32_t* layer_ints, const int64_t* k_caches, const int64_t* v_caches,
