@@ -81,6 +81,7 @@ def weight_bytes_per_step(model) -> tuple[int, int]:
 def run_micro(args: argparse.Namespace) -> int:
     """Measure and print; returns an exit code."""
     from goodserve.llm import LLM
+    from goodserve.models.quant import make_dense_copies
     from goodserve.runner.model_runner import DTYPES
     from goodserve.sampling_params import SamplingParams
 
@@ -90,6 +91,7 @@ def run_micro(args: argparse.Namespace) -> int:
     llm = LLM(**vars(eargs))
     engine = llm.engine
     model = engine.core.runner.model
+    make_dense_copies(model)  # as a server does before its first step: no measured step makes them
     weight_bytes, linear_params = weight_bytes_per_step(model)
     bandwidth = measure_gemv_bandwidth(dtype)
     flops = measure_matmul_flops(dtype)
