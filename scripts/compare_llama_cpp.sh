@@ -8,9 +8,12 @@
 #   2. llama-bench pp512 / tg128 and llama-batched-bench (128 prompt + 128 generated tokens at batch
 #      1, 4, 16, 64) beside `goodserve bench micro` at the same shapes, --quantization auto and none;
 #   3. one-shot cold start: `goodserve chat` beside llama.cpp's one-shot completion (/usr/bin/time -v);
-#   4. with SWEEP=1: `goodserve bench sweep` against `llama-server -np 16 -cb`, fresh prompts per rate.
+#   4. with SWEEP=1: `goodserve bench sweep` against `llama-server -np 16 -cb`, fresh prompts per rate;
+#   5. with ROUNDS=N: N rounds of llama-bench tg128 then goodserve's decode at batch 1, 4 and 16, back to back
+#      (this machine's speed drifts within minutes: read each round's ratio).
 # Usage: scripts/compare_llama_cpp.sh [OUT_DIR]    env: LLAMA_VENV (default /tmp/llama-venv), PYTHON,
-#        MODEL (default: goodserve's default GGUF), THREADS (default 2), SWEEP=1, RATES (default 0.5,1,2,4)
+#        MODEL (default: goodserve's default GGUF), THREADS (default 2), SWEEP=1, RATES (default 0.5,1,2,4),
+#        ROUNDS (default 0)
 set -euo pipefail
 out=${1:-/tmp/goodserve-vs-llama}
 venv=${LLAMA_VENV:-/tmp/llama-venv}
@@ -61,5 +64,11 @@ run() {
       --num-prompts 60 --request-rates "${RATES:-0.5,1,2,4}" --prompts fresh --goodput ttft:2000 tpot:150 \
       --save-result "$out/sweep.json" --no-progress
   fi
+  for r in $(seq 1 "${ROUNDS:-0}"); do
+    echo "== round $r of tg128 then goodserve decode, $(date -u +%T)"
+    "$bin/llama-bench" -m "$model" -t "$threads" -p 0 -n 128 -r 3 -o md | grep tg128
+    gs bench micro --num-threads "$threads" --decode-batches 1,4,16 --decode-context 128 --prefill-len 512 \
+      --steps 20 | grep -E 'decode batch|GEMV'
+  done
 }
-flock "$lock" bash -c "$(declare -f run gs); model='$model' bin='$bin' threads='$threads' out='$out' repo='$repo' py='$py' SWEEP='${SWEEP:-0}' RATES='${RATES:-0.5,1,2,4}' run" 2>&1 | tee "$out/report.txt"
+flock "$lock" bash -c "$(declare -f run gs); model='$model' bin='$bin' threads='$threads' out='$out' repo='$repo' py='$py' SWEEP='${SWEEP:-0}' RATES='${RATES:-0.5,1,2,4}' ROUNDS='${ROUNDS:-0}' run" 2>&1 | tee "$out/report.txt"
