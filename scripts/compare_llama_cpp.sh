@@ -13,7 +13,7 @@
 #      (this machine's speed drifts within minutes: read each round's ratio).
 # Usage: scripts/compare_llama_cpp.sh [OUT_DIR]    env: LLAMA_VENV (default /tmp/llama-venv), PYTHON,
 #        MODEL (default: goodserve's default GGUF), THREADS (default 2), SWEEP=1, RATES (default 0.5,1,2,4),
-#        ROUNDS (default 0)
+#        ROUNDS (default 0), INPUT_LEN / OUTPUT_LEN of the sweep's random prompts (default 512 / 128)
 set -euo pipefail
 out=${1:-/tmp/goodserve-vs-llama}
 venv=${LLAMA_VENV:-/tmp/llama-venv}
@@ -60,7 +60,8 @@ run() {
     echo "== bench sweep: goodserve serve vs llama-server -np 16 -cb, fresh prompts per rate"
     gs bench sweep --launch "{python} -m goodserve.cli serve --port {port} --num-threads $threads" \
       --baseline-launch "$bin/llama-server -m $model -c 16384 -np 16 -cb --kv-unified -t $threads --host 127.0.0.1 --port {port}" \
-      --label goodserve --baseline-label llama.cpp --dataset random --input-len 512 --output-len 128 \
+      --label goodserve --baseline-label llama.cpp --dataset random --input-len "${INPUT_LEN:-512}" \
+      --output-len "${OUTPUT_LEN:-128}" \
       --num-prompts 60 --request-rates "${RATES:-0.5,1,2,4}" --prompts fresh --goodput ttft:2000 tpot:150 \
       --save-result "$out/sweep.json" --no-progress
   fi
@@ -71,4 +72,4 @@ run() {
       --steps 20 | grep -E 'decode batch|GEMV'
   done
 }
-flock "$lock" bash -c "$(declare -f run gs); model='$model' bin='$bin' threads='$threads' out='$out' repo='$repo' py='$py' SWEEP='${SWEEP:-0}' RATES='${RATES:-0.5,1,2,4}' ROUNDS='${ROUNDS:-0}' run" 2>&1 | tee "$out/report.txt"
+flock "$lock" bash -c "$(declare -f run gs); model='$model' bin='$bin' threads='$threads' out='$out' repo='$repo' py='$py' SWEEP='${SWEEP:-0}' RATES='${RATES:-0.5,1,2,4}' ROUNDS='${ROUNDS:-0}' INPUT_LEN='${INPUT_LEN:-512}' OUTPUT_LEN='${OUTPUT_LEN:-128}' run" 2>&1 | tee "$out/report.txt"

@@ -114,7 +114,7 @@ def _model(c: ModelConfig, weights: dict, dtype=torch.bfloat16, quantization: st
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype, monkeypatch):
-    """Three requests prefill on the eager path, then decode 5 steps (3 rows, then 1): every step's hidden
+    """Six requests prefill on the eager path, then decode 5 steps (6 rows, then 1): every step's hidden
     states and KV writes from the one-call decode step equal the layer-by-layer path on the same kernels
     (up to SiLU's exp, which may round an activation one bfloat16 step apart: none did here)."""
     c = _config()
@@ -125,8 +125,8 @@ def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype, monkeypat
     shape = (32, bs, c.num_key_value_heads, c.head_dim)
     caches = {flag: [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
                      for _ in range(c.num_hidden_layers)] for flag in (True, False)}
-    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    prompts = [[5, 9, 11, 3, 7], [1, 2], [8, 8, 8, 8, 8, 8, 8, 8, 8]]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(6)]
+    prompts = [[5, 9, 11, 3, 7], [1, 2], [8] * 9, [4], [7, 7, 1], [2, 3, 5, 7, 11, 13]]
     torch.manual_seed(1)
     with torch.inference_mode():
         for flag in (True, False):  # the same prefill into both caches
@@ -137,7 +137,7 @@ def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype, monkeypat
                 model(torch.tensor(ids), torch.arange(n), caches[flag], meta, attn)
         lens = [len(p) for p in prompts]
         for step in range(5):
-            live = [0, 1, 2] if step < 3 else [1]
+            live = list(range(6)) if step < 3 else [1]
             order = sorted(live, key=lambda i: lens[i])  # decodes sorted by context, as the runner lays them out
             ids = torch.tensor([step + 10 * i for i in order])
             positions = torch.tensor([lens[i] for i in order])

@@ -311,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         """
         num_tokens = input_ids.shape[0]
         if self.decode_plan is not None and native.use_decode_step and native.use_decoder_ops \
-                and meta.num_decodes == num_tokens and num_tokens <= native.BLOCK_GEMV_MAX_ROWS \
+                and meta.num_decodes == num_tokens and num_tokens <= native.DECODE_STEP_MAX_ROWS \
                 and isinstance(attn, NativeAttentionBackend) and meta.decode_block_tables is not None:
             return native.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
                                         meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,

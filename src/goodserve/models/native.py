@@ -7,10 +7,10 @@
 - :func:`rms_norm` (with the residual add before it) and :func:`rope`: at decode sizes each is several eager
   ops of a few microseconds of dispatch, more than their arithmetic, ~180 calls per step of the default
   model; here each is one call, rounded as the ops it replaces.
-- :func:`block_gemv`: ``x W^T`` for 1-4 rows with ``W`` in the GGUF file's Q4_0/Q4_1/Q8_0 blocks and ``x``
+- :func:`block_gemv`: ``x W^T`` for a few rows with ``W`` in the GGUF file's Q4_0/Q4_1/Q8_0 blocks and ``x``
   quantized to int16 per block of 32, on AVX-512 VNNI: at batch 1 the
   decode step is a read of every weight, and this reads the file's bytes once, at the memory's rate.
-- :func:`decode_layers`: a decode step of 1-4 rows through every layer in one call, on the kernels above,
+- :func:`decode_layers`: a decode step of 1-8 rows through every layer in one call, on the kernels above,
   for a model whose projections all run on :func:`block_gemv`: at batch 1 the eager step spent about as
   long dispatching ~15 ops per layer as computing them.
 - :func:`argmax`: greedy sampling. PyTorch's CPU argmax over a batch's logits cost ~10x a max over the same
@@ -327,8 +327,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-#: Rows of one pass of :func:`block_gemv` over its weight, and the most :func:`decode_layers` takes.
+#: Rows of one pass of :func:`block_gemv` over its weight (a :class:`~goodserve.models.quant.QuantLinear` on
+#: the kernel runs steps of up to this many rows on it).
 BLOCK_GEMV_MAX_ROWS = 4
+#: The most rows :func:`decode_layers` takes: two passes over each weight, 132 MB for the default model
+#: against 269 MB of dense bfloat16 weights. Measured (BENCHMARKS.md, issue 15 run 7) against the
+#: layer-by-layer path on dense copies: faster at 6 and 8 rows, not at 12 or 16.
+DECODE_STEP_MAX_ROWS = 8
 #: :func:`block_gemv`'s ``kind`` codes.
 BLOCK_KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1}
 
@@ -469,7 +474,7 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
 
     Args:
         plan: The model's operands.
-        embeddings: ``[rows, hidden]`` (1-4 rows), contiguous, ``plan.dtype``.
+        embeddings: ``[rows, hidden]`` (1 to :data:`DECODE_STEP_MAX_ROWS` rows), contiguous, ``plan.dtype``.
         positions: ``[rows]`` int64.
         kv_caches: Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous.
@@ -487,8 +492,8 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     rows = embeddings.shape[0]
     hidden, num_heads, num_kv_heads, head_dim, inter = plan.shape
     if embeddings.dtype != plan.dtype or embeddings.shape != (rows, hidden) or not embeddings.is_contiguous() \
-            or not 1 <= rows <= BLOCK_GEMV_MAX_ROWS or rope_table.dtype != plan.dtype:
-        raise ValueError(f"embeddings must be [1..{BLOCK_GEMV_MAX_ROWS}, {hidden}] {plan.dtype}, contiguous")
+            or not 1 <= rows <= DECODE_STEP_MAX_ROWS or rope_table.dtype != plan.dtype:
+        raise ValueError(f"embeddings must be [1..{DECODE_STEP_MAX_ROWS}, {hidden}] {plan.dtype}, contiguous")
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32 \
             or seq_lens.dtype != torch.int32 or block_tables.shape[0] != rows or seq_lens.shape != (rows,):
         raise ValueError("positions and slot_mapping must be int64, block_tables and seq_lens int32, one row each")

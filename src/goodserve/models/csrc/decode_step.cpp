@@ -1,4 +1,4 @@
-// A decode step of 1-4 rows through every layer of a Llama-family decoder in one call, for a model whose
+// A decode step of a few rows through every layer of a Llama-family decoder in one call, for a model whose
 // linear layers all run on the block kernel (block_gemv.cpp). At batch 1 the eager step spends as long
 // in per-op dispatch (~15 ops of a few microseconds in each of 30 layers) as in its arithmetic; here the
 // same kernels run back to back: the norms and RoPE of decoder_ops.cpp, the attention of
@@ -121,7 +121,7 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
 
 extern "C" {
 
-// dtype: 0 = float32, 1 = bfloat16 (activations, norm weights, caches, rope table). M: decode rows (1-4),
+// dtype: 0 = float32, 1 = bfloat16 (activations, norm weights, caches, rope table). M: decode rows (>= 1),
 // one token per request. layer_ptrs: [num_layers, 14] addresses (see kLayerPointers; a null mins for
 // Q4_0 and Q8_0); layer_ints: [num_layers, 8]; k_caches, v_caches: [num_layers] addresses of caches
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [M, max_blocks] int32, seq_lens [M] int32
