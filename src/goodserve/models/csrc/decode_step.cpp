@@ -73,7 +73,8 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
   gu.resize(M * 2 * inter);
   act.resize(M * inter);
   x.resize(M * hidden);
-  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  // As the layer-by-layer path computes it: in double, then rounded to float.
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   auto gemv = [&](const int64_t* p, const int32_t* ki, const T* in, int64_t K, int64_t N, T* y) {
     return goodserve_block_gemv(ki[0], dtype, in, K, M, K, reinterpret_cast<const uint8_t*>(p[0]),
                                 reinterpret_cast<const uint16_t*>(p[1]), reinterpret_cast<const uint16_t*>(p[2]),
