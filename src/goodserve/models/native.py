@@ -440,7 +440,7 @@ class DecodeLayers:
             ints.append(kinds)
         self.layer_ptrs = torch.tensor(ptrs, dtype=torch.int64)
         self.layer_ints = torch.tensor(ints, dtype=torch.int32)
-        self._caches: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None
+        self._caches: Optional[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = None  # (addresses, K, V)
 
     def cache_addresses(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_layers]`` int64 addresses of the K and of the V caches (checked and gathered once per pool).
