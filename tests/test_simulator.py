@@ -17,6 +17,7 @@ from goodserve.config import SCHEDULING_MODES, CacheConfig, SchedulerConfig
 from goodserve.engine.step_trace import TracedStep
 from goodserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
+from goodserve.scheduler.step_time import StepCoefficients
 from goodserve.sim import simulator as simulator_module
 from goodserve.sim.cost_model import (ConstantCostModel, LinearCostModel, NoisyCostModel, RooflineCostModel,
                                       StepShape)
@@ -305,10 +306,15 @@ def test_roofline_prefill_is_compute_bound_and_attention_is_causal():
     assert two < 1.1 * one
 
 
+# Decode-only steps (tokens == sampled) and steps with a prompt chunk, so all six coefficients are identified.
+TRUTH = LinearCostModel(StepCoefficients(2e-3, 5e-5, 3e-4, 1e-9, prefill_overhead_s=4e-3, prefill_per_sampled_s=2e-4))
+FIT_SHAPES = [(1, 1, 100), (8, 8, 4000), (32, 32, 30000), (512, 1, 131328), (512, 0, 400000), (64, 60, 80000),
+              (128, 4, 9000)]
+
+
 def test_linear_fit_recovers_known_coefficients():
-    truth = LinearCostModel(2e-3, 5e-5, 3e-4, 1e-9)
-    shapes = [StepShape(t, s, p, 0, s) for t, s, p in
-              [(1, 1, 100), (8, 8, 4000), (32, 32, 30000), (512, 1, 131328), (512, 0, 400000), (64, 60, 80000)]]
+    truth = TRUTH
+    shapes = [StepShape(t, s, p, 0, s) for t, s, p in FIT_SHAPES]
     fit = fit_linear(shapes, [truth.predict(s) for s in shapes])
     for name, value in truth.to_dict().items():
         assert fit.to_dict()[name] == pytest.approx(value, rel=1e-6)
@@ -316,9 +322,8 @@ def test_linear_fit_recovers_known_coefficients():
 
 def test_profile_fits_a_servers_step_trace(tmp_path, capsys):
     """``goodserve profile --from-step-trace`` fits each step's whole serving-loop cycle, not ``step_s``."""
-    truth = LinearCostModel(2e-3, 5e-5, 3e-4, 1e-9)
-    shapes = [StepShape(t, s, p, p, s) for t, s, p in
-              [(1, 1, 100), (8, 8, 4000), (32, 32, 30000), (512, 1, 131328), (512, 0, 400000), (64, 60, 80000)]]
+    truth = TRUTH
+    shapes = [StepShape(t, s, p, p, s) for t, s, p in FIT_SHAPES]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(TracedStep(0.1 * i, truth.predict(s), truth.predict(s) / 2, False, s).to_json() + "\n"
                              for i, s in enumerate(shapes)))
@@ -327,9 +332,9 @@ def test_profile_fits_a_servers_step_trace(tmp_path, capsys):
     assert args.func(args) == 0
     fit = LinearCostModel.load(out)
     for name, value in truth.to_dict().items():
-        assert getattr(fit, name) == pytest.approx(value, rel=1e-5)
+        assert getattr(fit.coefficients, name) == pytest.approx(value, rel=1e-5)
     assert json.loads(out.read_text())["grid"] == {"step_traces": [str(trace)]}
-    assert "6 steps" in capsys.readouterr().out
+    assert "7 steps" in capsys.readouterr().out
 
 
 def test_simulate_clips_lengths_and_draws_arrivals_as_the_benchmark_does():

@@ -6,6 +6,7 @@ server."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -22,7 +23,7 @@ from goodserve.sim.cost_model import LinearCostModel
 from goodserve.sim.simulator import ClusterConfig, SimRequest, Simulator
 
 # A step costs 10 ms plus 1 ms per computed token: a 100-token prefill step takes 0.11 s.
-COST = LinearCostModel(overhead_s=0.010, per_token_s=0.001, per_sampled_s=0.0, per_pair_s=0.0)
+COST = LinearCostModel(StepCoefficients(overhead_s=0.010, per_token_s=0.001, per_sampled_s=0.0, per_pair_s=0.0))
 
 
 def run(policy: str, requests: list[SimRequest], budget: int = 100, shed_load: bool = False,
@@ -480,6 +481,35 @@ def test_step_time_model_learns_a_linear_machine_and_reports_its_error():
     for tokens, sampled, pairs in ((1, 1, 300), (64, 64, 64 * 300), (512 + 16, 17, 16 * 300 + 512 * 513 // 2)):
         assert model.predict(tokens, sampled, pairs) == pytest.approx(true.predict(tokens, sampled, pairs), rel=0.03)
     assert model.num_observed == 300 and 0 < model.mean_abs_relative_error < 0.2
+
+
+def test_step_coefficients_price_a_step_with_a_prompt_chunk_apart(tmp_path):
+    """A step that computes a prompt chunk (more tokens than it samples) pays the two prefill terms; a step
+    of decodes alone (tokens == sampled) does not. A profile written before the terms existed reads as 0."""
+    c = StepCoefficients(0.010, 1e-3, 2e-3, 1e-6, prefill_overhead_s=0.030, prefill_per_sampled_s=5e-3)
+    assert c.predict(4, 4, 1000) == pytest.approx(0.010 + 0.004 + 0.008 + 0.001)
+    assert c.predict(68, 4, 1000) == pytest.approx(0.010 + 0.068 + 0.008 + 0.001 + 0.030 + 0.020)
+    assert c.predict(64, 0, 0) == pytest.approx(0.010 + 0.064 + 0.030)
+    (tmp_path / "old.json").write_text(json.dumps({"coefficients": {"overhead_s": 0.01, "per_token_s": 1e-3,
+                                                                    "per_sampled_s": 0, "per_pair_s": 0}}))
+    assert StepCoefficients.load(tmp_path / "old.json") == StepCoefficients(0.01, 1e-3, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_step_time_model_learns_a_machine_whose_decode_steps_run_another_path():
+    """An engine runs decode-only steps down their own path (the CPU engine's one-call decode step, CUDA
+    graphs on a GPU): here 10 ms + 3.7 ms a row, and a step with a prompt chunk 40 ms + 0.6 ms a token + 5.1
+    ms a sampled row, the figures fitted to an azure-code run at 1.2 req/s (BENCHMARKS.md, issue 14). Fed
+    such steps, the model prices both kinds within 3%; one line through both (the form before the prefill
+    terms) put a 4-row decode step at 43.9 ms where it took 24.9."""
+    true = StepCoefficients(0.010, 6e-4, 3.1e-3, 0.0, prefill_overhead_s=0.030, prefill_per_sampled_s=2e-3)
+    model = StepTimeModel()
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        b, pre = int(rng.integers(1, 17)), int(rng.choice([0, 0, 0, 64, 300, 1024]))
+        shape = StepShape(b + pre, b + (pre > 0), b * 700 + pre * (pre + 1) // 2, 0, b)
+        model.observe(shape, true.predict(shape.num_tokens, shape.num_sampled, shape.attention_pairs))
+    for tokens, sampled, pairs in ((1, 1, 700), (4, 4, 2800), (8, 8, 5600), (4 + 300, 5, 2800 + 300 * 301 // 2)):
+        assert model.predict(tokens, sampled, pairs) == pytest.approx(true.predict(tokens, sampled, pairs), rel=0.03)
 
 
 def test_step_time_model_keeps_the_seed_in_directions_the_load_never_excites():

@@ -4,8 +4,16 @@ The form is the simulator's fitted cost model (:class:`goodserve.sim.cost_model.
 ``goodserve profile`` measures)::
 
     step_s = overhead + per_token · tokens + per_sampled · sampled + per_pair · attention_pairs
+             + prefill · (prefill_overhead + prefill_per_sampled · sampled)
 
-with the figures of a :class:`~goodserve.scheduler.output.StepShape`. The SLO-aware policy
+with the figures of a :class:`~goodserve.scheduler.output.StepShape`, and ``prefill`` 1 when the step computes
+a prompt chunk (more tokens than it samples), 0 for a step of decodes alone. An engine runs the two kinds of
+step down different paths: vLLM replays CUDA graphs captured for decode-only batches and runs mixed batches
+eagerly; goodserve's CPU engine runs a decode step of up to
+:data:`~goodserve.models.native.DECODE_STEP_MAX_ROWS` rows in one native call and a step with a prompt
+chunk layer by layer. One line through both kinds misprices each: replaying the steps of an azure-code run
+at 1.2 req/s under ``slo`` (BENCHMARKS.md, issue 14), the median of measured over predicted time was 0.71
+for decode-only steps and 1.25 for steps with a prompt chunk; with the two prefill terms, 0.96 and 0.97. The SLO-aware policy
 (:mod:`goodserve.scheduler.slo`) asks it before each step how long a candidate step would take.
 
 Refitting: ordinary least squares over the last ``window`` observed steps plus a prior of a few
@@ -31,43 +39,62 @@ import numpy as np
 
 from goodserve.scheduler.output import StepShape
 
-COEFFICIENT_NAMES = ("overhead_s", "per_token_s", "per_sampled_s", "per_pair_s")
+COEFFICIENT_NAMES = ("overhead_s", "per_token_s", "per_sampled_s", "per_pair_s", "prefill_overhead_s",
+                     "prefill_per_sampled_s")
 # Feature scales keep the normal equations well conditioned (pairs reach 1e6 and more per step).
-_SCALE = np.array([1.0, 1e-3, 1e-2, 1e-6])
-# Pseudo-steps priced by the seed: decodes at batch 1 and 32 over 512-token contexts, a 512-token prompt, a
-# 2048-token chunk after 2048 cached tokens, and a step mixing 31 decodes with a 256-token prompt.
+_SCALE = np.array([1.0, 1e-3, 1e-2, 1e-6, 1.0, 1e-2])
+# Pseudo-steps priced by the seed: decodes at batch 1 and 32 over 512-token contexts and at batch 8 over
+# 2048, a 512-token prompt, a 2048-token chunk after 2048 cached tokens, and steps mixing 31 decodes with a
+# 256-token prompt and 7 decodes with a 64-token one (six shapes: every coefficient is pinned).
 _PRIOR_SHAPES = (StepShape(1, 1, 512, 512, 1), StepShape(32, 32, 32 * 512, 32 * 512, 32),
+                 StepShape(8, 8, 8 * 2048, 8 * 2048, 8),
                  StepShape(512, 1, 512 * 513 // 2, 512, 1),
                  StepShape(2048, 1, 2048 * 2048 + 2048 * 2049 // 2, 4096, 1),
-                 StepShape(287, 32, 31 * 512 + 256 * 257 // 2, 31 * 512 + 256, 32))
+                 StepShape(287, 32, 31 * 512 + 256 * 257 // 2, 31 * 512 + 256, 32),
+                 StepShape(71, 8, 7 * 512 + 64 * 65 // 2, 7 * 512 + 64, 8))
+
+
+def step_features(tokens: int, sampled: int, pairs: int) -> list[float]:
+    """The regressors ``[1, tokens, sampled, pairs, prefill, prefill · sampled]`` of a step, in the order of
+    :data:`COEFFICIENT_NAMES` (``prefill``: 1 when the step computes more tokens than it samples)."""
+    prefill = 1.0 if tokens > sampled else 0.0
+    return [1.0, float(tokens), float(sampled), float(pairs), prefill, prefill * sampled]
 
 
 @dataclass(frozen=True)
 class StepCoefficients:
-    """Seconds per step, per computed token, per sampled token and per causal query-key pair."""
+    """Seconds per step, per computed token, per sampled token and per causal query-key pair; and what a step
+    that computes a prompt chunk costs on top: once, and per sampled token (see the module docstring)."""
 
     overhead_s: float
     per_token_s: float
     per_sampled_s: float
     per_pair_s: float
+    prefill_overhead_s: float = 0.0
+    prefill_per_sampled_s: float = 0.0
 
     def predict(self, tokens: int, sampled: int, pairs: int) -> float:
         """Seconds for a step of this shape."""
-        return self.overhead_s + self.per_token_s * tokens + self.per_sampled_s * sampled + self.per_pair_s * pairs
+        s = self.overhead_s + self.per_token_s * tokens + self.per_sampled_s * sampled + self.per_pair_s * pairs
+        if tokens > sampled:
+            s += self.prefill_overhead_s + self.prefill_per_sampled_s * sampled
+        return s
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in COEFFICIENT_NAMES}
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "StepCoefficients":
-        """The ``coefficients`` of a ``goodserve profile`` JSON file.
+        """The ``coefficients`` of a ``goodserve profile`` JSON file (the two prefill terms are 0 where a file
+        lacks them: profiles written before they existed).
 
         Raises:
             ValueError: if the file is unreadable or lacks a coefficient.
         """
         try:
             c = json.loads(Path(path).read_text())["coefficients"]
-            return cls(*(float(c[name]) for name in COEFFICIENT_NAMES))
+            return cls(*(float(c[name]) for name in COEFFICIENT_NAMES[:4]),
+                       *(float(c.get(name, 0.0)) for name in COEFFICIENT_NAMES[4:]))
         except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"cannot read step-time coefficients from {path}: {exc!r}") from None
 
@@ -90,7 +117,12 @@ class StepTimeModel:
     Args:
         seed: Starting coefficients (a profile's, or :data:`DEFAULT_SEED`).
         window: Observed steps the fit remembers.
-        prior_weight: Weight of each of the seed's pseudo-steps in the fit (an observed step weighs 1).
+        prior_weight: Weight of each of the seed's pseudo-steps in the fit (an observed step weighs 1). Any
+            weight above 0 pins the directions the load never excites; a light one lets the directions it
+            excites follow the data. The pseudo-steps lie far from a small server's steps (a 32-row decode,
+            a 2,048-token chunk), so at 0.5 they tilted a fit over decodes of 1-8 rows by 26% at one row;
+            at 0.05, replaying two served azure-code step traces, the prediction error fell from 21.6-21.8%
+            to 20.7-20.8% of the step time (BENCHMARKS.md, issue 14).
         adapt: Refit on observations; ``False`` keeps the seed (tests, or a trusted profile).
         margin_quantile: The quantile, over runs of :data:`MIN_MARGIN_STEPS` steps, of measured / predicted
             time that :attr:`margin` reports.
@@ -100,7 +132,7 @@ class StepTimeModel:
             ``(0, 1]``.
     """
 
-    def __init__(self, seed: StepCoefficients = DEFAULT_SEED, window: int = 256, prior_weight: float = 0.5,
+    def __init__(self, seed: StepCoefficients = DEFAULT_SEED, window: int = 256, prior_weight: float = 0.05,
                  adapt: bool = True, margin_quantile: float = 0.9) -> None:
         if min(seed.to_dict().values()) < 0:
             raise ValueError(f"step-time coefficients must be >= 0, got {seed}")
@@ -203,5 +235,5 @@ class StepTimeModel:
 
 
 def _features(shape: StepShape) -> np.ndarray:
-    """The scaled regressors ``[1, tokens, sampled, pairs]`` of a step."""
-    return np.array([1.0, shape.num_tokens, shape.num_sampled, shape.attention_pairs]) * _SCALE
+    """The scaled :func:`step_features` of a step."""
+    return np.array(step_features(shape.num_tokens, shape.num_sampled, shape.attention_pairs)) * _SCALE

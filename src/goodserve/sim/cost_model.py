@@ -17,7 +17,9 @@ returns seconds. Three are provided:
   per-step overhead (``HardwareSpec.step_overhead_s``: scheduling, input preparation, launches) is added.
   Tensor-parallel communication is not modelled.
 * :class:`LinearCostModel`, least-squares coefficients measured on this machine by ``goodserve profile``
-  (:mod:`goodserve.sim.profile`): ``overhead + a · tokens + b · sampled + c · attention pairs``.
+  (:mod:`goodserve.sim.profile`): ``overhead + a · tokens + b · sampled + c · attention pairs``, with a
+  fixed and a per-sampled-token extra for steps that compute a prompt chunk. The formula is the SLO
+  policy's online step-time model's (:class:`goodserve.scheduler.step_time.StepCoefficients`).
 * :class:`ConstantCostModel`, a fixed time per step, for tests whose timings are worked out by hand.
 * :class:`NoisyCostModel` wraps any of them with the scatter and drift of a shared machine's step times,
   seeded, so a scheduling policy can be judged against predictions that the next steps do not keep.
@@ -33,6 +35,7 @@ from typing import Protocol, Union
 import numpy as np
 
 from goodserve.scheduler.output import SchedulerOutput, StepShape
+from goodserve.scheduler.step_time import StepCoefficients
 from goodserve.sim.hardware import HardwareSpec
 from goodserve.sim.model_size import dtype_bytes, kv_bytes_per_token, param_count
 from goodserve.sim.presets import ArchSpec
@@ -122,21 +125,17 @@ class RooflineCostModel:
 
 @dataclass(frozen=True)
 class LinearCostModel:
-    """Step time fitted on a real machine: ``overhead + per_token·tokens + per_sampled·sampled +
-    per_pair·attention_pairs`` (seconds).
+    """Step time fitted on a real machine: :class:`~goodserve.scheduler.step_time.StepCoefficients`' formula,
+    ``overhead + per_token·tokens + per_sampled·sampled + per_pair·attention_pairs``, plus
+    ``prefill_overhead + prefill_per_sampled·sampled`` for a step that computes a prompt chunk (seconds).
 
     Attributes:
-        overhead_s: Fixed cost of a step (scheduling, input preparation, Python).
-        per_token_s: Cost of one computed token through the GEMMs.
-        per_sampled_s: Cost of one LM-head row and its sampling.
-        per_pair_s: Cost of one causal query-key pair in attention.
+        coefficients: The fitted figures (the scheduler's own type, so the simulator and the SLO policy
+            price a step with the same code).
         source: Where the coefficients came from (a profile file, a machine).
     """
 
-    overhead_s: float
-    per_token_s: float
-    per_sampled_s: float
-    per_pair_s: float
+    coefficients: StepCoefficients
     source: str = ""
 
     def step_time(self, out: SchedulerOutput) -> float:
@@ -146,12 +145,10 @@ class LinearCostModel:
 
     def predict(self, shape: StepShape) -> float:
         """Seconds for a step of this shape."""
-        return (self.overhead_s + self.per_token_s * shape.num_tokens + self.per_sampled_s * shape.num_sampled
-                + self.per_pair_s * shape.attention_pairs)
+        return self.coefficients.predict(shape.num_tokens, shape.num_sampled, shape.attention_pairs)
 
     def to_dict(self) -> dict:
-        return {"overhead_s": self.overhead_s, "per_token_s": self.per_token_s,
-                "per_sampled_s": self.per_sampled_s, "per_pair_s": self.per_pair_s}
+        return self.coefficients.to_dict()
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "LinearCostModel":
@@ -160,13 +157,7 @@ class LinearCostModel:
         Raises:
             ValueError: if the file is unreadable or lacks a coefficient.
         """
-        try:
-            data = json.loads(Path(path).read_text())
-            c = data["coefficients"]
-            return cls(float(c["overhead_s"]), float(c["per_token_s"]), float(c["per_sampled_s"]),
-                       float(c["per_pair_s"]), source=str(path))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"cannot read cost model {path}: {exc!r}") from None
+        return cls(StepCoefficients.load(path), source=str(path))
 
 
 class NoisyCostModel:

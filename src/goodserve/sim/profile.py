@@ -10,9 +10,11 @@ The fit is least squares on relative error (each row divided by its measured tim
 weighs as much as a 500 ms prefill) of::
 
     step_s = overhead + per_token · tokens + per_sampled · sampled + per_pair · attention_pairs
+             + prefill · (prefill_overhead + prefill_per_sampled · sampled)
 
 with ``attention_pairs`` the causal query-key pairs of the step (see
-:class:`~goodserve.scheduler.output.StepShape`). A coefficient that comes out negative is dropped (set to 0)
+:class:`~goodserve.scheduler.output.StepShape`) and ``prefill`` 1 for a step that computes a prompt chunk
+(:func:`goodserve.scheduler.step_time.step_features`). A coefficient that comes out negative is dropped (set to 0)
 and the rest refitted, so the model never predicts a cheaper step for more work.
 """
 
@@ -24,15 +26,15 @@ import time
 from typing import Optional, Sequence
 
 from goodserve.scheduler.output import StepShape
+from goodserve.scheduler.step_time import COEFFICIENT_NAMES as FEATURES
+from goodserve.scheduler.step_time import StepCoefficients, step_features
 from goodserve.sim.cost_model import LinearCostModel
 
 logger = logging.getLogger(__name__)
 
-FEATURES = ("overhead_s", "per_token_s", "per_sampled_s", "per_pair_s")
-
 
 def _features(shape: StepShape) -> list[float]:
-    return [1.0, float(shape.num_tokens), float(shape.num_sampled), float(shape.attention_pairs)]
+    return step_features(shape.num_tokens, shape.num_sampled, shape.attention_pairs)
 
 
 def fit_linear(shapes: Sequence[StepShape], seconds: Sequence[float]) -> LinearCostModel:
@@ -55,7 +57,7 @@ def fit_linear(shapes: Sequence[StepShape], seconds: Sequence[float]) -> LinearC
             coef[active] = sol
             break
         active.pop(int(np.argmin(sol)))
-    return LinearCostModel(*(float(c) for c in coef))
+    return LinearCostModel(StepCoefficients(*(float(c) for c in coef)))
 
 
 def _measure(engine, batch: int, context: int, decode_steps: int, rng: random.Random

@@ -66,6 +66,8 @@ def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     print(f"{len(samples)} steps {source}\n"
           f"step_s = {c['overhead_s'] * 1e3:.3f} ms + {c['per_token_s'] * 1e6:.2f} us/token "
           f"+ {c['per_sampled_s'] * 1e6:.2f} us/sampled token + {c['per_pair_s'] * 1e9:.3f} ns/attention pair\n"
+          f"  + with a prompt chunk: {c['prefill_overhead_s'] * 1e3:.3f} ms "
+          f"+ {c['prefill_per_sampled_s'] * 1e6:.2f} us/sampled token\n"
           f"relative error: median {report['fit']['median_abs_rel_error']:.1%}, "
           f"p90 {report['fit']['p90_abs_rel_error']:.1%}, max {report['fit']['max_abs_rel_error']:.1%}\n"
           f"wrote {args.output}", file=out)
