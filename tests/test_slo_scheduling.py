@@ -17,7 +17,7 @@ from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SampledToken, StepShape
 from goodserve.scheduler.scheduler import Scheduler
-from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.slo import SLOPolicy, SLOUnattainableError
 from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients, StepTimeModel
 from goodserve.sim.cost_model import LinearCostModel
 from goodserve.sim.simulator import ClusterConfig, SimRequest, Simulator
@@ -180,6 +180,47 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
     assert pace.chunk == 49 and pace.banked == [(99, pytest.approx(0.11))]
     # 99 banked tokens, two 49-token steps (0.06 s each), and 3 tokens (0.014 s) for a 200-token prompt.
     assert sched.slo.first_token_time(200, pace, 0.013) == pytest.approx(0.013 + 0.11 + 0.12 + 0.014)
+
+
+# A step with a prompt chunk costs 40 ms more than one of decodes alone (a CPU engine's one-call decode step,
+# CUDA graphs on a GPU): 10 ms + 1 ms per token, + 40 ms with a chunk. A chunk under 40 tokens costs more in
+# that overhead than in its own tokens.
+CHUNK_OVERHEAD = StepCoefficients(0.010, 0.001, 0.0, 0.0, prefill_overhead_s=0.040)
+
+
+def test_a_chunk_too_small_to_pay_for_its_step_waits_for_time_banked_by_decodes():
+    """D (TPOT SLO 60.5 ms, may stop at any token) streams from 0.06 s; P's 100-token prompt arrives at
+    0.015 s. At 0.06 s D's next deadline leaves 60.5 ms: 9 of P's tokens (51 + 9 ms), below the 40 tokens
+    worth the overhead, so the step is D's decode alone (11 ms). At 0.071 s D has banked 49.5 ms more: 58
+    tokens (110 ms). At 0.18 s again 10 tokens would fit, and D decodes alone; at 0.191 s P's last 42 run
+    (93 ms). P's first token comes 0.269 s after it arrived and D's TPOT stays ~17 ms. The policy before
+    this rule (a chunk each step, cut to fit) gave P 9 tokens in each 60-ms step: 0.706 s, and D ~30 ms."""
+    reqs = [SimRequest("D", 0.0, 10, 30, slo_tpot=0.0605, max_tokens=40), SimRequest("P", 0.015, 100, 2, slo_ttft=1.0)]
+    config = ClusterConfig(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=16, max_model_len=1024,
+                                           policy="slo"), CacheConfig(num_blocks=256, block_size=4))
+    result = Simulator(config, LinearCostModel(CHUNK_OVERHEAD), reqs).run()
+    assert [round(x, 9) for x in result.records[0].itls[:5]] == [0.011, 0.109, 0.011, 0.093, 0.012]
+    assert result.records[1].ttft == pytest.approx(0.269, abs=1e-9)
+    assert result.records[0].tpot <= 0.0605
+
+
+def test_the_ttft_prediction_paces_efficient_chunks_after_banking_decode_steps():
+    """With the overhead above and D decoding under a 60.5-ms TPOT SLO (a decode step takes 11 ms), a step
+    beside D within 60.5 ms holds 9 prompt tokens, below the efficient 40: the pace gives 40 tokens a step
+    (91 ms), each after one decode-only step that banks the 30.5 ms over the SLO (60.5 - 11 = 49.5 ms a
+    step), 102 ms in all. A 100-token prompt: two such steps and 20 tokens (71 ms, after one decode step),
+    0.286 s."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo", shed_load=True),
+                      CacheConfig(num_blocks=256, block_size=4), StepTimeModel(CHUNK_OVERHEAD, adapt=False))
+    sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
+    sched.update_from_output(sched.schedule(0.0), {"D": SampledToken(5)}, 0.053)
+    pace = sched.slo.prefill_pace(sched.running, 0.053)
+    assert sched.slo.efficient_chunk(pace.decodes) == 40
+    assert (pace.chunk, pace.banked) == (40, [])
+    assert sched.slo.first_token_time(100, pace, 0.053) == pytest.approx(0.053 + 2 * 0.102 + 0.082)
+    # Without the overhead term nothing changes: 49-token steps within the SLO, as before.
+    plain = StepTimeModel(StepCoefficients(0.01, 0.001, 0, 0), adapt=False)
+    assert SLOPolicy(plain, 100, 4).efficient_chunk(pace.decodes) == 0
 
 
 def _interactive_beside_batch(batch_tpot: float, batch_forced: bool, shed_load: bool = True):

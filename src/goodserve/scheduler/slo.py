@@ -26,7 +26,12 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
    step's limit. Decodes are scheduled first and each prefill chunk is cut to the largest size whose
    predicted step time, stretched by the model's margin (:attr:`StepTimeModel.margin`, a quantile of
    measured / predicted time over runs of steps: step times scatter and drift on a shared CPU), stays within it; a step without decodes gives
-   its first chunk at least a block, so a step is never empty. An urgent prompt's chunk is cut to the
+   its first chunk at least a block, so a step is never empty. A step of decodes whose first chunk would
+   be cut below :meth:`SLOPolicy.efficient_chunk` (the tokens whose cost adds up to the model's fixed cost
+   of a step with a prompt chunk) stays a decode-only step: the engine runs those down a faster path, and
+   the decodes bank time for a larger chunk in a later step, so the prompt's tokens pay that fixed cost
+   fewer times (on this CPU, a one-call decode step against a layer-by-layer step ~35 ms longer; cut to
+   fit every step, prompts there crawled beside a few decodes and were shed). An urgent prompt's chunk is cut to the
    *borrowed* limit instead: the smallest over the streaming requests of the larger of each one's allowance
    and its allowance with only the next :data:`BORROW_STEPS` later steps counted, priced as decodes alone
    (``L = d``). The step spends what those steps will save by not prefilling; the allowances of the next
@@ -62,7 +67,9 @@ and each request's own SLOs (``Request.slo_ttft``, ``Request.slo_tpot``, seconds
 what the token budget leaves, ``n* = max_num_batched_tokens - D``, cut as rule 3 cuts it: while the running
 requests have banked TPOT time, a step may take their smallest allowance (over the margin), and a step of
 ``t`` seconds leaves ``t - S`` less for the next (``S``, the tightest running TPOT SLO, is what each token
-earns); once that chunk is no larger than the one whose step fits ``S``, every later step gives the latter.
+earns); once that chunk is no larger than the one whose step fits ``S``, every later step with a chunk gives the latter
+(or the efficient chunk, if larger, after the decode-only steps that bank its excess over ``S`` at ``S - d``
+each, ``d`` a step of the decodes alone).
 ``W`` tokens of prefill (the unfinished prompts ahead, and one's own) give a first token after the steps whose
 chunks add up to less than ``W`` and one more with the rest, priced by its own tokens (charging the last step
 a whole token budget made a short prompt on a slow machine look as costly as a full one, and shed it; pricing
@@ -133,11 +140,15 @@ class StepAccumulator:
 class Pace:
     """How prompts progress while the running requests decode: the decodes every step holds; the steps that
     spend the running requests' banked TPOT time (``banked``: after each, the prompt tokens and seconds so
-    far); then the prefill tokens each step gives (``chunk``)."""
+    far); then the prefill tokens each step with a chunk gives (``chunk``), each such step after as many
+    decode-only steps as bank its excess over ``earned`` at ``earned - decode_s`` a step (none where
+    ``earned <= decode_s``, the default)."""
 
     decodes: StepAccumulator
     chunk: int
     banked: list[tuple[int, float]] = field(default_factory=list)
+    earned: float = 0.0
+    decode_s: float = 0.0
 
 
 class SLOPolicy:
@@ -329,12 +340,27 @@ class SLOPolicy:
 
     def chunk_size(self, req: Request, num_computed: int, n: int, sample: bool) -> int:
         """Cut ``req``'s prefill chunk of ``n`` tokens to the step's time limit (rule 3); in a step without
-        decodes the first prefill chunk gets at least ``min(n, block_size)``, so a step is never empty."""
+        decodes the first prefill chunk gets at least ``min(n, block_size)``, so a step is never empty. The
+        first chunk beside decodes is 0 if cut below :meth:`efficient_chunk` (rule 3)."""
         limit = self.borrow_limit if req.request_id in self.urgent else self.tpot_limit
         cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, limit / self.margin)
-        if not self._prefill_in_step and not self.acc.tokens:
-            cut = max(cut, min(n, self.block_size))
+        if not self._prefill_in_step:
+            if not self.acc.tokens:
+                cut = max(cut, min(n, self.block_size))
+            elif cut < n and cut < self.efficient_chunk(self.acc):
+                return 0
         return cut
+
+    def efficient_chunk(self, decodes: StepAccumulator) -> int:
+        """The fewest prompt tokens worth a step of ``decodes`` turning into a step with a prompt chunk: those
+        whose cost per token adds up to the model's fixed cost of such a step (its ``prefill_overhead_s``
+        and ``prefill_per_sampled_s`` terms, :mod:`goodserve.scheduler.step_time`). 0 when the model has
+        none."""
+        c = self.model.coefficients
+        fixed = c.prefill_overhead_s + c.prefill_per_sampled_s * (decodes.sampled + 1)
+        if fixed <= 0 or c.per_token_s <= 0:
+            return 0
+        return math.ceil(fixed / c.per_token_s)
 
     @property
     def prefill_scheduled(self) -> bool:
@@ -384,12 +410,19 @@ class SLOPolicy:
             return Pace(acc, n), Pace(acc, n)
         steady = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
         bank = self._set_step_figures(running, acc, now)
+        # Plain: rule 3 holds back a chunk smaller than the efficient one, and decode-only steps bank time
+        # for it at S - (a decode step) each.
+        decode_s = self.model.predict(acc.tokens, acc.sampled, acc.pairs)
+        plain = max(steady, min(n, self.efficient_chunk(acc))) if decode_s < limit else steady
         # Borrowed: later steps priced as decodes alone, so a step of t seconds leaves t - d less for the next.
-        return (self._banked_pace(acc, n, steady, bank, limit),
+        return (self._banked_pace(acc, n, plain, bank, limit, decode_s),
                 self._banked_pace(acc, n, steady, self.borrow_limit, self._decode_step))
 
-    def _banked_pace(self, acc: StepAccumulator, n: int, steady: int, bank: float, earned: float) -> Pace:
-        """A pace whose banked phase starts from ``bank`` seconds, each step of ``t`` adding ``earned - t``."""
+    def _banked_pace(self, acc: StepAccumulator, n: int, steady: int, bank: float, earned: float,
+                     decode_s: Optional[float] = None) -> Pace:
+        """A pace whose banked phase starts from ``bank`` seconds, each step of ``t`` adding ``earned - t``;
+        with ``decode_s``, each step of its steady phase comes after the decode-only steps of that length
+        that bank its excess over ``earned``."""
         banked: list[tuple[int, float]] = []
         tokens, seconds = 0, 0.0
         for _ in range(MAX_BANKED_STEPS):
@@ -400,7 +433,7 @@ class SLOPolicy:
             tokens, seconds = tokens + chunk, seconds + t
             banked.append((tokens, seconds))
             bank += earned - t
-        return Pace(acc, steady, banked)
+        return Pace(acc, steady, banked) if decode_s is None else Pace(acc, steady, banked, earned, decode_s)
 
     def _pace_step(self, decodes: StepAccumulator, k: int) -> float:
         """Predicted seconds of a step of ``decodes`` and a chunk of ``k`` prompt tokens from scratch."""
@@ -417,8 +450,15 @@ class SLOPolicy:
         full, rest = divmod(work_tokens - done, pace.chunk)
         if rest == 0 and full > 0:
             full, rest = full - 1, pace.chunk
-        return now + seconds + full * self._pace_step(pace.decodes, pace.chunk) + \
-            self._pace_step(pace.decodes, rest)
+        return now + seconds + full * self._cycle(pace, pace.chunk) + self._cycle(pace, rest)
+
+    def _cycle(self, pace: Pace, k: int) -> float:
+        """Predicted seconds of a step of ``pace``'s decodes and ``k`` prompt tokens, after the decode-only
+        steps that bank its excess over ``pace.earned``."""
+        t = self._pace_step(pace.decodes, k)
+        if t <= pace.earned or pace.earned <= pace.decode_s:
+            return t
+        return t + math.ceil((t - pace.earned) / (pace.earned - pace.decode_s)) * pace.decode_s
 
     def is_late(self, req: Request, work_tokens: int, pace: Pace, now: float) -> bool:
         """Whether a request without a first token misses its TTFT SLO with ``work_tokens`` ahead and its own."""
