@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from goodserve.config import CacheConfig, SchedulerConfig
-from goodserve.request import Request
+from goodserve.request import Request, RequestStatus
 from goodserve.sampling_params import SamplingParams
-from goodserve.scheduler.output import SampledToken, StepShape
+from goodserve.scheduler.output import SampledToken, SchedulerOutput, StepShape
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.slo import SLOPolicy, SLOUnattainableError
 from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients, StepTimeModel
@@ -221,6 +221,65 @@ def test_the_ttft_prediction_paces_efficient_chunks_after_banking_decode_steps()
     # Without the overhead term nothing changes: 49-token steps within the SLO, as before.
     plain = StepTimeModel(StepCoefficients(0.01, 0.001, 0, 0), adapt=False)
     assert SLOPolicy(plain, 100, 4).efficient_chunk(pace.decodes) == 0
+
+
+@pytest.mark.parametrize("slo_tpot, case, chunk", [(0.0605, "prompt", 0), (0.011, "prompt", 9),
+                                                    (0.0605, "urgent", 9), (0.0605, "recompute", 9)])
+def test_a_small_chunk_is_held_back_only_while_decode_steps_bank_time(slo_tpot, case, chunk):
+    """A step limit of 60 ms beside one decode leaves 9 prompt tokens (51 + 9 ms), below the efficient 40.
+    Under a 60.5-ms TPOT SLO a decode step (11 ms) banks 49.5 ms, so the chunk waits (0); under an 11-ms SLO
+    the decode step banks nothing, and holding the chunk back would hold the prompt until the decode ends:
+    it gets its 9 tokens. Nor is an urgent prompt held (its pace, the borrowed one, is a chunk every step;
+    here the borrowed limit is the plain one), nor a request recomputing tokens it streamed before a
+    preemption (its own allowance does not grow while it waits)."""
+    policy = SLOPolicy(StepTimeModel(CHUNK_OVERHEAD, adapt=False), 100, 4)
+    req = Request("r", [1, 2], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=slo_tpot)
+    req.first_token_time = 0.0
+    req.append_output_token(7)
+    req.num_computed_tokens = req.num_tokens - 1  # decoding
+    policy.begin_step([req], 0.01)
+    policy.tpot_limit = policy.borrow_limit = 0.060
+    prompt = Request("p", list(range(100)), SamplingParams(max_tokens=2), 0.0, max_tokens=2)
+    if case == "urgent":
+        policy.urgent = {"p"}
+    if case == "recompute":
+        prompt.append_output_token(7)
+    assert policy.chunk_size(prompt, 0, 99, False) == chunk
+
+
+def test_a_held_chunk_is_not_held_again_once_the_decode_beside_it_is_preempted():
+    """A review's reproduction: R, preempted after streaming, recomputes beside D (no SLO) in a full pool, and
+    D's block allocation fails, so D preempts itself. With R's chunk held back and the second pass of the
+    running requests still counting D's decode, the step was empty and the engine raised "requests are
+    pending but the scheduler scheduled nothing". A recomputing request is not held back, and the second
+    pass rebuilds the policy's figures without the preempted decode: every step schedules something."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=4000, policy="slo"),
+                      CacheConfig(num_blocks=350, block_size=4, enable_prefix_caching=False),
+                      StepTimeModel(CHUNK_OVERHEAD, adapt=False))
+    sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=1300), 0.0, max_tokens=1300))
+    sched.add_request(Request("R", list(range(10, 410)), SamplingParams(max_tokens=1000), 0.0, max_tokens=1000,
+                              slo_tpot=0.0605))
+    now = 0.0
+
+    def step(now: float) -> float:
+        out = sched.schedule(now)
+        assert not out.is_empty
+        shape = StepShape.of(out)
+        t = CHUNK_OVERHEAD.predict(shape.num_tokens, shape.num_sampled, shape.attention_pairs)
+        sched.observe_step_time(out, t)
+        sched.update_from_output(out, {s.request_id: SampledToken(5) for s in out.sampling()}, now + t)
+        return now + t
+
+    for _ in range(3):
+        now = step(now)
+    sched.add_request(Request("W", list(range(10, 1010)), SamplingParams(max_tokens=2), now, max_tokens=2))
+    for _ in range(41):
+        now = step(now)
+    sched._preempt(sched._requests["R"], SchedulerOutput())
+    sched.finish_requests(["W"], RequestStatus.FINISHED_ABORTED)
+    while "R" in sched._requests and sched._requests["R"].num_computed_tokens < sched._requests["R"].num_tokens - 1:
+        now = step(now)
+    assert sched.num_preemptions_total >= 2
 
 
 def _interactive_beside_batch(batch_tpot: float, batch_forced: bool, shed_load: bool = True):

@@ -221,7 +221,10 @@ class Scheduler:
             self.slo.begin_step(self.running, now)
         budget = self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
         if not out.scheduled and out.preempted_req_ids:
-            # Prefills that reserved budget for a decode that was then preempted get a second pass.
+            # Prefills that reserved budget for a decode that was then preempted get a second pass, with the
+            # slo policy's figures rebuilt without it (a chunk held back beside that decode is not held now).
+            if self.slo is not None:
+                self.slo.begin_step(self.running, now)
             budget = self._schedule_running(out, budget)
         if self.scheduler_config.mode == "static":
             if not self.running:  # request-level batching: a new batch only once the last one is done

@@ -341,15 +341,25 @@ class SLOPolicy:
     def chunk_size(self, req: Request, num_computed: int, n: int, sample: bool) -> int:
         """Cut ``req``'s prefill chunk of ``n`` tokens to the step's time limit (rule 3); in a step without
         decodes the first prefill chunk gets at least ``min(n, block_size)``, so a step is never empty. The
-        first chunk beside decodes is 0 if cut below :meth:`efficient_chunk` (rule 3)."""
-        limit = self.borrow_limit if req.request_id in self.urgent else self.tpot_limit
-        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0, limit / self.margin)
+        first chunk beside decodes is 0 if cut below both ``n`` and :meth:`efficient_chunk`, while decode-only
+        steps bank time, unless ``req`` is urgent (its pace, the borrowed one, is a chunk every step) or
+        recomputing tokens it already streamed (rule 3)."""
+        urgent = req.request_id in self.urgent
+        cut = self.max_chunk(self.acc, num_computed, n, sample and n > 0,
+                             (self.borrow_limit if urgent else self.tpot_limit) / self.margin)
         if not self._prefill_in_step:
             if not self.acc.tokens:
                 cut = max(cut, min(n, self.block_size))
-            elif cut < n and cut < self.efficient_chunk(self.acc):
+            elif cut < min(n, self.efficient_chunk(self.acc)) and not urgent and req.num_output_tokens == 0 \
+                    and self._banks():
                 return 0
         return cut
+
+    def _banks(self) -> bool:
+        """Whether a step of the decodes alone, stretched by the margin, is predicted under the tightest TPOT
+        SLO of the running requests, so that decode-only steps bank time for a larger chunk (otherwise holding
+        a chunk back would only hold the prompt until the decodes end)."""
+        return self.margin * self.model.predict(self.acc.tokens, self.acc.sampled, self.acc.pairs) < self.tpot_min
 
     def efficient_chunk(self, decodes: StepAccumulator) -> int:
         """The fewest prompt tokens worth a step of ``decodes`` turning into a step with a prompt chunk: those
@@ -397,7 +407,9 @@ class SLOPolicy:
         cuts it: while the running requests have banked TPOT time, a step may take their smallest allowance
         ``a`` (over the margin), and each step of ``t`` seconds leaves ``a - t + S`` for the next (``S``, the
         tightest TPOT SLO: the time each token earns); once the chunk that fits is no larger than the one that
-        fits ``S``, every later step gives that chunk, at least a block. The borrowed pace starts from
+        fits ``S``, every later step with a chunk gives that chunk, at least a block, or the efficient chunk
+        (:meth:`efficient_chunk`) if larger, each after the decode-only steps that bank its excess over ``S``
+        at ``S - d`` a step (``d``, a decode step stretched by the margin). The borrowed pace starts from
         ``a`` = :attr:`borrow_limit` and each step leaves ``a - t + d`` (``d``, a decode step alone).
 
         Returns:
@@ -410,9 +422,9 @@ class SLOPolicy:
             return Pace(acc, n), Pace(acc, n)
         steady = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
         bank = self._set_step_figures(running, acc, now)
-        # Plain: rule 3 holds back a chunk smaller than the efficient one, and decode-only steps bank time
-        # for it at S - (a decode step) each.
-        decode_s = self.model.predict(acc.tokens, acc.sampled, acc.pairs)
+        # Plain: rule 3 holds back a chunk smaller than the efficient one, and decode-only steps (stretched by
+        # the margin, as rule 3 prices them) bank time for it at S - d each.
+        decode_s = self._decode_step
         plain = max(steady, min(n, self.efficient_chunk(acc))) if decode_s < limit else steady
         # Borrowed: later steps priced as decodes alone, so a step of t seconds leaves t - d less for the next.
         return (self._banked_pace(acc, n, plain, bank, limit, decode_s),

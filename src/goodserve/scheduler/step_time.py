@@ -45,7 +45,7 @@ COEFFICIENT_NAMES = ("overhead_s", "per_token_s", "per_sampled_s", "per_pair_s",
 _SCALE = np.array([1.0, 1e-3, 1e-2, 1e-6, 1.0, 1e-2])
 # Pseudo-steps priced by the seed: decodes at batch 1 and 32 over 512-token contexts and at batch 8 over
 # 2048, a 512-token prompt, a 2048-token chunk after 2048 cached tokens, and steps mixing 31 decodes with a
-# 256-token prompt and 7 decodes with a 64-token one (six shapes: every coefficient is pinned).
+# 256-token prompt and 7 decodes with a 64-token one (seven shapes of rank 6: every coefficient is pinned).
 _PRIOR_SHAPES = (StepShape(1, 1, 512, 512, 1), StepShape(32, 32, 32 * 512, 32 * 512, 32),
                  StepShape(8, 8, 8 * 2048, 8 * 2048, 8),
                  StepShape(512, 1, 512 * 513 // 2, 512, 1),
