@@ -27,7 +27,6 @@ returns seconds. Three are provided:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
