@@ -356,10 +356,10 @@ class SLOPolicy:
         return cut
 
     def _banks(self) -> bool:
-        """Whether a step of the decodes alone, stretched by the margin, is predicted under the tightest TPOT
-        SLO of the running requests, so that decode-only steps bank time for a larger chunk (otherwise holding
-        a chunk back would only hold the prompt until the decodes end)."""
-        return self.margin * self.model.predict(self.acc.tokens, self.acc.sampled, self.acc.pairs) < self.tpot_min
+        """Whether a step of the decodes alone, stretched by the margin (:meth:`begin_step` priced it), is
+        under the tightest TPOT SLO of the running requests, so that decode-only steps bank time for a larger
+        chunk (otherwise holding a chunk back would only hold the prompt until the decodes end)."""
+        return self._decode_step < self.tpot_min
 
     def efficient_chunk(self, decodes: StepAccumulator) -> int:
         """The fewest prompt tokens worth a step of ``decodes`` turning into a step with a prompt chunk: those
