@@ -257,6 +257,8 @@ class EngineConfig:
         quantization: How linear layers run: ``"auto"``, ``"none"``, ``"int8"`` or ``"int4"`` (see
             ``goodserve.models.quant``).
         attention_backend: One of :data:`ATTENTION_BACKENDS`.
+        batch_invariant: Every kernel a token passes through reduces in an order that does not depend on its
+            batch (``goodserve.models.invariant``): a request's tokens depend on its prompt and seed alone.
         device: ``"cpu"`` or ``"cuda"``.
         seed: Seed of the engine-wide generator used by unseeded sampled requests.
         log_stats_interval: Seconds between periodic stats log lines (``0`` disables them).
@@ -270,6 +272,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     quantization: str = "none"
     attention_backend: str = "auto"
+    batch_invariant: bool = False
     device: str = "cpu"
     seed: int = 0
     log_stats_interval: float = 10.0

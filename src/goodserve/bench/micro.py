@@ -63,12 +63,13 @@ def weight_bytes_per_step(model) -> tuple[int, int]:
     reads), prepacked ones their packed weight, others their weight. Norms are left out (a few KB); the
     input embedding is a lookup of one row.
     """
+    from goodserve.models.invariant import InvariantLinear
     from goodserve.models.linear import PackedLinear
     from goodserve.models.quant import QuantLinear
 
     weight_bytes = linear_params = 0
     for module in model.modules():
-        if isinstance(module, (QuantLinear, PackedLinear)):
+        if isinstance(module, (QuantLinear, PackedLinear, InvariantLinear)):
             weight_bytes += module.nbytes
         elif isinstance(module, torch.nn.Linear):
             weight_bytes += module.weight.numel() * module.weight.element_size()

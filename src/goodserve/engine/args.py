@@ -16,6 +16,10 @@ logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 
+#: Whether batch-invariant numerics are on when ``--batch-invariant`` is not given (CPU).
+BATCH_INVARIANT_DEFAULT = False
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine knobs; ``None`` means "pick a sensible default".
@@ -32,6 +36,9 @@ class EngineArgs:
         attention_backend: ``"auto"`` (default: decodes attended in place over the block table by the
             native CPU kernel where it builds, else PyTorch), ``"torch"`` or ``"native"``
             (:func:`goodserve.models.attention.make_attention_backend`).
+        batch_invariant: Batch-invariant numerics (``goodserve.models.invariant``): a token's logits do not
+            depend on what shares its step, on prefix hits or on preemption. ``None``: the default,
+            :data:`BATCH_INVARIANT_DEFAULT`, on the CPU.
         block_size: Tokens per KV block.
         num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
         kv_cache_memory: KV pool size in bytes; default: 20% of available memory, at most 4 GiB on CPU.
@@ -70,6 +77,7 @@ class EngineArgs:
     quantization: str = "auto"
     device: Optional[str] = None
     attention_backend: str = "auto"
+    batch_invariant: Optional[bool] = None
     block_size: int = 16
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[int] = None
@@ -141,6 +149,10 @@ class EngineArgs:
         g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                        help="auto (default): decodes read the paged KV cache in place with the native CPU "
                             "kernel where it builds, else torch; torch: portable PyTorch; native: the CPU kernel")
+        g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="batch-invariant numerics: a request's tokens and logprobs depend on its prompt and "
+                            "seed only, not on what shares its step, prefix hits or preemption "
+                            f"(default: {'on' if BATCH_INVARIANT_DEFAULT else 'off'}; CPU only)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
         g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
@@ -179,6 +191,20 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         """Build from parsed flags."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def resolve_batch_invariant(asked: Optional[bool], device: str) -> bool:
+    """``--batch-invariant`` resolved: :data:`BATCH_INVARIANT_DEFAULT` on the CPU when not given, off elsewhere.
+
+    Raises:
+        ValueError: when asked for on a device other than the CPU (its kernels, and the invariance of the
+            GEMM library the torch path relies on, are checked on the CPU only).
+    """
+    if asked is None:
+        return BATCH_INVARIANT_DEFAULT and device == "cpu"
+    if asked and device.split(":")[0] != "cpu":
+        raise ValueError(f"--batch-invariant runs on the CPU only, not on {device}")
+    return asked
 
 
 def available_memory_bytes() -> int:

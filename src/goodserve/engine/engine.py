@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from goodserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from goodserve.engine.args import EngineArgs, default_kv_cache_memory
+from goodserve.engine.args import EngineArgs, default_kv_cache_memory, resolve_batch_invariant
 from goodserve.engine.chat import render_chat
 from goodserve.engine.core import EngineCore
 from goodserve.engine.output_processor import OutputProcessor
@@ -109,7 +109,7 @@ class Engine:
                                       policy=args.scheduling_policy, mode=args.scheduler,
                                       shed_load=args.shed_load),
             dtype=args.dtype, quantization=args.quantization, attention_backend=args.attention_backend,
-            device=device, seed=args.seed,
+            batch_invariant=resolve_batch_invariant(args.batch_invariant, device), device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer())
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template

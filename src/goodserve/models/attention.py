@@ -112,6 +112,11 @@ class AttentionMetadata:
         decode_seq_lens: ``[num_decodes]`` int32 context length of each decode, its new token included;
             ``None`` unless built with ``decode_groups=False``.
         max_decode_len: The longest of ``decode_seq_lens`` (0 without decodes).
+        row_block_tables: ``[num_tokens, max_blocks]`` int32, the block table of every token's request (a
+            prefill chunk's tokens repeat theirs); ``None`` unless built with ``per_row=True``.
+        row_seq_lens: ``[num_tokens]`` int32, every token's position + 1 (what it attends to); ``None``
+            unless built with ``per_row=True``.
+        max_row_len: The longest of ``row_seq_lens`` (0 unless built with ``per_row=True``).
     """
 
     slot_mapping: torch.Tensor
@@ -121,11 +126,14 @@ class AttentionMetadata:
     decode_block_tables: Optional[torch.Tensor] = None
     decode_seq_lens: Optional[torch.Tensor] = None
     max_decode_len: int = 0
+    row_block_tables: Optional[torch.Tensor] = None
+    row_seq_lens: Optional[torch.Tensor] = None
+    max_row_len: int = 0
 
     @classmethod
     def build(cls, block_size: int, decode_block_tables: list[list[int]], decode_seq_lens: list[int],
               prefill_chunks: list[tuple[int, int, list[int]]], slot_mapping: torch.Tensor,
-              device: torch.device, decode_groups: bool = True) -> "AttentionMetadata":
+              device: torch.device, decode_groups: bool = True, per_row: bool = False) -> "AttentionMetadata":
         """Build the metadata from plain lists.
 
         Args:
@@ -139,7 +147,13 @@ class AttentionMetadata:
             device: Where the tensors live.
             decode_groups: Cut the decodes into :class:`DecodeGroup` s (for :class:`TorchAttentionBackend`);
                 ``False``: give them as one padded block table instead (``decode_block_tables``).
+            per_row: Also give every token its own block table and context length (``row_block_tables``,
+                ``row_seq_lens``), for a backend that attends each token alone (batch-invariant); the
+                decodes' tables are then the first rows of those.
         """
+        if per_row:
+            return cls._build_per_row(block_size, decode_block_tables, decode_seq_lens, prefill_chunks,
+                                      slot_mapping, device)
         num_decodes = len(decode_block_tables)
         groups = []
         tables = seq_lens = None
@@ -173,6 +187,35 @@ class AttentionMetadata:
             prefills.append(PrefillChunk(start, start + num_new, block_table, mask))
             start += num_new
         return cls(slot_mapping, num_decodes, groups, prefills, tables, seq_lens, max(decode_seq_lens, default=0))
+
+
+    @classmethod
+    def _build_per_row(cls, block_size: int, decode_block_tables: list[list[int]], decode_seq_lens: list[int],
+                       prefill_chunks: list[tuple[int, int, list[int]]], slot_mapping: torch.Tensor,
+                       device: torch.device) -> "AttentionMetadata":
+        """:meth:`build` with ``per_row=True``: one table row and one context length per token."""
+        tables = list(decode_block_tables)
+        lens = list(decode_seq_lens)
+        repeats = [1] * len(tables)
+        for num_computed, num_new, table in prefill_chunks:
+            end = num_computed + num_new
+            tables.append(table[: -(-end // block_size)])
+            repeats.append(num_new)
+            lens.extend(range(num_computed + 1, end + 1))
+        width = max((len(t) for t in tables), default=0)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        rows = padded.repeat_interleave(torch.tensor(repeats), dim=0) if prefill_chunks else padded
+        rows = rows.contiguous().to(device)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        num_decodes = len(decode_block_tables)
+        prefills, start = [], num_decodes
+        for _, num_new, _ in prefill_chunks:
+            prefills.append(PrefillChunk(start, start + num_new, None, None))
+            start += num_new
+        decode_tables = rows[:num_decodes] if num_decodes else None
+        return cls(slot_mapping, num_decodes, [], prefills, decode_tables,
+                   seq_lens[:num_decodes] if num_decodes else None, max(decode_seq_lens, default=0),
+                   rows, seq_lens, max(lens, default=0))
 
 
 class AttentionBackend(Protocol):
@@ -364,8 +407,9 @@ class NativeAttentionBackend(TorchAttentionBackend):
                                              meta.max_decode_len)
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend ``--attention-backend name`` selects for a model on ``device``.
+def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
+    """The backend ``--attention-backend name`` selects for a model on ``device``; with ``batch_invariant``,
+    its batch-invariant form (:class:`goodserve.models.invariant_attention.InvariantAttentionBackend`).
 
     Raises:
         ValueError: on an unknown name, or ``native`` on a device other than the CPU.
@@ -375,6 +419,10 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "native" and device.type != "cpu":
         raise ValueError(f"the native attention backend runs on the CPU only, not on {device.type}")
+    if batch_invariant:
+        from goodserve.models.invariant_attention import InvariantAttentionBackend
+
+        return InvariantAttentionBackend(name == "native" or (name == "auto" and native.load() is not None))
     if name == "native" or (name == "auto" and device.type == "cpu" and native.load() is not None):
         return NativeAttentionBackend()
     return TorchAttentionBackend()

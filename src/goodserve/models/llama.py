@@ -22,6 +22,8 @@ from torch import nn
 from goodserve.config import ModelConfig
 from goodserve.models import native
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, NativeAttentionBackend
+from goodserve.models.invariant import InvariantLinear, rms_norm_torch
+from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend
 from goodserve.models.linear import dense_linear
 from goodserve.models.quant import BlockQuantized, QuantLinear, dequantize_rows, make_linear, runs_on_blocks
 
@@ -79,16 +81,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(RMSNorm(x + residual) * weight, x + residual)``; without ``residual``, of ``x`` itself.
 
     One native call on the CPU where the kernels build (:func:`goodserve.models.native.rms_norm`, rounded as
-    the eager ops), else the eager ops. ``x``, ``residual``: ``[rows, hidden]``.
+    the eager ops; each row summed in order by one thread), else the eager ops, whose sum of squares is
+    taken in order when ``invariant`` (batch-invariant mode). ``x``, ``residual``: ``[rows, hidden]``.
     """
     if native.usable(x):
         return native.rms_norm(x, weight, eps, residual)
     h = x if residual is None else x + residual
-    return _rms_norm(h, weight, eps), h
+    return (rms_norm_torch if invariant else _rms_norm)(h, weight, eps), h
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,6 +152,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
+        self.invariant = False  # batch-invariant mode (set by LlamaForCausalLM.load_weights)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: "RotaryTable",
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -166,7 +170,8 @@ class DecoderLayer(nn.Module):
         # norms through their weights: at batch 1 the per-call overhead of ``nn.Module.__call__`` is a visible
         # share of a decode step on CPU.
         n = x.shape[0]  # rows, possibly padded past the step's tokens (see LlamaForCausalLM.forward)
-        h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps,
+                                   self.invariant)
         qkv = self.qkv_proj.forward(h)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim))  # q and k at once
@@ -177,8 +182,11 @@ class DecoderLayer(nn.Module):
         if t < n:
             o = F.pad(o, (0, 0, 0, n - t))
         h, residual = add_rms_norm(self.o_proj.forward(o), residual, self.post_attention_layernorm.weight,
-                                   self.post_attention_layernorm.eps)
-        gate, up = self.gate_up_proj.forward(h).split(self.intermediate_size, dim=-1)
+                                   self.post_attention_layernorm.eps, self.invariant)
+        gate_up = self.gate_up_proj.forward(h)
+        if native.usable(gate_up):  # the one-call decode step's kernel: the same bits on both paths
+            return self.down_proj.forward(native.silu_mul(gate_up)), residual
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up), residual
 
 
@@ -202,12 +210,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: Optional[nn.Module] = None
         # Decode steps in one native call (made by ``load_weights`` where every projection allows it).
         self.decode_plan: Optional[native.DecodeLayers] = None
+        self.batch_invariant = False
         self.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._rope_tables: dict[torch.dtype, torch.Tensor] = {}
 
     def load_weights(self, weights: dict[str, Union[torch.Tensor, BlockQuantized]],
-                     dtype: Optional[torch.dtype] = None, quantization: str = "none") -> None:
+                     dtype: Optional[torch.dtype] = None, quantization: str = "none",
+                     batch_invariant: bool = False) -> None:
         """Take HF-named weights, fusing q/k/v and gate/up; the model may have been built on ``meta``.
 
         Every parameter is replaced (not copied into), so a model built under ``torch.device("meta")``
@@ -218,6 +228,10 @@ class LlamaForCausalLM(nn.Module):
                 :class:`BlockQuantized` weights as the GGUF file holds them.
             dtype: Dtype of the dense weights and activations; default: the embedding's current dtype.
             quantization: How linear layers run, see :func:`goodserve.models.quant.make_linear`.
+            batch_invariant: Every linear layer on :class:`~goodserve.models.invariant.InvariantLinear` (one
+                kernel and one reduction order for every step size, a GGUF's blocks dequantized) and norms
+                summed in order: a token's hidden states do not depend on its batch. ``quantization`` does
+                not apply then.
 
         Raises:
             ValueError: when a weight is missing or has the wrong shape, or on an unknown ``quantization``.
@@ -246,6 +260,13 @@ class LlamaForCausalLM(nn.Module):
 
         c = self.config
         hidden, inter = c.hidden_size, c.intermediate_size
+        self.batch_invariant = batch_invariant
+
+        def linear(weight, bias):
+            if batch_invariant:
+                return InvariantLinear(weight, bias, dtype)
+            return make_linear(weight, bias, dtype, quantization)
+
         self.embed_tokens.weight = dense("model.embed_tokens.weight", (c.vocab_size, hidden))
         self.norm.weight = dense("model.norm.weight", (hidden,))
         # Tied, the head is a second (prepacked) copy of the embedding where ``dense_linear`` packs it:
@@ -253,7 +274,11 @@ class LlamaForCausalLM(nn.Module):
         # (SmolLM2's Q8_0 embedding) runs decode steps on the block kernel: half the bytes of bfloat16.
         head_name = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         head = take(head_name, (c.vocab_size, hidden))
-        if quantization == "auto" and runs_on_blocks(head, dtype):
+        if batch_invariant:
+            if not isinstance(head, BlockQuantized):
+                head = self.embed_tokens.weight if c.tie_word_embeddings else dense(head_name, (c.vocab_size, hidden))
+            self.lm_head = linear(head, None)
+        elif quantization == "auto" and runs_on_blocks(head, dtype):
             self.lm_head = make_linear(head, None, dtype, quantization)
         else:
             self.lm_head = dense_linear(self.embed_tokens.weight if c.tie_word_embeddings
@@ -267,11 +292,12 @@ class LlamaForCausalLM(nn.Module):
             if c.attention_bias:
                 bias = torch.cat([take(a + "q_proj.bias", (layer.q_size,)), take(a + "k_proj.bias", (layer.kv_size,)),
                                   take(a + "v_proj.bias", (layer.kv_size,))])
-            layer.qkv_proj = make_linear(qkv, bias, dtype, quantization)
-            layer.o_proj = make_linear(take(a + "o_proj.weight", (hidden, layer.q_size)), None, dtype, quantization)
+            layer.qkv_proj = linear(qkv, bias)
+            layer.o_proj = linear(take(a + "o_proj.weight", (hidden, layer.q_size)), None)
             gate_up = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(inter, hidden)] * 2)
-            layer.gate_up_proj = make_linear(gate_up, None, dtype, quantization)
-            layer.down_proj = make_linear(take(p + "mlp.down_proj.weight", (hidden, inter)), None, dtype, quantization)
+            layer.gate_up_proj = linear(gate_up, None)
+            layer.down_proj = linear(take(p + "mlp.down_proj.weight", (hidden, inter)), None)
+            layer.invariant = batch_invariant
             layer.input_layernorm.weight = dense(p + "input_layernorm.weight", (hidden,))
             layer.post_attention_layernorm.weight = dense(p + "post_attention_layernorm.weight", (hidden,))
         self.inv_freq = rope_inv_freq(c).to(self.embed_tokens.weight.device)
@@ -280,17 +306,24 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_plan(self) -> Optional[native.DecodeLayers]:
         """The operands of :func:`goodserve.models.native.decode_layers` when every projection runs on the
-        block kernel (without bias) and the norms on the native kernels; else ``None``."""
+        block kernel, or (batch-invariant mode) on the native batch-invariant GEMM, without bias, and the
+        norms on the native kernels; else ``None``."""
         c = self.config
         if not native.usable(self.norm.weight):
             return None
         layers = []
         for layer in self.layers:
             projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
-            if not all(isinstance(p, QuantLinear) and p.kind == "blocks" and p.bias is None for p in projections):
+            if self.batch_invariant:
+                if not all(isinstance(p, InvariantLinear) and p.packed is not None and p.bias is None
+                           for p in projections):
+                    return None
+                ops = [(native.INVARIANT_KIND + p.kind, p.packed, None, None, 0) for p in projections]
+            elif all(isinstance(p, QuantLinear) and p.kind == "blocks" and p.bias is None for p in projections):
+                ops = [(p.qtype, p.packed, p.extra, p.mins, p.offset) for p in projections]
+            else:
                 return None
-            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                           [(p.qtype, p.packed, p.extra, p.mins, p.offset) for p in projections]))
+            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, ops))
         shape = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size)
         return native.DecodeLayers(layers, shape, c.rms_norm_eps, self.norm.weight)
 
@@ -310,12 +343,14 @@ class LlamaForCausalLM(nn.Module):
             ``[num_tokens, hidden_size]`` final hidden states (after the last norm).
         """
         num_tokens = input_ids.shape[0]
-        if self.decode_plan is not None and native.use_decode_step and native.use_decoder_ops \
-                and meta.num_decodes == num_tokens and num_tokens <= native.DECODE_STEP_MAX_ROWS \
-                and isinstance(attn, NativeAttentionBackend) and meta.decode_block_tables is not None:
-            return native.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
+        plan = self.decode_plan
+        if plan is not None and native.use_decode_step and native.use_decoder_ops \
+                and meta.num_decodes == num_tokens and num_tokens <= plan.max_rows \
+                and meta.decode_block_tables is not None and self._native_attention(attn):
+            return native.decode_layers(plan, self.embed_tokens(input_ids), positions, kv_caches,
                                         meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-                                        meta.max_decode_len, self.rope_cos_sin(self.norm.weight.dtype))
+                                        meta.max_decode_len, self.rope_cos_sin(self.norm.weight.dtype),
+                                        SPLIT_TOKENS if self.batch_invariant else None)
         padded = padded_num_tokens(num_tokens)
         if padded > num_tokens:
             input_ids = F.pad(input_ids, (0, padded - num_tokens))
@@ -325,7 +360,15 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer.forward(x, residual, rope, kv_cache, meta, attn)
-        return add_rms_norm(x[:num_tokens], residual[:num_tokens], self.norm.weight, self.norm.eps)[0]
+        return add_rms_norm(x[:num_tokens], residual[:num_tokens], self.norm.weight, self.norm.eps,
+                            self.batch_invariant)[0]
+
+    def _native_attention(self, attn: AttentionBackend) -> bool:
+        """Whether ``attn`` is the native kernel the one-call decode step runs (with fixed splits in
+        batch-invariant mode)."""
+        if self.batch_invariant:
+            return isinstance(attn, InvariantAttentionBackend) and attn.use_native
+        return isinstance(attn, NativeAttentionBackend)
 
     def rope_cos_sin(self, dtype: torch.dtype) -> torch.Tensor:
         """``[2, max_position_embeddings, head_dim]`` cos and sin of every position, made once per dtype.

@@ -135,6 +135,8 @@ def load() -> Optional[ctypes.CDLL]:
         lib.goodserve_decode_layers.restype = ctypes.c_int
         lib.goodserve_decode_layers.argtypes = ([ctypes.c_int] + [i64] * 7 + [ctypes.c_float] + [vp] * 4 + [i64, vp, i64]
                                                 + [vp] * 2 + [i64] * 2 + [vp, i64] + [vp] * 4 + [ctypes.c_int])
+        lib.goodserve_silu_mul.restype = ctypes.c_int
+        lib.goodserve_silu_mul.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int]
         lib.goodserve_block_gemv.restype = ctypes.c_int
         lib.goodserve_block_gemv.argtypes = [ctypes.c_int, ctypes.c_int, vp, i64, i64, i64, vp, vp, vp, ctypes.c_int,
                                              i64, ctypes.c_int, vp, i64, ctypes.c_int]
@@ -183,7 +185,7 @@ def num_splits(num_seqs: int, max_len: int, num_threads: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                           scale: Optional[float] = None) -> torch.Tensor:
+                           scale: Optional[float] = None, split_tokens: Optional[int] = None) -> torch.Tensor:
     """Attention of one query token per request over its paged context, read in place.
 
     Args:
@@ -195,6 +197,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seq_lens: ``[n]`` int32 context length of each request, its new token included (≥ 1).
         max_len: ``max(seq_lens)`` (known to the caller without a read of the tensor).
         scale: Softmax scale; default ``1 / sqrt(head_dim)``.
+        split_tokens: Cut every context into splits of this many tokens from position 0 (batch-invariant:
+            a row's arithmetic then depends on its own length only); default: splits sized by
+            :func:`num_splits` for the batch.
 
     Returns:
         ``[n, num_heads, head_dim]``, ``q``'s dtype.
@@ -219,8 +224,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if n == 0:
         return out
     threads = torch.get_num_threads()
-    splits = num_splits(n, max_len, threads)
-    split_tokens = -(-max_len // splits)
+    if split_tokens is None:
+        splits = num_splits(n, max_len, threads)
+        split_tokens = -(-max_len // splits)
+    else:
+        splits = -(-max_len // split_tokens)
     rc = lib.goodserve_paged_decode_attention(
         _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim, block_size,
@@ -305,6 +313,28 @@ def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch
     return out
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``[rows, 2 * inter]`` rows ``[gate | up]`` (``csrc/silu_mul.cpp``: the
+    same bits as the one-call decode step's, rounded as the eager ops round).
+
+    Returns:
+        ``[rows, inter]``, contiguous, ``gate_up``'s dtype.
+
+    Raises:
+        RuntimeError: if the kernels are not available. ValueError: on a layout or dtype it does not take.
+    """
+    lib = _library(gate_up)
+    _rows(gate_up, "gate_up")
+    if gate_up.dtype not in _DTYPES or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [rows, 2 * inter] float32 or bfloat16, got {gate_up.dtype} "
+                         f"{tuple(gate_up.shape)}")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
+    _check(lib.goodserve_silu_mul(_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), rows, inter,
+                                  out.data_ptr(), torch.get_num_threads()), "silu_mul")
+    return out
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)``: the first index of each row's maximum, or of its first NaN.
 
@@ -334,6 +364,10 @@ BLOCK_GEMV_MAX_ROWS = 4
 #: against 269 MB of dense bfloat16 weights. Measured (BENCHMARKS.md, issue 15 run 7) against the
 #: layer-by-layer path on dense copies: faster at 6 and 8 rows, not at 12 or 16.
 DECODE_STEP_MAX_ROWS = 8
+#: The most rows :func:`decode_layers` takes on batch-invariant GEMMs.
+INVARIANT_DECODE_MAX_ROWS = 256
+#: Kind codes past this one in :class:`DecodeLayers` are the batch-invariant GEMM's (``csrc/decode_step.cpp``).
+INVARIANT_KIND = 16
 #: :func:`block_gemv`'s ``kind`` codes.
 BLOCK_KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1}
 
@@ -415,8 +449,10 @@ class DecodeLayers:
 
     Args:
         layers: Per layer ``(input_norm, post_norm, projections)``: the norms' ``[hidden]`` weights and the
-            qkv, o, gate_up and down projections, each ``(kind, codes, scales, mins, offset)`` as
-            :func:`block_gemv` takes them (checked by :func:`check_blocks`).
+            qkv, o, gate_up and down projections, each ``(kind, codes, scales, mins, offset)``: a kind of
+            :data:`BLOCK_KINDS` with the operands :func:`block_gemv` takes (checked by
+            :func:`check_blocks`), or an int ``INVARIANT_KIND + k`` with the batch-invariant GEMM's kind
+            ``k`` and operands (:class:`goodserve.models.invariant.InvariantLinear`).
         shape: ``(hidden, num_heads, num_kv_heads, head_dim, intermediate)``.
         eps: The norms' epsilon.
         final_norm: ``[hidden]`` weight of the norm after the last layer.
@@ -430,14 +466,19 @@ class DecodeLayers:
         self.dtype = final_norm.dtype
         self._keep = layers
         ptrs, ints = [], []
+        invariant = True
         for input_norm, post_norm, projections in layers:
             row = [input_norm.data_ptr(), post_norm.data_ptr()]
             kinds = []
             for kind, codes, scales, mins, offset in projections:
-                row += [codes.data_ptr(), scales.data_ptr(), 0 if mins is None else mins.data_ptr()]
-                kinds += [BLOCK_KINDS[kind], offset]
+                row += [t.data_ptr() if t is not None else 0 for t in (codes, scales, mins)]
+                invariant = invariant and isinstance(kind, int)
+                kinds += [kind if isinstance(kind, int) else BLOCK_KINDS[kind], int(offset)]
             ptrs.append(row)
             ints.append(kinds)
+        #: The most rows a call takes: the block kernel reads its weights once per 4 rows, the
+        #: batch-invariant GEMM once per call.
+        self.max_rows = INVARIANT_DECODE_MAX_ROWS if invariant else DECODE_STEP_MAX_ROWS
         self.layer_ptrs = torch.tensor(ptrs, dtype=torch.int64)
         self.layer_ints = torch.tensor(ints, dtype=torch.int32)
         self._caches: Optional[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = None  # (addresses, K, V)
@@ -465,7 +506,7 @@ class DecodeLayers:
 def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch.Tensor,
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                  rope_table: torch.Tensor) -> torch.Tensor:
+                  rope_table: torch.Tensor, split_tokens: Optional[int] = None) -> torch.Tensor:
     """A decode step through every layer and the final norm, one token per request, in one call.
 
     Each layer is the pre-norm attention + SwiGLU block of ``models/llama.py`` (``DecoderLayer.forward``)
@@ -481,6 +522,7 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
         slot_mapping: ``[rows]`` int64 cache slot of each new token.
         block_tables, seq_lens, max_len: As :func:`paged_decode_attention` takes them.
         rope_table: ``[2, max_positions, head_dim]`` cos and sin, contiguous, ``plan.dtype``.
+        split_tokens: As :func:`paged_decode_attention` takes it.
 
     Returns:
         ``[rows, hidden]``: the hidden states after the final norm.
@@ -492,8 +534,8 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     rows = embeddings.shape[0]
     hidden, num_heads, num_kv_heads, head_dim, inter = plan.shape
     if embeddings.dtype != plan.dtype or embeddings.shape != (rows, hidden) or not embeddings.is_contiguous() \
-            or not 1 <= rows <= DECODE_STEP_MAX_ROWS or rope_table.dtype != plan.dtype:
-        raise ValueError(f"embeddings must be [1..{DECODE_STEP_MAX_ROWS}, {hidden}] {plan.dtype}, contiguous")
+            or not 1 <= rows <= plan.max_rows or rope_table.dtype != plan.dtype:
+        raise ValueError(f"embeddings must be [1..{plan.max_rows}, {hidden}] {plan.dtype}, contiguous")
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32 \
             or seq_lens.dtype != torch.int32 or block_tables.shape[0] != rows or seq_lens.shape != (rows,):
         raise ValueError("positions and slot_mapping must be int64, block_tables and seq_lens int32, one row each")
@@ -502,12 +544,12 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     k_addr, v_addr = plan.cache_addresses(kv_caches)
     block_size = kv_caches[0][0].shape[1]
     threads = torch.get_num_threads()
-    splits = num_splits(rows, max_len, threads)
+    splits = num_splits(rows, max_len, threads) if split_tokens is None else -(-max_len // split_tokens)
     out = torch.empty((rows, hidden), dtype=plan.dtype)
     _check(lib.goodserve_decode_layers(
         _DTYPES[plan.dtype], rows, hidden, num_heads, num_kv_heads, head_dim, inter, len(kv_caches), plan.eps,
         plan.layer_ptrs.data_ptr(), plan.layer_ints.data_ptr(), k_addr.data_ptr(), v_addr.data_ptr(), block_size,
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), slot_mapping.data_ptr(),
-        -(-max_len // splits), splits, rope_table.data_ptr(), rope_table.stride(0), positions.data_ptr(),
+        split_tokens or -(-max_len // splits), splits, rope_table.data_ptr(), rope_table.stride(0), positions.data_ptr(),
         plan.final_norm.data_ptr(), embeddings.data_ptr(), out.data_ptr(), threads), "decode_layers")
     return out

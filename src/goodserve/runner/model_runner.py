@@ -104,9 +104,10 @@ class ModelRunner:
         with torch.device("meta"):  # nothing is allocated until the weights are taken
             self.model = LlamaForCausalLM(m)
         self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype,
-                                config.quantization)
+                                config.quantization, batch_invariant=config.batch_invariant)
         self.model.eval()
-        self.attn = attn_backend or make_attention_backend(config.attention_backend, self.device)
+        self.attn = attn_backend or make_attention_backend(config.attention_backend, self.device,
+                                                           config.batch_invariant)
         shape = (config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
         # Zeroed so masked-out slots can never hold NaN bit patterns.
         self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
@@ -255,6 +256,7 @@ class ModelRunner:
             slot_mapping=torch.cat(slot_parts).to(dev),
             device=dev,
             decode_groups=getattr(self.attn, "uses_decode_groups", True),
+            per_row=getattr(self.attn, "uses_row_tables", False),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos_parts).to(dev), meta, decodes + prefills

@@ -2,9 +2,8 @@
 // linear layers all run on the block kernel (block_gemv.cpp). At batch 1 the eager step spends as long
 // in per-op dispatch (~15 ops of a few microseconds in each of 30 layers) as in its arithmetic; here the
 // same kernels run back to back: the norms and RoPE of decoder_ops.cpp, the attention of
-// paged_decode_attention.cpp and the block GEMVs, so the result is the one the layer-by-layer path
-// (models/llama.py with these kernels) computes, except SiLU's exp, which may round a value one
-// activation-dtype step apart.
+// paged_decode_attention.cpp, silu_mul.cpp and the block GEMVs (or the batch-invariant GEMM), so the result
+// is the one the layer-by-layer path (models/llama.py with these kernels) computes, bit for bit.
 
 #include <cmath>
 #include <cstdint>
@@ -29,6 +28,11 @@ int goodserve_paged_decode_attention(int dtype, const void* q, const void* k_cac
 int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
                          const uint8_t* codes, const uint16_t* d, const uint16_t* mins, int offset, int64_t N,
                          int y_dtype, void* y, int64_t y_stride, int num_threads);
+int goodserve_silu_mul(int dtype, const void* gate_up, int64_t stride, int64_t rows, int64_t inter, void* out,
+                       int num_threads);
+int goodserve_bi_gemm(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
+                      const void* packed, int64_t N, const float* bias, int y_dtype, void* y, int64_t y_stride,
+                      int num_threads);
 }
 
 namespace {
@@ -36,24 +40,11 @@ namespace {
 // Per layer, in this order: the input and post-attention norms' weights, then (codes, scales, mins) of
 // the qkv, o, gate_up and down projections.
 constexpr int kLayerPointers = 14;
-// Per layer: (kind, offset) of each of the four projections.
+// Per layer: (kind, offset) of each of the four projections. A kind of kInvariant + k is the
+// batch-invariant GEMM's kind k (invariant_gemm.cpp; only the first pointer is used), else the block
+// kernel's.
 constexpr int kLayerInts = 8;
-
-// silu(gate) * up as the eager ops round it: silu in float32, rounded to the dtype, then the product.
-template <typename T>
-void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gate_up + r * 2 * inter;
-    const T* u = g + inter;
-    T* o = out + r * inter;
-    for (int64_t i = 0; i < inter; ++i) {
-      const float x = goodserve::load(g + i);
-      T s;
-      goodserve::store(&s, x / (1.f + std::exp(-x)));
-      goodserve::store(o + i, goodserve::load(&s) * goodserve::load(u + i));
-    }
-  }
-}
+constexpr int kInvariant = 16;
 
 template <typename T>
 int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -76,6 +67,9 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
   // As the layer-by-layer path computes it: in double, then rounded to float.
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   auto gemv = [&](const int64_t* p, const int32_t* ki, const T* in, int64_t K, int64_t N, T* y) {
+    if (ki[0] >= kInvariant)
+      return goodserve_bi_gemm(ki[0] - kInvariant, dtype, in, K, M, K, reinterpret_cast<const void*>(p[0]), N,
+                               nullptr, dtype, y, N, num_threads);
     return goodserve_block_gemv(ki[0], dtype, in, K, M, K, reinterpret_cast<const uint8_t*>(p[0]),
                                 reinterpret_cast<const uint16_t*>(p[1]), reinterpret_cast<const uint16_t*>(p[2]),
                                 ki[1], N, dtype, y, N, num_threads);
@@ -110,7 +104,7 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
     GOODSERVE_TRY(goodserve_rms_norm(dtype, o.data(), hidden, res.data(), hidden, res.data(), post_norm, h.data(), M,
                                      hidden, eps, num_threads));
     GOODSERVE_TRY(gemv(p + 8, ki + 4, h.data(), hidden, 2 * inter, gu.data()));
-    silu_mul(gu.data(), M, inter, act.data());
+    GOODSERVE_TRY(goodserve_silu_mul(dtype, gu.data(), 2 * inter, M, inter, act.data(), num_threads));
     GOODSERVE_TRY(gemv(p + 11, ki + 6, act.data(), inter, hidden, x.data()));
   }
 #undef GOODSERVE_TRY

@@ -1,0 +1,188 @@
+"""Batch-invariant mode (issue 34): a request's tokens and logprobs depend on its prompt and seed alone.
+
+Kernel by kernel (each row's result bit-identical whatever shares its call), then the whole engine: 32
+prompts, greedy and seeded-sampled, run alone, in one batch, shuffled, with prefix hits and after
+preemption, on the default GGUF model and on dense checkpoints (float32 and bfloat16, native kernels and
+the torch path).
+"""
+
+import random
+
+import pytest
+import torch
+
+from goodserve import LLM, SamplingParams
+from goodserve.models import invariant, native
+from goodserve.models.attention import AttentionMetadata
+from goodserve.models.invariant import InvariantLinear, rms_norm_torch
+from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend
+from tiny_models import make_tiny_hf_model
+
+NATIVE = invariant.kernel_mode() != "none"
+needs_native = pytest.mark.skipif(not NATIVE, reason="the native batch-invariant kernel does not build here")
+
+
+def _rows_invariant(fn, x: torch.Tensor) -> None:
+    """``fn`` on every slice of ``x`` gives the rows ``fn(x)`` gives (bit for bit)."""
+    full = fn(x)
+    for start, rows in ((0, 1), (5, 1), (3, 2), (7, 5), (0, 16), (1, 17), (20, 33), (40, len(x) - 40)):
+        assert torch.equal(fn(x[start:start + rows]), full[start:start + rows]), (start, rows)
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["amx", "avx512_bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_gemm_rows_do_not_depend_on_the_batch(mode, dtype):
+    if mode == "amx" and invariant.kernel_mode() != "amx":
+        pytest.skip("no AMX on this machine")
+    torch.manual_seed(0)
+    try:
+        invariant.kernel_mode(force=mode)
+        for n, k in ((96, 64), (576, 1536), (48, 576)):
+            w, bias = torch.randn(n, k), torch.randn(n)
+            layer = InvariantLinear(w, bias, dtype)
+            assert layer.packed is not None
+            x = torch.randn(90, k).to(dtype)
+            _rows_invariant(layer.forward, x)
+            ref = x.double() @ w.to(dtype).double().T + bias.double()
+            err = (layer.forward(x).double() - ref).abs().max() / ref.abs().max()
+            assert err < (4e-3 if dtype == torch.bfloat16 else 1e-5), err  # bf16 output rounding: 2^-9
+    finally:
+        invariant.kernel_mode(force="amx")  # the cap lifts to what the machine has
+
+
+def test_torch_path_rows_do_not_depend_on_the_batch():
+    """A shape the native kernel does not take (N not a multiple of 16) runs the GEMM library on fixed tiles."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = InvariantLinear(torch.randn(40, 72), torch.randn(40), dtype)
+        assert layer.packed is None
+        _rows_invariant(layer.forward, torch.randn(90, 72).to(dtype))
+
+
+def test_torch_rms_norm_sums_in_order():
+    torch.manual_seed(0)
+    w = torch.rand(4096) + 0.5
+    _rows_invariant(lambda x: rms_norm_torch(x, w, 1e-5), torch.randn(90, 4096))
+    x = torch.randn(8, 4096)
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert torch.allclose(rms_norm_torch(x, w, 1e-5).double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_native", [pytest.param(True, marks=needs_native), False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_of_a_token_is_the_same_in_a_chunk_as_a_decode(use_native, dtype):
+    """Tokens 0..L-1 of a request prefilled as one chunk, as two chunks (a prefix hit), or one by one as
+    decodes beside another request's decode get the same attention output bit for bit; it matches a
+    float64 reference."""
+    torch.manual_seed(0)
+    bs, kvh, hd, heads, n = 4, 2, 16, 4, 2 * SPLIT_TOKENS + 37
+    backend = InvariantAttentionBackend(use_native)
+    nb = -(-n // bs)
+    table = list(range(nb))
+    other = list(range(nb, 2 * nb))
+    q = torch.randn(n, heads, hd).to(dtype)
+    k, v = torch.randn(n, kvh, hd).to(dtype), torch.randn(n, kvh, hd).to(dtype)
+    cpu = torch.device("cpu")
+
+    def fresh():
+        return torch.zeros(2 * nb, bs, kvh, hd, dtype=dtype), torch.zeros(2 * nb, bs, kvh, hd, dtype=dtype)
+
+    def slots(tab, start, end):
+        return torch.tensor([tab[p // bs] * bs + p % bs for p in range(start, end)])
+
+    kc, vc = fresh()
+    whole = backend(q, k, v, kc, vc, AttentionMetadata.build(bs, [], [], [(0, n, table)], slots(table, 0, n), cpu,
+                                                             decode_groups=False, per_row=True))
+    kc, vc = fresh()
+    cut = 300
+    first = backend(q[:cut], k[:cut], v[:cut], kc, vc, AttentionMetadata.build(
+        bs, [], [], [(0, cut, table)], slots(table, 0, cut), cpu, decode_groups=False, per_row=True))
+    rest = backend(q[cut:], k[cut:], v[cut:], kc, vc, AttentionMetadata.build(
+        bs, [], [], [(cut, n - cut, table)], slots(table, cut, n), cpu, decode_groups=False, per_row=True))
+    assert torch.equal(torch.cat([first, rest]), whole)
+    kc, vc = fresh()
+    qo, ko, vo = torch.randn(1, heads, hd).to(dtype), torch.randn(1, kvh, hd).to(dtype), torch.randn(1, kvh, hd).to(dtype)
+    for p in range(n - 20, n):  # the last 20 tokens as decodes, a second request's decode beside each
+        if p == n - 20:
+            backend(q[:p], k[:p], v[:p], kc, vc, AttentionMetadata.build(
+                bs, [], [], [(0, p, table)], slots(table, 0, p), cpu, decode_groups=False, per_row=True))
+        meta = AttentionMetadata.build(bs, [other[:1], table[:p // bs + 1]], [1, p + 1], [],
+                                       torch.cat([slots(other, 0, 1), slots(table, p, p + 1)]), cpu,
+                                       decode_groups=False, per_row=True)
+        out = backend(torch.cat([qo, q[p:p + 1]]), torch.cat([ko, k[p:p + 1]]), torch.cat([vo, v[p:p + 1]]), kc, vc,
+                      meta)
+        assert torch.equal(out[1], whole[p]), p
+    group = heads // kvh
+    kr, vr = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kr) / hd ** 0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vr)
+    assert (whole.double() - ref).abs().max() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def _prompts(count: int = 32, shared: int = 40) -> list[list[int]]:
+    """``count`` prompts of 3-40 tokens; the second half shares a ``shared``-token prefix (prefix hits)."""
+    rng = random.Random(0)
+    head = [rng.randrange(300, 40000) for _ in range(shared)]
+    out = []
+    for i in range(count):
+        tail = [rng.randrange(300, 40000) for _ in range(3 + (i * 7) % 38)]
+        out.append(head + tail if i >= count // 2 else tail)
+    return out
+
+
+def _params(i: int, n: int) -> SamplingParams:
+    if i % 2:
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=n, ignore_eos=True, logprobs=2)
+
+
+def _result(out):
+    c = out.outputs[0]
+    return list(c.token_ids), c.logprobs, c.top_logprobs
+
+
+def _check_engine(llm: LLM, preempting: LLM, count: int = 32, n: int = 8) -> None:
+    prompts = _prompts(count)
+    params = [_params(i, n) for i in range(count)]
+    alone = [_result(llm.generate([p], [sp], use_tqdm=False)[0]) for p, sp in zip(prompts, params)]
+    llm.engine.reset_prefix_cache()
+    batch = [_result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert batch == alone
+    order = list(range(count))
+    random.Random(1).shuffle(order)
+    shuffled = llm.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
+    assert {i: _result(o) for i, o in zip(order, shuffled)} == dict(enumerate(alone))  # prefix hits now
+    assert llm.engine.make_stats().prefix_cache_hits > 0
+    again = [_result(o) for o in preempting.generate(prompts, params, use_tqdm=False)]
+    assert preempting.engine.core.scheduler.num_preemptions_total > 0
+    assert again == alone
+    for engine in (llm.engine, preempting.engine):
+        engine.core.scheduler.kv_cache_manager.check_integrity()
+
+
+@pytest.mark.slow
+@needs_native
+def test_default_model_is_batch_invariant(default_model_path):
+    """The default GGUF (its Q4_1 / Q8_0 blocks dequantized into the invariant kernel's bfloat16 tiles)."""
+    kw = dict(batch_invariant=True, log_stats_interval=0, max_num_batched_tokens=64)
+    llm = LLM(default_model_path, **kw)
+    assert isinstance(llm.engine.core.runner.model.lm_head, InvariantLinear)
+    _check_engine(llm, LLM(default_model_path, num_blocks=12, **kw))
+
+
+@pytest.mark.parametrize("dtype, kernels", [("float32", True), ("bfloat16", True), ("float32", False)])
+def test_dense_checkpoint_is_batch_invariant(tmp_path, monkeypatch, dtype, kernels):
+    """A tiny HF checkpoint in float32 and bfloat16 on the native kernels, and on the torch path (no native
+    kernels: GEMM-library tiles, ordered sums, the torch attention)."""
+    if kernels and not NATIVE:
+        pytest.skip("the native batch-invariant kernel does not build here")
+    if not kernels:
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setattr(native, "_tried", True)
+    model_dir = make_tiny_hf_model(tmp_path, "llama")
+    kw = dict(dtype=dtype, batch_invariant=True, log_stats_interval=0, block_size=4, max_num_batched_tokens=32)
+    llm = LLM(model_dir, num_blocks=256, **kw)
+    assert (llm.engine.core.runner.model.lm_head.packed is not None) == kernels
+    _check_engine(llm, LLM(model_dir, num_blocks=24, **kw), count=32 if kernels else 12)
