@@ -71,17 +71,19 @@ def test_torch_rms_norm_sums_in_order():
 
 @pytest.mark.parametrize("use_native", [pytest.param(True, marks=needs_native), False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_of_a_token_is_the_same_in_a_chunk_as_a_decode(use_native, dtype):
+@pytest.mark.parametrize("kvh, hd, heads", [(2, 16, 4), (2, 64, 6)])  # bfloat16 at head_dim 64: AMX rows
+def test_attention_of_a_token_is_the_same_in_a_chunk_as_a_decode(use_native, dtype, kvh, hd, heads):
     """Tokens 0..L-1 of a request prefilled as one chunk, as two chunks (a prefix hit), or one by one as
     decodes beside another request's decode get the same attention output bit for bit; it matches a
     float64 reference."""
     torch.manual_seed(0)
-    bs, kvh, hd, heads, n = 4, 2, 16, 4, 2 * SPLIT_TOKENS + 37
+    bs, n = 4, 2 * SPLIT_TOKENS + 37
     backend = InvariantAttentionBackend(use_native)
+    q = torch.randn(n, heads, hd).to(dtype)
+    assert backend.uses_amx(q, kvh) == (use_native and backend.amx and dtype == torch.bfloat16 and hd == 64)
     nb = -(-n // bs)
     table = list(range(nb))
     other = list(range(nb, 2 * nb))
-    q = torch.randn(n, heads, hd).to(dtype)
     k, v = torch.randn(n, kvh, hd).to(dtype), torch.randn(n, kvh, hd).to(dtype)
     cpu = torch.device("cpu")
 
@@ -186,3 +188,50 @@ def test_dense_checkpoint_is_batch_invariant(tmp_path, monkeypatch, dtype, kerne
     llm = LLM(model_dir, num_blocks=256, **kw)
     assert (llm.engine.core.runner.model.lm_head.packed is not None) == kernels
     _check_engine(llm, LLM(model_dir, num_blocks=24, **kw), count=32 if kernels else 12)
+
+
+@needs_native
+def test_one_call_decode_step_equals_the_layer_path():
+    """The one-call decode step (``native.decode_layers``) and the layer-by-layer path give the same hidden
+    states and KV writes bit for bit in batch-invariant mode (same GEMM, attention and SiLU kernels)."""
+    from test_block_gemv import _config, _weights
+
+    from goodserve.models.llama import LlamaForCausalLM
+
+    c = _config()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(c)
+    model.load_weights(_weights(c), torch.bfloat16, "auto", batch_invariant=True)
+    assert model.decode_plan is not None
+    attn, bs, cpu = InvariantAttentionBackend(True), 4, torch.device("cpu")
+    shape = (64, bs, c.num_key_value_heads, c.head_dim)
+    caches = {f: [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+                  for _ in range(c.num_hidden_layers)] for f in (True, False)}
+    tables, prompts = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(3)], [[5, 9, 11, 3, 7], [1, 2], [8] * 9]
+    lens = [len(p) for p in prompts]
+    with torch.inference_mode():
+        for f in (True, False):
+            for table, ids in zip(tables, prompts):
+                slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(ids))])
+                meta = AttentionMetadata.build(bs, [], [], [(0, len(ids), table)], slots, cpu, decode_groups=False,
+                                               per_row=True)
+                model(torch.tensor(ids), torch.arange(len(ids)), caches[f], meta, attn)
+        for step in range(3):
+            order = sorted(range(3), key=lambda i: lens[i])
+            slots = torch.tensor([tables[i][lens[i] // bs] * bs + lens[i] % bs for i in order])
+            meta = AttentionMetadata.build(bs, [tables[i][:lens[i] // bs + 1] for i in order],
+                                           [lens[i] + 1 for i in order], [], slots, cpu, decode_groups=False,
+                                           per_row=True)
+            out = {}
+            for f in (True, False):
+                native.use_decode_step = f
+                try:
+                    out[f] = model(torch.tensor([10 + i for i in order]), torch.tensor([lens[i] for i in order]),
+                                   caches[f], meta, attn)
+                finally:
+                    native.use_decode_step = True
+            assert torch.equal(out[True], out[False]), step
+            for i in order:
+                lens[i] += 1
+    for (k1, v1), (k2, v2) in zip(caches[True], caches[False]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -9,14 +9,20 @@ serves every token: its K/V are written to the cache first, then each token's qu
 merged in order (the online softmax of flash attention, Dao et al. 2022; flash-decoding's merge, Dao et al.
 2023). A split past a token's length is empty and merges as an exact no-op.
 
-* native: :func:`goodserve.models.native.paged_decode_attention` with fixed splits, one row per token.
+* native, bfloat16 on AMX (``csrc/paged_attention_amx.cpp``): a prefill chunk's consecutive tokens share
+  the K and V tiles of their context (runs of up to ``16 // group`` tokens), each token's output computed
+  from its own query row alone, in chunks of 32 positions; a decode is a run of one.
+* native otherwise: :func:`goodserve.models.native.paged_decode_attention` with fixed splits, one row per
+  token.
 * torch: the same arithmetic plan in float32 eager ops whose reductions run in a fixed order: sums as the
   last element of a ``cumsum`` (a sequential scan), maxima exactly.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+from typing import Optional
 
 import torch
 
@@ -49,6 +55,13 @@ class InvariantAttentionBackend:
         if use_native and native.load() is None:
             raise RuntimeError("the native attention kernel is not available on this machine")
         self.use_native = use_native
+        self.amx = use_native and _amx_lib() is not None
+
+    def uses_amx(self, q: torch.Tensor, num_kv_heads: int) -> bool:
+        """Whether rows like ``q`` (``[rows, num_heads, head_dim]``) run on the AMX kernel."""
+        heads, head_dim = q.shape[1], q.shape[2]
+        return (self.amx and q.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+                and heads // num_kv_heads <= 16)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -59,6 +72,8 @@ class InvariantAttentionBackend:
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         if q.shape[0] == 0:
             return torch.empty_like(q)
+        if self.uses_amx(q, num_kv_heads):
+            return attention_rows_amx(q, k_cache, v_cache, meta)
         if self.use_native:
             return native.paged_decode_attention(q, k_cache, v_cache, meta.row_block_tables, meta.row_seq_lens,
                                                  meta.max_row_len, split_tokens=SPLIT_TOKENS)
@@ -68,6 +83,56 @@ class InvariantAttentionBackend:
             out[start:end] = _attend_torch(q[start:end], k_cache, v_cache, meta.row_block_tables[start:end],
                                            meta.row_seq_lens[start:end])
         return out
+
+
+def _amx_lib() -> Optional[ctypes.CDLL]:
+    """The kernel library when the AMX attention kernel runs here, else ``None``."""
+    lib = native.load()
+    if lib is None:
+        return None
+    if not getattr(lib, "_amx_attention_ready", False):
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.goodserve_paged_attention_rows_supported.restype = ctypes.c_int
+        lib.goodserve_paged_attention_rows.restype = ctypes.c_int
+        lib.goodserve_paged_attention_rows.argtypes = [vp] * 7 + [i64] * 10 + [ctypes.c_float, ctypes.c_int]
+        lib._amx_attention_ready = True
+    return lib if lib.goodserve_paged_attention_rows_supported() == 1 else None
+
+
+def run_starts(meta: AttentionMetadata, group: int) -> torch.Tensor:
+    """``[num_runs + 1]`` int32 first row of each run: every decode alone, each prefill chunk's tokens in
+    runs of ``16 // group`` (they share a block table)."""
+    per_run = max(1, 16 // group)
+    starts = list(range(meta.num_decodes))
+    for chunk in meta.prefills:
+        starts.extend(range(chunk.start, chunk.end, per_run))
+    starts.append(meta.row_seq_lens.shape[0])
+    return torch.tensor(starts, dtype=torch.int32)
+
+
+def attention_rows_amx(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+    """``[rows, num_heads, head_dim]`` bfloat16 attention of every row on the AMX kernel (the caches already
+    hold the step's K/V).
+
+    Raises:
+        RuntimeError: if the kernel refuses the call. ValueError: on layouts it does not take.
+    """
+    rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous and each query row's heads contiguous")
+    runs = run_starts(meta, num_heads // num_kv_heads)
+    out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
+    tables, lens = meta.row_block_tables, meta.row_seq_lens
+    rc = _amx_lib().goodserve_paged_attention_rows(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), runs.data_ptr(),
+        out.data_ptr(), rows, runs.shape[0] - 1, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
+        q.stride(0), SPLIT_TOKENS, -(-meta.max_row_len // SPLIT_TOKENS), 1.0 / math.sqrt(head_dim),
+        torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the AMX attention kernel refused the call (code {rc})")
+    return out
 
 
 def _attend_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

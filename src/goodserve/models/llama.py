@@ -350,7 +350,10 @@ class LlamaForCausalLM(nn.Module):
             return native.decode_layers(plan, self.embed_tokens(input_ids), positions, kv_caches,
                                         meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
                                         meta.max_decode_len, self.rope_cos_sin(self.norm.weight.dtype),
-                                        SPLIT_TOKENS if self.batch_invariant else None)
+                                        SPLIT_TOKENS if self.batch_invariant else None,
+                                        self.batch_invariant and attn.uses_amx(input_ids.new_empty(
+                                            (0, self.config.num_attention_heads, self.config.head_dim),
+                                            dtype=self.norm.weight.dtype), self.config.num_key_value_heads))
         padded = padded_num_tokens(num_tokens)
         if padded > num_tokens:
             input_ids = F.pad(input_ids, (0, padded - num_tokens))

@@ -134,7 +134,7 @@ def load() -> Optional[ctypes.CDLL]:
         lib.goodserve_block_gemv_supported.restype = ctypes.c_int
         lib.goodserve_decode_layers.restype = ctypes.c_int
         lib.goodserve_decode_layers.argtypes = ([ctypes.c_int] + [i64] * 7 + [ctypes.c_float] + [vp] * 4 + [i64, vp, i64]
-                                                + [vp] * 2 + [i64] * 2 + [vp, i64] + [vp] * 4 + [ctypes.c_int])
+                                                + [vp] * 2 + [i64] * 2 + [vp, i64] + [vp] * 4 + [ctypes.c_int] * 2)
         lib.goodserve_silu_mul.restype = ctypes.c_int
         lib.goodserve_silu_mul.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int]
         lib.goodserve_block_gemv.restype = ctypes.c_int
@@ -506,7 +506,8 @@ class DecodeLayers:
 def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch.Tensor,
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-                  rope_table: torch.Tensor, split_tokens: Optional[int] = None) -> torch.Tensor:
+                  rope_table: torch.Tensor, split_tokens: Optional[int] = None,
+                  amx_attention: bool = False) -> torch.Tensor:
     """A decode step through every layer and the final norm, one token per request, in one call.
 
     Each layer is the pre-norm attention + SwiGLU block of ``models/llama.py`` (``DecoderLayer.forward``)
@@ -523,6 +524,8 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
         block_tables, seq_lens, max_len: As :func:`paged_decode_attention` takes them.
         rope_table: ``[2, max_positions, head_dim]`` cos and sin, contiguous, ``plan.dtype``.
         split_tokens: As :func:`paged_decode_attention` takes it.
+        amx_attention: Attend on the batch-invariant AMX kernel (``csrc/paged_attention_amx.cpp``, bfloat16)
+            instead of :func:`paged_decode_attention`.
 
     Returns:
         ``[rows, hidden]``: the hidden states after the final norm.
@@ -551,5 +554,6 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
         plan.layer_ptrs.data_ptr(), plan.layer_ints.data_ptr(), k_addr.data_ptr(), v_addr.data_ptr(), block_size,
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), slot_mapping.data_ptr(),
         split_tokens or -(-max_len // splits), splits, rope_table.data_ptr(), rope_table.stride(0), positions.data_ptr(),
-        plan.final_norm.data_ptr(), embeddings.data_ptr(), out.data_ptr(), threads), "decode_layers")
+        plan.final_norm.data_ptr(), embeddings.data_ptr(), out.data_ptr(), int(amx_attention), threads),
+           "decode_layers")
     return out

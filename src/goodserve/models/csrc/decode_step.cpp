@@ -28,6 +28,12 @@ int goodserve_paged_decode_attention(int dtype, const void* q, const void* k_cac
 int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
                          const uint8_t* codes, const uint16_t* d, const uint16_t* mins, int offset, int64_t N,
                          int y_dtype, void* y, int64_t y_stride, int num_threads);
+int goodserve_paged_attention_rows(const void* q, const void* k_cache, const void* v_cache,
+                                   const int32_t* block_tables, const int32_t* seq_lens, const int32_t* runs,
+                                   void* out, int64_t num_rows, int64_t num_runs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                   int64_t q_stride, int64_t split_tokens, int64_t num_splits, float scale,
+                                   int num_threads);
 int goodserve_silu_mul(int dtype, const void* gate_up, int64_t stride, int64_t rows, int64_t inter, void* out,
                        int num_threads);
 int goodserve_bi_gemm(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
@@ -52,9 +58,12 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
         const int64_t* k_caches, const int64_t* v_caches, int64_t block_size, const int32_t* block_tables,
         int64_t max_blocks, const int32_t* seq_lens, const int64_t* slots, int64_t split_tokens,
         int64_t num_splits, const void* rope_table, int64_t rope_stride, const int64_t* positions,
-        const void* final_norm, const T* embeddings, T* out, int num_threads) {
+        const void* final_norm, const T* embeddings, T* out, int amx_attention, int num_threads) {
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   thread_local std::vector<T> res, h, qkv, qk, attn, o, gu, act, x;
+  thread_local std::vector<int32_t> runs;  // every row its own run (amx_attention)
+  runs.resize(M + 1);
+  for (int64_t m = 0; m <= M; ++m) runs[m] = static_cast<int32_t>(m);
   res.assign(embeddings, embeddings + M * hidden);
   h.resize(M * hidden);
   qkv.resize(M * qkv_size);
@@ -96,10 +105,17 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
       std::memcpy(k_cache + slots[m] * kv_size, qk.data() + m * (q_size + kv_size) + q_size, kv_size * sizeof(T));
       std::memcpy(v_cache + slots[m] * kv_size, qkv.data() + m * qkv_size + q_size + kv_size, kv_size * sizeof(T));
     }
-    GOODSERVE_TRY(goodserve_paged_decode_attention(dtype, qk.data(), k_cache, v_cache, block_tables, seq_lens,
-                                                   attn.data(), M, num_heads, num_kv_heads, head_dim, block_size,
+    if (amx_attention) {
+      GOODSERVE_TRY(goodserve_paged_attention_rows(qk.data(), k_cache, v_cache, block_tables, seq_lens, runs.data(),
+                                                   attn.data(), M, M, num_heads, num_kv_heads, head_dim, block_size,
                                                    max_blocks, q_size + kv_size, split_tokens, num_splits, scale,
                                                    num_threads));
+    } else {
+      GOODSERVE_TRY(goodserve_paged_decode_attention(dtype, qk.data(), k_cache, v_cache, block_tables, seq_lens,
+                                                     attn.data(), M, num_heads, num_kv_heads, head_dim, block_size,
+                                                     max_blocks, q_size + kv_size, split_tokens, num_splits, scale,
+                                                     num_threads));
+    }
     GOODSERVE_TRY(gemv(p + 5, ki + 2, attn.data(), q_size, hidden, o.data()));
     GOODSERVE_TRY(goodserve_rms_norm(dtype, o.data(), hidden, res.data(), hidden, res.data(), post_norm, h.data(), M,
                                      hidden, eps, num_threads));
@@ -122,7 +138,8 @@ extern "C" {
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [M, max_blocks] int32, seq_lens [M] int32
 // (new token included), slots [M] int64: as paged_decode_attention and the slot mapping; rope_table: cos
 // rows then, rope_stride elements later, sin rows; positions [M] int64; embeddings, out: [M, hidden].
-// Returns 0, or the first kernel's nonzero code (then the step stops there: out is not written, and the
+// amx_attention: attend on paged_attention_amx.cpp (bfloat16; the batch-invariant mode's kernel), else on
+// paged_decode_attention.cpp. Returns 0, or the first kernel's nonzero code (then the step stops there: out is not written, and the
 // caches of the layers before may hold the step's K/V).
 int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t inter, int64_t num_layers, float eps, const int64_t* layer_ptrs,
@@ -130,17 +147,19 @@ int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_he
                             int64_t block_size, const int32_t* block_tables, int64_t max_blocks,
                             const int32_t* seq_lens, const int64_t* slots, int64_t split_tokens, int64_t num_splits,
                             const void* rope_table, int64_t rope_stride, const int64_t* positions,
-                            const void* final_norm, const void* embeddings, void* out, int num_threads) {
+                            const void* final_norm, const void* embeddings, void* out, int amx_attention,
+                            int num_threads) {
   if (dtype == 0)
     return run<float>(dtype, M, hidden, num_heads, num_kv_heads, head_dim, inter, num_layers, eps, layer_ptrs,
                       layer_ints, k_caches, v_caches, block_size, block_tables, max_blocks, seq_lens, slots,
                       split_tokens, num_splits, rope_table, rope_stride, positions, final_norm,
-                      static_cast<const float*>(embeddings), static_cast<float*>(out), num_threads);
+                      static_cast<const float*>(embeddings), static_cast<float*>(out), 0, num_threads);
   if (dtype == 1)
     return run<uint16_t>(dtype, M, hidden, num_heads, num_kv_heads, head_dim, inter, num_layers, eps, layer_ptrs,
                          layer_ints, k_caches, v_caches, block_size, block_tables, max_blocks, seq_lens, slots,
                          split_tokens, num_splits, rope_table, rope_stride, positions, final_norm,
-                         static_cast<const uint16_t*>(embeddings), static_cast<uint16_t*>(out), num_threads);
+                         static_cast<const uint16_t*>(embeddings), static_cast<uint16_t*>(out), amx_attention,
+                         num_threads);
   return 1;
 }
 
