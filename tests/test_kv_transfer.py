@@ -48,9 +48,10 @@ def _step(s: Scheduler, now: float, kv_output: KVConnectorOutput | None = None, 
     return out, s.update_from_output(out, sampled, now, kv_output)
 
 
-def _handle(rid: str, block_ids: list[int], num_tokens: int) -> dict:
+def _handle(rid: str, block_ids: list[int], num_tokens: int, lease: str = "0" * 32) -> dict:
     return {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_host": "127.0.0.1", "remote_port": 5555,
-            "remote_block_ids": block_ids, "remote_request_id": rid, "remote_num_tokens": num_tokens}
+            "remote_block_ids": block_ids, "remote_request_id": rid, "remote_num_tokens": num_tokens,
+            "remote_lease": lease}
 
 
 def test_producer_holds_blocks_until_pulled_or_timeout():
@@ -61,7 +62,9 @@ def test_producer_holds_blocks_until_pulled_or_timeout():
     _, outs = _step(s, 1.0)
     handles = {o.request_id: o.kv_transfer_params for o in outs}
     assert [o.finish_reason for o in outs] == ["length", "length"]
-    assert handles["a"] == _handle("a", [0, 1, 2], 10) | {"do_remote_decode": False}
+    lease_a = handles["a"]["remote_lease"]
+    assert handles["a"] == _handle("a", [0, 1, 2], 10, lease_a) | {"do_remote_decode": False}
+    assert len(lease_a) == 32 and int(lease_a, 16) >= 0 and handles["b"]["remote_lease"] != lease_a
     assert handles["b"]["remote_block_ids"] == [3, 4] and handles["b"]["remote_num_tokens"] == 6
     assert not s.has_unfinished_requests() and s.has_pending_kv_transfers()
     assert s.make_stats().num_blocks_held_for_pull == 5 and kv.num_free_blocks == 16 - 5

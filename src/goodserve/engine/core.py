@@ -14,9 +14,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-import dataclasses
-
 from goodserve.config import EngineConfig
+from goodserve.kv_transfer.base import KVConnectorWorker
+from goodserve.kv_transfer.factory import create_kv_connector
+from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.request import Request, RequestStatus
 from goodserve.runner.model_runner import ModelRunner
 from goodserve.scheduler.output import EngineCoreOutput, SchedulerOutput, SchedulerStats
@@ -38,14 +39,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor],
                  structured_output: Optional[Any] = None, step_model: Optional[StepTimeModel] = None) -> None:
         self.runner = ModelRunner(config, weights, structured_output=structured_output)
-        kv_transfer = config.kv_transfer
-        self.kv_connector = None
-        if kv_transfer is not None:
-            from goodserve.kv_transfer.nixl_connector import NixlConnector
-
-            self.kv_connector = NixlConnector(kv_transfer, self.runner.kv_caches)
-            kv_transfer = dataclasses.replace(kv_transfer, port=self.kv_connector.port)  # the port it bound
-        self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_transfer)
+        self.kv_connector: Optional[KVConnectorWorker] = None  # the connector's worker half
+        kv_scheduler = None
+        if config.kv_transfer is not None:
+            kv_scheduler, self.kv_connector = create_kv_connector(config.kv_transfer, config.cache.block_size,
+                                                                  self.runner.kv_caches)
+        self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_connector=kv_scheduler)
         self.last_schedule: Optional[SchedulerOutput] = None  # what the latest non-empty step computed
         self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
         self._cold = True  # no step has run yet: the first one pays for cold caches and lazily built kernels
@@ -85,8 +84,11 @@ class EngineCore:
             self.scheduler.observe_step_time(prev, (start if back_to_back else prev_end) - prev_start)
             self._last_step = None
         sched = self.scheduler.schedule(start)
-        if self.kv_connector is not None and sched.kv_loads:
-            self.kv_connector.start_loads(sched.kv_loads)
+        if self.kv_connector is not None:
+            if sched.kv_cancels:
+                self.kv_connector.cancel_loads(sched.kv_cancels)
+            if sched.kv_loads:
+                self.kv_connector.start_loads(sched.kv_loads)
         sampled = self.runner.execute(sched)  # also when empty: the runner drops finished requests' state
         kv_output = self.kv_connector.poll() if self.kv_connector is not None else None
         if sched.is_empty:
@@ -110,6 +112,10 @@ class EngineCore:
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None
+
+    def release_kv_hold(self, params: KVTransferParams) -> bool:
+        """Producer: free the blocks a handle holds at once (see :meth:`Scheduler.release_kv_hold`)."""
+        return self.scheduler.release_kv_hold(params, time.monotonic())
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state (see :class:`SchedulerStats`)."""

@@ -25,6 +25,8 @@ class KVTransferConfig:
         ucx_net_devices: ``UCX_NET_DEVICES`` for NIXL's UCX backend, unless the environment sets it: ``"lo"``
             keeps every transfer on loopback; ``"all"`` (or a NIC name) for multi-node.
         backends: NIXL backends to create.
+        connector: The transport (:mod:`goodserve.kv_transfer.factory`): a registered name (``"nixl"``) or
+            ``"package.module:Class"`` naming a :class:`~goodserve.kv_transfer.base.KVConnectorWorker`.
     """
 
     role: str
@@ -34,6 +36,7 @@ class KVTransferConfig:
     timeout: float = 30.0
     ucx_net_devices: str = "lo"
     backends: tuple[str, ...] = ("UCX",)
+    connector: str = "nixl"
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
@@ -42,6 +45,8 @@ class KVTransferConfig:
             raise ValueError(f"kv transfer port must be in [0, 65535], got {self.port}")
         if not self.timeout > 0:
             raise ValueError(f"kv transfer timeout must be > 0 seconds, got {self.timeout}")
+        if not isinstance(self.connector, str) or not self.connector:
+            raise ValueError(f"kv connector must be a non-empty name, got {self.connector!r}")
 
     @property
     def is_producer(self) -> bool:
@@ -54,7 +59,7 @@ class KVTransferConfig:
     @classmethod
     def from_cli(cls, role: str, config_json: Optional[str], timeout: Optional[float]) -> "KVTransferConfig":
         """Build from ``--kv-role``, ``--kv-transfer-config`` (a JSON object with any of ``engine_id``,
-        ``host``, ``port``, ``timeout``, ``ucx_net_devices``, ``backends``) and ``--kv-transfer-timeout``.
+        ``host``, ``port``, ``timeout``, ``ucx_net_devices``, ``backends``, ``connector``) and ``--kv-transfer-timeout``.
 
         Raises:
             ValueError: on malformed JSON, an unknown key, or a bad value.
@@ -65,7 +70,7 @@ class KVTransferConfig:
             raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
         if not isinstance(extra, dict):
             raise ValueError("--kv-transfer-config must be a JSON object")
-        known = {"engine_id", "host", "port", "timeout", "ucx_net_devices", "backends"}
+        known = {"engine_id", "host", "port", "timeout", "ucx_net_devices", "backends", "connector"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"--kv-transfer-config: unknown key(s) {unknown}; known: {sorted(known)}")

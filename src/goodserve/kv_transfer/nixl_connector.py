@@ -1,12 +1,13 @@
-"""The KV connector on NIXL: pulls a producer's K/V blocks into a consumer's cache, layer by layer.
+"""The KV connector's worker half on NIXL: pulls a producer's K/V blocks into a consumer's cache, layer by
+layer.
 
 Transport choice: NIXL (NVIDIA's inference transfer library, ``nixl-cu12`` on PyPI) moves registered
 memory between agents over UCX: TCP or shared memory between processes on one host, RDMA (GPU memory
 included) between hosts that have it. The consumer *reads* (one-sided): the producer only registers its KV
-tensors once and never copies. A READ carries a notification to the producer on completion, which releases
-its hold. The small control message a consumer needs once per producer (NIXL agent metadata and the
-addresses and strides of its KV tensors) goes over a pyzmq REQ/REP side channel, asked without blocking the
-engine loop.
+tensors once and never copies. Because a one-sided read cannot be refused, every pull is bracketed by a
+*claim* and a *release* of the producer's lease over a pyzmq REQ/REP side channel
+(:mod:`goodserve.kv_transfer.side_channel`); the first claim to a producer also brings its NIXL agent
+metadata and the addresses and strides of its KV tensors.
 
 Bytes moved: for tokens ``[start, end)`` of a request, per layer, K and V each, the filled slots of each
 block: exactly ``2 · L · n_kv · d_head · b_dtype · (end - start)`` bytes.
@@ -26,8 +27,11 @@ from typing import Optional
 import numpy as np
 import torch
 
+from goodserve.kv_transfer.base import KVConnectorWorker
 from goodserve.kv_transfer.config import KVTransferConfig
+from goodserve.kv_transfer.lease import LeaseTable
 from goodserve.kv_transfer.messages import KVConnectorOutput, KVLoadSpec
+from goodserve.kv_transfer.side_channel import SideChannelClient, SideChannelServer
 
 logger = logging.getLogger(__name__)
 
@@ -91,25 +95,30 @@ class _Layout:
 class _Load:
     spec: KVLoadSpec
     started: float
-    deadline: float
+    deadline: float  # the consumer's timeout, then (once claimed) also the end of the producer's pin
     nbytes: int = 0
-    handle: Optional[object] = None  # the NIXL transfer, once the producer's layout is known
+    claimed: bool = False
+    cancelled: bool = False  # the request was aborted: give the pull up once nothing writes into its blocks
+    handle: Optional[object] = None  # the NIXL READ, once posted
 
 
-class NixlConnector:
-    """Both sides of the KV hand-off for one engine instance.
+class NixlConnector(KVConnectorWorker):
+    """The worker half of one engine instance's KV hand-off, on NIXL.
 
     Args:
         config: The instance's settings (``port`` 0: a free one is picked; see :attr:`port`).
         kv_caches: The runner's cache, per layer ``(K, V)``, each ``[num_blocks, block_size, n_kv, head_dim]``
             and contiguous, on CPU.
+        leases: The producer's lease table (shared with the scheduler half), which the side channel checks
+            every claim and release against; ``None`` on a consumer-only instance.
 
     Raises:
         ImportError: if NIXL or pyzmq is not installed.
         ValueError: if the cache is not on CPU or not contiguous.
     """
 
-    def __init__(self, config: KVTransferConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, config: KVTransferConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 leases: Optional[LeaseTable] = None) -> None:
         import zmq
 
         if any(t.device.type != "cpu" or not t.is_contiguous() for kv in kv_caches for t in kv):
@@ -129,125 +138,107 @@ class NixlConnector:
                               k0.stride(0) * k0.element_size(), k0.stride(1) * k0.element_size(), k0.shape[1],
                               str(k0.dtype))
         self._zmq = zmq.Context()
-        self._rep = self._zmq.socket(zmq.REP)
-        self._rep.setsockopt(zmq.LINGER, 0)
-        address = f"tcp://{config.host}"
-        self.port = self._rep.bind_to_random_port(address) if config.port == 0 else config.port
-        if config.port:
-            self._rep.bind(f"{address}:{config.port}")
-        self._reply = json.dumps({"layout": {**self.layout.__dict__},
-                                  "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode()}).encode()
+        layout = {"layout": {**self.layout.__dict__},
+                  "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode()}
+        self._server = SideChannelServer(self._zmq, config.host, config.port, config.engine_id, leases, layout)
+        self.port = self._server.port
+        self._client = SideChannelClient(self._zmq)
         self._stop = threading.Event()
-        self._server = threading.Thread(target=self._serve_layout, name="goodserve-kv-side-channel", daemon=True)
-        self._server.start()
-        self._notifs: list[bytes] = []  # released holds, collected by the progress thread
-        self._notifs_lock = threading.Lock()
         self._progress = threading.Thread(target=self._progress_forever, name="goodserve-kv-progress", daemon=True)
         self._progress.start()
         self._remotes: dict[str, _Layout] = {}  # engine id -> layout, once its agent is added
-        self._asking: dict[str, tuple[object, float, list[_Load]]] = {}  # engine id -> (REQ socket, deadline, loads)
-        self._loads: dict[str, _Load] = {}  # request id -> a pull in flight
+        self._loads: dict[str, _Load] = {}  # request id -> a pull not yet reported
         self._out = KVConnectorOutput()
         logger.info("KV connector (NIXL) %s: role %s, side channel %s:%d", config.engine_id, config.role,
                     config.host, self.port)
 
-    # ------------------------------------------------------------------------------------ side channel
-    def _serve_layout(self) -> None:
-        """Answer each request on the side channel with this instance's layout and agent metadata."""
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._rep, zmq.POLLIN)
-        while not self._stop.is_set():
-            if poller.poll(100):
-                self._rep.recv()
-                self._rep.send(self._reply)
-
     def _progress_forever(self) -> None:
-        """Progress NIXL's transfers (both ends of a pull must, over TCP) and collect its notifications."""
+        """Progress NIXL's transfers: over TCP both ends of a READ must, the producer's included."""
         while not self._stop.wait(PROGRESS_INTERVAL):
-            msgs = [m for ms in self.agent.get_new_notifs().values() for m in ms]
-            if msgs:
-                with self._notifs_lock:
-                    self._notifs.extend(msgs)
-
-    def _ask_layout(self, load: _Load) -> None:
-        """Queue ``load`` behind a (non-blocking) request for its producer's layout."""
-        import zmq
-
-        r = load.spec.remote
-        entry = self._asking.get(r.remote_engine_id)
-        if entry is None:
-            sock = self._zmq.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{r.remote_host}:{r.remote_port}")
-            sock.send(b"layout")
-            entry = (sock, load.deadline, [])
-            self._asking[r.remote_engine_id] = entry
-        entry[2].append(load)
-
-    def _poll_layouts(self, now: float) -> None:
-        """Take the producers' answers that arrived; fail the loads of those that did not answer in time."""
-        import zmq
-
-        for engine_id, (sock, deadline, loads) in list(self._asking.items()):
-            if sock.poll(0, zmq.POLLIN):
-                del self._asking[engine_id]
-                reply = json.loads(sock.recv())
-                sock.close()
-                layout = _Layout(**reply["layout"])
-                layout.bases = [tuple(b) for b in layout.bases]
-                why = self.layout.compatible(layout)
-                if why is None:
-                    self.agent.add_remote_agent(base64.b64decode(reply["metadata"]))
-                    self._remotes[engine_id] = layout
-                for load in loads:
-                    if why:
-                        self._fail(load, why)
-                    else:
-                        self._transfer(load, layout)
-            elif now >= deadline:
-                del self._asking[engine_id]
-                sock.close()
-                for load in loads:
-                    r = load.spec.remote
-                    self._fail(load, f"the producer {engine_id} at {r.remote_host}:{r.remote_port} did not answer "
-                                     f"within {self.config.timeout:g} s (is it running?)")
+            self.agent.get_new_notifs()
 
     # ----------------------------------------------------------------------------------------- pulls
     def start_loads(self, specs: list[KVLoadSpec]) -> None:
-        """Start pulling each spec's tokens (the results come from :meth:`poll`, exactly one per spec)."""
+        """Claim each spec's hold on its producer (the READ follows the claim's answer); one result per spec
+        comes from :meth:`poll`."""
         now = time.monotonic()
         for spec in specs:
             load = _Load(spec, now, now + self.config.timeout)
             self._loads[spec.request_id] = load
-            layout = self._remotes.get(spec.remote.remote_engine_id)
-            if layout is None:
-                self._ask_layout(load)
-            else:
-                self._transfer(load, layout)
+            if spec.end <= spec.start:  # every token was a local prefix hit: nothing to read
+                self._release(load, "pulled")
+                self._done(load)
+                continue
+            r = spec.remote
+            self._client.send(r.remote_host, r.remote_port, {
+                "op": "claim", "engine_id": r.remote_engine_id, "request_id": r.remote_request_id,
+                "lease": r.remote_lease, "block_ids": list(r.remote_block_ids),
+                "layout": r.remote_engine_id not in self._remotes}, load.deadline, ("claim", spec.request_id, now))
+
+    def cancel_loads(self, request_ids: list[str]) -> None:
+        """Give up the pulls of aborted requests: one waiting for its claim is released when the answer
+        comes, one reading when the READ ends (it may still write into the blocks until then)."""
+        for rid in request_ids:
+            load = self._loads.get(rid)
+            if load is not None:
+                load.cancelled = True
+
+    def _claimed(self, load: _Load, reply: Optional[dict], sent: float) -> None:
+        """The producer answered a claim (``None``: not within the timeout)."""
+        r = load.spec.remote
+        if reply is None:
+            self._fail(load, f"the producer {r.remote_engine_id} at {r.remote_host}:{r.remote_port} did not "
+                             f"answer within {self.config.timeout:g} s (is it running?)")
+            return
+        if not reply.get("ok"):
+            self._fail(load, f"the producer refused the pull: {reply.get('error')}")
+            return
+        load.claimed = True
+        load.deadline = min(load.deadline, sent + float(reply["pin_s"]))  # never read past the producer's pin
+        if "layout" in reply and r.remote_engine_id not in self._remotes:
+            layout = _Layout(**reply["layout"])
+            layout.bases = [tuple(b) for b in layout.bases]
+            why = self.layout.compatible(layout)
+            if why:
+                self._fail(load, why, "failed")
+                return
+            self.agent.add_remote_agent(base64.b64decode(reply["metadata"]))
+            self._remotes[r.remote_engine_id] = layout
+        remote = self._remotes.get(r.remote_engine_id)
+        if remote is None:
+            self._fail(load, "the producer's memory layout is unknown (an earlier claim found it incompatible)",
+                       "failed")
+        elif load.cancelled:
+            self._fail(load, "aborted", "aborted")
+        elif time.monotonic() >= load.deadline:
+            self._fail(load, "the producer's claim answer came too late to read under its pin", "failed")
+        else:
+            self._transfer(load, remote)
 
     def _transfer(self, load: _Load, remote: _Layout) -> None:
-        """Post the READ of ``load``'s tokens from ``remote``; it notifies the producer when done."""
+        """Post the READ of ``load``'s tokens from ``remote`` (claimed: the producer pins them)."""
         spec, r = load.spec, load.spec.remote
-        notif = r.remote_request_id.encode()
         try:
-            if spec.end <= spec.start:  # every token was a local prefix hit: only release the producer's hold
-                self.agent.send_notif(remote.agent_name, notif)
-                self._done(load)
-                return
             local = self.layout.descs(spec.block_ids, spec.start, spec.end)
             remote_descs = remote.descs(list(r.remote_block_ids), spec.start, spec.end)
             load.nbytes = int(local[:, 1].sum())
             load.handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
                                                      self.agent.get_xfer_descs(remote_descs, "DRAM"),
-                                                     remote.agent_name, notif)
+                                                     remote.agent_name)
             if self.agent.transfer(load.handle) == "ERR":
-                self._fail(load, "NIXL refused the transfer")
+                self._fail(load, "NIXL refused the transfer", "failed")
         except Exception as e:  # noqa: BLE001 - this request fails; the engine serves on
-            self._fail(load, f"{type(e).__name__}: {e}")
+            self._fail(load, f"{type(e).__name__}: {e}", "failed")
 
-    def _release(self, load: _Load) -> None:
+    def _release(self, load: _Load, reason: str) -> None:
+        """Tell the producer its hold can go (the answer is only logged)."""
+        r = load.spec.remote
+        self._client.send(r.remote_host, r.remote_port, {
+            "op": "release", "engine_id": r.remote_engine_id, "request_id": r.remote_request_id,
+            "lease": r.remote_lease, "reason": reason}, time.monotonic() + self.config.timeout,
+            ("release", load.spec.request_id, 0.0))
+
+    def _forget(self, load: _Load) -> None:
         self._loads.pop(load.spec.request_id, None)
         if load.handle is not None:
             try:
@@ -257,48 +248,54 @@ class NixlConnector:
             load.handle = None
 
     def _done(self, load: _Load) -> None:
-        self._release(load)
+        self._forget(load)
         self._out.finished_recving[load.spec.request_id] = (load.nbytes, time.monotonic() - load.started)
 
-    def _fail(self, load: _Load, why: str) -> None:
-        self._release(load)
+    def _fail(self, load: _Load, why: str, release: Optional[str] = None) -> None:
+        """Report ``load`` failed; with ``release``, a claimed hold is released with that reason."""
+        self._forget(load)
+        if release is not None and load.claimed:
+            self._release(load, release)
         r = load.spec.remote
         self._out.failed_recving[load.spec.request_id] = (
             f"pulling the prompt's KV cache from producer {r.remote_engine_id} ({r.remote_host}:{r.remote_port}) "
             f"failed: {why}")
 
     def poll(self) -> KVConnectorOutput:
-        """Advance the pulls and collect the news since the last call (pulls done or failed; holds that
-        consumers released)."""
+        """Advance the claims and READs and collect the pulls that ended since the last call."""
         now = time.monotonic()
-        if self._asking:
-            self._poll_layouts(now)
+        for (kind, rid, sent), reply in self._client.poll(now):
+            load = self._loads.get(rid)
+            if kind == "claim" and load is not None:
+                self._claimed(load, reply, sent)
+            elif kind == "release" and not (reply or {}).get("ok"):
+                logger.warning("KV transfer: the producer did not take the release of %s's hold: %s", rid,
+                               (reply or {}).get("error", "no answer"))
         for load in list(self._loads.values()):
             if load.handle is None:
                 continue
             state = self.agent.check_xfer_state(load.handle)
-            if state == "DONE":
-                self._done(load)
+            if now >= load.deadline:  # past the pin, the producer may reuse the blocks: whatever landed is void
+                self._fail(load, f"the transfer did not finish within {self.config.timeout:g} s", "failed")
+            elif state == "DONE":
+                if load.cancelled:
+                    self._fail(load, "aborted", "aborted")
+                else:
+                    self._release(load, "pulled")
+                    self._done(load)
             elif state == "ERR":
-                self._fail(load, "the transfer failed (the producer may be gone)")
-            elif now >= load.deadline:
-                self._fail(load, f"the transfer did not finish within {self.config.timeout:g} s")
-        with self._notifs_lock:
-            msgs, self._notifs = self._notifs, []
-        self._out.finished_sending.extend(m.decode() for m in msgs)
+                self._fail(load, "the transfer failed (the producer may be gone)", "failed")
         out, self._out = self._out, KVConnectorOutput()
         return out
 
     def close(self) -> None:
         """Stop the side channel and release NIXL resources."""
         self._stop.set()
-        self._server.join(1.0)
+        self._server.close()
         self._progress.join(1.0)
         for load in list(self._loads.values()):
-            self._release(load)
-        for sock, _, _ in self._asking.values():
-            sock.close()
-        self._rep.close()
+            self._forget(load)
+        self._client.close()
         self._zmq.term()
         try:
             self.agent.deregister_memory(self._reg)

@@ -2,7 +2,8 @@
 
 A request sent to a producer carries ``{"do_remote_decode": true}``; the producer's answer carries the
 handle a consumer needs (``do_remote_prefill`` and the ``remote_*`` fields), which the router passes on to
-a consumer with the same request.
+a consumer with the same request. ``remote_lease`` is ours (not vLLM's): the nonce of the producer's hold
+(:mod:`goodserve.kv_transfer.lease`), without which the producer refuses the pull.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Optional
 from goodserve.validation import ParamError
 
 _FIELDS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_host", "remote_port",
-           "remote_block_ids", "remote_request_id", "remote_num_tokens")
+           "remote_block_ids", "remote_request_id", "remote_num_tokens", "remote_lease")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class KVTransferParams:
         remote_block_ids: The producer's block table of the request, first token's block first.
         remote_request_id: The request's id on the producer (its blocks are released under it).
         remote_num_tokens: Prompt tokens whose K/V the producer holds (the consumer's prompt must have as many).
+        remote_lease: The hold's nonce: the producer validates every pull (and release) against it.
     """
 
     do_remote_decode: bool = False
@@ -40,6 +42,7 @@ class KVTransferParams:
     remote_block_ids: Optional[tuple[int, ...]] = None
     remote_request_id: Optional[str] = None
     remote_num_tokens: Optional[int] = None
+    remote_lease: Optional[str] = None
 
     @classmethod
     def from_dict(cls, d: Any) -> "KVTransferParams":
@@ -78,12 +81,13 @@ class KVTransferParams:
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                 for i in ids):
             raise bad("remote_block_ids must be a list of block ids (integers >= 0)")
-        for f in ("remote_engine_id", "remote_host", "remote_request_id"):
-            if not isinstance(d[f], str) or not d[f]:
-                raise bad(f"{f} must be a non-empty string")
+        for f in ("remote_engine_id", "remote_host", "remote_request_id", "remote_lease"):
+            if not isinstance(d[f], str) or not d[f] or len(d[f]) > 256:
+                raise bad(f"{f} must be a non-empty string (at most 256 characters)")
         return cls(do_remote_prefill=True, remote_engine_id=d["remote_engine_id"], remote_host=d["remote_host"],
                    remote_port=d["remote_port"], remote_block_ids=tuple(ids),
-                   remote_request_id=d["remote_request_id"], remote_num_tokens=d["remote_num_tokens"])
+                   remote_request_id=d["remote_request_id"], remote_num_tokens=d["remote_num_tokens"],
+                   remote_lease=d["remote_lease"])
 
     def to_dict(self) -> dict:
         """The JSON form (``remote_block_ids`` as a list)."""

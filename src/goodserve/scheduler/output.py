@@ -83,6 +83,8 @@ class SchedulerOutput:
         num_prefix_cached_tokens: Prompt tokens found in the prefix cache for requests admitted this step.
         kv_loads: Pulls of prompt K/V from producers for the KV connector to start (consumer side); the
             requests they fill are not in ``scheduled``.
+        kv_cancels: Requests aborted while their pull runs: the connector gives the pulls up and releases the
+            producers' holds (their blocks are freed once it reports the pulls ended).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -92,6 +94,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     num_prefix_cached_tokens: int = 0
     kv_loads: list[KVLoadSpec] = field(default_factory=list)
+    kv_cancels: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -202,6 +205,9 @@ class SchedulerStats:
         num_blocks_held_for_pull: Blocks of finished requests held for a consumer's pull (producer).
         num_kv_transfers_in_flight: Pulls of prompt K/V not yet ended (consumer).
         num_kv_transfer_timeouts_total: Holds that ended because no consumer pulled in time (producer).
+        num_kv_holds_ended_total: Holds ended since start by reason, ``pulled``, ``aborted`` (the client left
+            on either hop), ``failed`` (the consumer could not read) and ``expired`` (the timeouts above)
+            (producer).
         num_kv_transfer_failures_total: Pulls that failed (consumer; the request failed with them).
     """
 
@@ -223,6 +229,7 @@ class SchedulerStats:
     num_kv_transfers_in_flight: int = 0
     num_kv_transfer_timeouts_total: int = 0
     num_kv_transfer_failures_total: int = 0
+    num_kv_holds_ended_total: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def idle(cls) -> "SchedulerStats":

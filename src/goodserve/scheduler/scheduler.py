@@ -30,14 +30,14 @@ preemption victim from predicted step times. Every policy feeds the online step-
 (:mod:`goodserve.scheduler.step_time`) the steps' measured times (:meth:`Scheduler.observe_step_time`); its
 prediction error is in :meth:`make_stats`.
 
-Disaggregated serving (:mod:`goodserve.kv_transfer`, with a ``kv_transfer`` config): on a producer, a
-request sent with ``do_remote_decode`` keeps its blocks when it finishes, until a consumer has pulled them
-(the connector reports it) or ``timeout`` seconds pass; its last output carries the handle. On a consumer,
-a request sent with the handle is admitted into its own state, ``WAITING_FOR_REMOTE_KVS``: its blocks are
-allocated for the prompt but the last token (local prefix-cache hits are kept and not pulled), the step's
-:attr:`SchedulerOutput.kv_loads` asks the connector to pull the rest, and when the pull completes it
-goes back to the waiting queue with those tokens computed, to compute its last prompt token and decode as
-any request does (vLLM v1's ``WAITING_FOR_REMOTE_KVS`` works the same way).
+Disaggregated serving goes through the KV connector's scheduler half
+(:class:`~goodserve.kv_transfer.base.KVConnectorScheduler`), called at named points only: a request's
+``kv_transfer_params`` are checked on arrival; a remote prefill's matched tokens are allocated (without
+registering their hashes) and the request waits in ``WAITING_FOR_REMOTE_KVS``; each step's transfer
+metadata goes into :class:`SchedulerOutput`; at a request's end the connector says whether its blocks
+outlive it (held for a consumer, or still being written by a pull) and gives the handle; and its update
+after each step names the requests whose K/V landed or failed and the blocks to free. The holds and pulls
+are the connector's state, not the scheduler's.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ from typing import Iterable, Optional
 
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_cache.manager import KVCacheManager
+from goodserve.kv_transfer.base import KVConnectorScheduler, no_connector_error
 from goodserve.kv_transfer.config import KVTransferConfig
-from goodserve.kv_transfer.messages import KVConnectorOutput, KVLoadSpec
+from goodserve.kv_transfer.factory import create_connector_scheduler
+from goodserve.kv_transfer.messages import KVConnectorOutput, KVConnectorStats, KVConnectorUpdate
 from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import (EngineCoreOutput, NewRequestData, SampledToken, ScheduledRequest,
@@ -71,12 +73,15 @@ class Scheduler:
         cache_config: The KV pool (``reserve`` mode runs without prefix caching: a reserved block would be
             registered before its K/V is written).
         step_model: The online step-time model (a fresh :class:`StepTimeModel` when ``None``).
-        kv_transfer: This instance's part in disaggregated serving (``None``: none).
+        kv_transfer: This instance's part in disaggregated serving (``None``: none); its connector's
+            scheduler half is built from it unless ``kv_connector`` is given.
+        kv_connector: The KV connector's scheduler half (the engine core's, sharing the worker's leases).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  step_model: Optional[StepTimeModel] = None,
-                 kv_transfer: Optional[KVTransferConfig] = None) -> None:
+                 kv_transfer: Optional[KVTransferConfig] = None,
+                 kv_connector: Optional[KVConnectorScheduler] = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -104,25 +109,20 @@ class Scheduler:
         self._preempted_since_scheduled: set[str] = set()
         self._finished_req_ids: list[str] = []
         self._shed_outputs: list[EngineCoreOutput] = []  # shed while queued; handed out by the next update
-        # Disaggregated serving: finished requests whose blocks are held for a consumer's pull (producer),
-        # with the time the hold ends; requests whose prompt K/V is being pulled (consumer), and those of them
-        # already finished (aborted) whose blocks wait for the pull to end before they are freed.
-        self.kv_transfer = kv_transfer
-        self._held: dict[str, tuple[Request, float]] = {}
-        self._recving: dict[str, Request] = {}
-        self._recving_finished: dict[str, Request] = {}
-        self.num_kv_transfer_timeouts = 0  # holds that ended by timeout (producer)
-        self.num_kv_transfer_failures = 0  # pulls that failed (consumer)
+        if kv_connector is None and kv_transfer is not None:
+            kv_connector = create_connector_scheduler(kv_transfer, self.block_size)
+        self.kv_connector = kv_connector
 
     # ------------------------------------------------------------------------------------------- state
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting (for admission or for remote KV) or running."""
-        return bool(self.running) or len(self.waiting) > 0 or bool(self._recving)
+        return bool(self.running) or len(self.waiting) > 0 or \
+            (self.kv_connector is not None and self.kv_connector.num_loading() > 0)
 
     def has_pending_kv_transfers(self) -> bool:
         """Whether blocks are held for a consumer's pull or a pull is in flight: the engine must keep
         stepping (an empty step polls the connector) even when no request can run."""
-        return bool(self._held) or bool(self._recving) or bool(self._recving_finished)
+        return self.kv_connector is not None and self.kv_connector.has_pending()
 
     def unfinished_request_ids(self) -> list[str]:
         """Ids of every waiting or running request."""
@@ -160,35 +160,15 @@ class Scheduler:
                              f"block_size {self.block_size}), but the KV pool has only {num_blocks} blocks; "
                              "shorten the prompt, lower max_tokens or give the cache more memory",
                              code="context_length_exceeded")
-        self._check_kv_transfer(request)
+        if request.kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise no_connector_error(request.kv_transfer_params)
+            self.kv_connector.check_request(request)
         if self.slo is not None:
             self.slo.check_arrival(request, self.waiting, self.running, request.arrival_time)
         request.status = RequestStatus.WAITING
         self._requests[rid] = request
         self.waiting.add(request)
-
-    def _check_kv_transfer(self, request: Request) -> None:
-        """Refuse ``kv_transfer_params`` this instance cannot serve (see :meth:`add_request`)."""
-        p = request.kv_transfer_params
-        if p is None:
-            return
-        role = self.kv_transfer.role if self.kv_transfer else None
-        if p.do_remote_decode and (role is None or not self.kv_transfer.is_producer):
-            raise ParamError(f"kv_transfer_params: do_remote_decode needs an instance started with --kv-role "
-                             f"producer or both (this one: {role or 'none'})", param="kv_transfer_params")
-        if p.do_remote_prefill:
-            if role is None or not self.kv_transfer.is_consumer:
-                raise ParamError(f"kv_transfer_params: do_remote_prefill needs an instance started with "
-                                 f"--kv-role consumer or both (this one: {role or 'none'})",
-                                 param="kv_transfer_params")
-            if p.remote_num_tokens != request.num_prompt_tokens:
-                raise ParamError(f"kv_transfer_params: the producer holds K/V for {p.remote_num_tokens} tokens "
-                                 f"but this prompt has {request.num_prompt_tokens}; send the same prompt to both",
-                                 param="kv_transfer_params")
-            if len(p.remote_block_ids) * self.block_size < p.remote_num_tokens:
-                raise ParamError(f"kv_transfer_params: {len(p.remote_block_ids)} remote blocks cannot hold "
-                                 f"{p.remote_num_tokens} tokens at block_size {self.block_size} (producer and "
-                                 "consumer must use the same block size)", param="kv_transfer_params")
 
     # ---------------------------------------------------------------------------------------- schedule
     def schedule(self, now: float) -> SchedulerOutput:
@@ -204,12 +184,14 @@ class Scheduler:
         """
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
-        if self._held:
-            self._expire_held(now)
+        if self.kv_connector is not None:
+            self._free_ended_holds(now)
         if self.scheduler_config.mode == "prefill-first":
             self._schedule_prefill_first(out, now)
         else:
             self._schedule_continuous(out, now)
+        if self.kv_connector is not None:
+            self.kv_connector.build_connector_meta(out)
         out.total_num_scheduled_tokens = sum(s.num_new_tokens for s in out.scheduled)
         self._in_flight = {s.request_id for s in out.scheduled}
         return out
@@ -349,11 +331,12 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         req = self.waiting.peek()
-        if req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_prefill \
-                and req.first_scheduled_time is None:
-            return self._admit_remote_prefill(out, req, now)
         pulled = bool(kv.get_block_ids(req.request_id))  # its K/V was pulled from a producer: it holds blocks
         hit_blocks, num_hit = ([], req.num_computed_tokens) if pulled else kv.get_computed_blocks(req)
+        if self.kv_connector is not None and not pulled:
+            num_remote = self.kv_connector.get_num_new_matched_tokens(req, num_hit)
+            if num_remote is not None:
+                return self._admit_remote_prefill(out, req, hit_blocks, num_hit, num_remote, now)
         n = max(0, min(req.num_tokens - num_hit, budget))
         if whole and n < req.num_tokens - num_hit:
             return None
@@ -379,18 +362,17 @@ class Scheduler:
             self._record(out, req, num_hit, n)
         return n
 
-    def _admit_remote_prefill(self, out: SchedulerOutput, req: Request, now: float) -> Optional[int]:
-        """Consumer side: allocate blocks for the prompt but its last token, keep local prefix-cache hits, and
-        ask the connector to pull the rest (``req`` is the head of the waiting queue).
+    def _admit_remote_prefill(self, out: SchedulerOutput, req: Request, hit_blocks: list[int], num_hit: int,
+                              num_remote: int, now: float) -> Optional[int]:
+        """Consumer side: allocate blocks for the local prefix-cache hits and the ``num_remote`` tokens the
+        connector brings (their hashes are registered once they land), and leave the request (the head of the
+        waiting queue) in ``WAITING_FOR_REMOTE_KVS``.
 
         Returns:
             ``0`` (no tokens are computed this step), or ``None`` if its blocks do not fit.
         """
         kv = self.kv_cache_manager
-        hit_blocks, num_hit = kv.get_computed_blocks(req)
-        end = req.num_prompt_tokens - 1
-        # The blocks' hashes are registered only once the pulled K/V is there (_end_recv).
-        if kv.allocate_slots(req, end - num_hit, hit_blocks, cache=False) is None:
+        if kv.allocate_slots(req, num_remote, hit_blocks, cache=False) is None:
             return None
         self.waiting.pop()
         req.num_computed_tokens = num_hit
@@ -399,60 +381,47 @@ class Scheduler:
         kv.record_prefix_cache_lookup(req.num_tokens, num_hit)
         out.num_prefix_cached_tokens += num_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._recving[req.request_id] = req
-        out.kv_loads.append(KVLoadSpec(req.request_id, kv.get_block_ids(req.request_id), num_hit, end,
-                                       req.kv_transfer_params))
+        self.kv_connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_hit, num_remote)
         return 0
 
-    def _end_recv(self, rid: str, error: Optional[str], transfer: Optional[tuple[int, float]],
-                  now: float, outputs: list[EngineCoreOutput]) -> None:
-        """A pull ended: the request goes back to the waiting queue with its prompt but the last token
-        computed, or fails with ``error``; one finished meanwhile (aborted) frees its blocks now."""
-        req = self._recving_finished.pop(rid, None)
-        if req is not None:
-            self.kv_cache_manager.free(req, num_valid_tokens=req.num_cached_tokens)
-            return
-        req = self._recving.get(rid)
-        if req is None:
-            return
-        if error is not None:
-            self.num_kv_transfer_failures += 1
+    def _apply_kv_update(self, update: KVConnectorUpdate, now: float, outputs: list[EngineCoreOutput]) -> None:
+        """Free what the connector released; a request whose K/V landed goes back to the waiting queue with its
+        prompt but the last token computed; one whose pull failed fails."""
+        kv = self.kv_cache_manager
+        for req, num_valid in update.to_free:
+            kv.free(req, num_valid_tokens=num_valid)
+        for req, transfer in update.loaded:
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            req.kv_transfer = transfer
+            kv.cache_blocks(req, req.num_computed_tokens)
+            req.status = RequestStatus.WAITING
+            self.waiting.prepend(req)
+        for req, error in update.failed:
             self._finish(req, RequestStatus.FINISHED_ERROR)
             outputs.append(self._core_output(req, [], now, error=error))
-            return
-        del self._recving[rid]
-        req.num_computed_tokens = req.num_prompt_tokens - 1
-        req.kv_transfer = transfer
-        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
-        req.status = RequestStatus.WAITING
-        self.waiting.prepend(req)
 
-    def _hold_for_pull(self, req: Request, now: float) -> dict:
-        """Producer side: keep a finished request's blocks for a consumer's pull; return its handle."""
-        self._held[req.request_id] = (req, now + self.kv_transfer.timeout)
-        c = self.kv_transfer
-        return KVTransferParams(do_remote_prefill=True, remote_engine_id=c.engine_id, remote_host=c.host,
-                                remote_port=c.port, remote_block_ids=tuple(self.kv_cache_manager.get_block_ids(
-                                    req.request_id)), remote_request_id=req.request_id,
-                                remote_num_tokens=req.num_prompt_tokens).to_dict()
+    def _free_ended_holds(self, now: float) -> None:
+        for req in self.kv_connector.take_ended_holds(now):
+            self.kv_cache_manager.free(req)
 
-    def _release_held(self, rid: str) -> None:
-        entry = self._held.pop(rid, None)
-        if entry is not None:
-            self.kv_cache_manager.free(entry[0])
+    def release_kv_hold(self, params: KVTransferParams, now: float) -> bool:
+        """Producer: end the hold a handle names at once, from outside its pull (the client left between the
+        hops), checked against its lease.
 
-    def _expire_held(self, now: float) -> None:
-        """Free the blocks of holds whose time ran out (no consumer pulled them)."""
-        for rid in [rid for rid, (_, deadline) in self._held.items() if now >= deadline]:
-            self._release_held(rid)
-            self.num_kv_transfer_timeouts += 1
-            logger.warning("KV transfer: no consumer pulled request %s within %.1f s; its blocks are freed",
-                           rid, self.kv_transfer.timeout)
+        Returns:
+            ``True`` if its blocks were freed now; ``False`` if a consumer's pull is reading them (they go
+            when it ends).
 
-    @property
-    def num_blocks_held_for_pull(self) -> int:
-        """Blocks held by finished requests for a consumer's pull (producer)."""
-        return sum(len(self.kv_cache_manager.get_block_ids(rid)) for rid in self._held)
+        Raises:
+            ParamError: if this instance holds no KV for pulls.
+            LookupError: if no live hold matches the handle (the message says why).
+        """
+        if self.kv_connector is None:
+            raise ParamError("kv_transfer_params: this instance holds no KV for pulls (started without --kv-role "
+                             "producer)", param="kv_transfer_params")
+        released = self.kv_connector.revoke(params, now)
+        self._free_ended_holds(now)
+        return released
 
     def _slots_to_allocate(self, req: Request, num_hit: int, n: int) -> int:
         """New slots an admission allocates beyond the prefix hit: the step's ``n`` tokens, or under
@@ -548,13 +517,8 @@ class Scheduler:
         """
         self._in_flight = set()
         outputs, self._shed_outputs = self._shed_outputs, []
-        if kv_output is not None:
-            for rid in kv_output.finished_sending:
-                self._release_held(rid)
-            for rid, transfer in kv_output.finished_recving.items():
-                self._end_recv(rid, None, transfer, now, outputs)
-            for rid, error in kv_output.failed_recving.items():
-                self._end_recv(rid, error, None, now, outputs)
+        if self.kv_connector is not None:
+            self._apply_kv_update(self.kv_connector.update_connector_output(kv_output, now), now, outputs)
         for sched in scheduler_output.scheduled:
             req = self._requests.get(sched.request_id)
             if req is None:
@@ -596,6 +560,7 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state in one record (the only way stats leave the scheduler)."""
         kv = self.kv_cache_manager
+        c = self.kv_connector.stats() if self.kv_connector is not None else KVConnectorStats()
         tokens_waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
         tokens_waiting += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self.running)
         m = self.step_model
@@ -608,10 +573,11 @@ class Scheduler:
                               num_steps_observed=m.num_observed, step_time_predicted_s_total=m.predicted_s_total,
                               step_time_actual_s_total=m.actual_s_total,
                               step_time_abs_error_s_total=m.abs_error_s_total, step_time_margin=m.margin,
-                              num_blocks_held_for_pull=self.num_blocks_held_for_pull,
-                              num_kv_transfers_in_flight=len(self._recving) + len(self._recving_finished),
-                              num_kv_transfer_timeouts_total=self.num_kv_transfer_timeouts,
-                              num_kv_transfer_failures_total=self.num_kv_transfer_failures)
+                              num_blocks_held_for_pull=c.num_blocks_held,
+                              num_kv_transfers_in_flight=c.num_loads_in_flight,
+                              num_kv_transfer_timeouts_total=c.holds_ended.get("expired", 0),
+                              num_kv_transfer_failures_total=c.num_failures,
+                              num_kv_holds_ended_total=dict(c.holds_ended))
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
         """Finish waiting or running requests from outside (abort, stop string found downstream, a failure
@@ -639,8 +605,8 @@ class Scheduler:
         return done
 
     def _finish(self, req: Request, status: RequestStatus, now: Optional[float] = None) -> Optional[dict]:
-        """End a request and free its blocks (unless they are held for a pull, or a pull is still writing
-        them).
+        """End a request and free its blocks (unless the KV connector keeps them: held for a pull, or a pull
+        is still writing them).
 
         Args:
             now: When it finished by a stop rule (its blocks may then be held for a consumer's pull).
@@ -649,18 +615,15 @@ class Scheduler:
             The handle of the blocks held for a consumer (``kv_transfer_params``), else ``None``.
         """
         rid = req.request_id
-        handle = None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            del self._recving[rid]
-        else:
+        elif req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # those wait in the connector
             self.waiting.remove(req)
-        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and status != RequestStatus.FINISHED_ERROR:
-            self._recving_finished[rid] = req  # the pull may still write into its blocks: freed when it ends
-        elif now is not None and req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode:
-            handle = self._hold_for_pull(req, now)
-        else:
+        delay_free, handle = False, None
+        if self.kv_connector is not None:
+            delay_free, handle = self.kv_connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid),
+                                                                    now)
+        if not delay_free:
             # Dropped between schedule() and update: K/V registered for this step was never written.
             valid = req.num_computed_tokens if rid in self._in_flight else None
             self.kv_cache_manager.free(req, num_valid_tokens=valid)
