@@ -252,6 +252,27 @@ class Engine:
         """Whether KV blocks are held for a consumer's pull or a pull is in flight (keep stepping to poll)."""
         return self.core.scheduler.has_pending_kv_transfers()
 
+    def release_kv_hold(self, kv_transfer_params: Any) -> bool:
+        """Producer: free at once the blocks a published handle holds (the client left before any consumer
+        pulled them), checked against its lease.
+
+        Args:
+            kv_transfer_params: The handle, as the producer's answer gave it (``do_remote_prefill`` and the
+                ``remote_*`` fields).
+
+        Returns:
+            ``True`` if the blocks were freed; ``False`` if a consumer is reading them (freed when it ends).
+
+        Raises:
+            ParamError: on a malformed handle, or an instance that holds no KV for pulls.
+            LookupError: if no live hold matches the handle (expired, released, unknown, stale or forged).
+        """
+        params = KVTransferParams.from_dict(kv_transfer_params)
+        if not params.do_remote_prefill:
+            raise ParamError("kv_transfer_params: give the handle of a hold (do_remote_prefill and the remote_* "
+                             "fields)", param="kv_transfer_params")
+        return self.core.release_kv_hold(params)
+
     def close(self) -> None:
         """Release what the engine holds outside Python's reach (the KV connector's NIXL agent and socket)."""
         self.core.close()

@@ -14,7 +14,7 @@ import uuid
 from typing import Optional
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from goodserve.engine.async_engine import AsyncEngine
@@ -146,6 +146,24 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> R
         finish_reason=c.finish_reason))
     head = [P.ChatStreamChoice(index=c.index, delta=P.DeltaMessage(role="assistant", content="")) for c in choices]
     return await s.respond(request, body, choices, rid, shapes, head)
+
+
+@router.post("/v1/kv_transfer/release", include_in_schema=False)
+async def kv_transfer_release(request: Request) -> Response:
+    """Producer (internal, for the router): free at once the blocks a handle holds, checked against its lease,
+    when the client left before any consumer pulled them. Body ``{"kv_transfer_params": <handle>}``; answers
+    ``{"released": true}`` (freed), ``{"released": false}`` (a consumer is reading them: freed when it ends),
+    404 ``kv_hold_not_found`` when no live hold matches, 400 for a malformed handle."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ValueError("the body is not valid JSON") from None
+    params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    try:
+        released = await _serving(request).engine.call_async(lambda e: e.release_kv_hold(params))
+    except LookupError as e:
+        raise APIError(404, str(e), param="kv_transfer_params", code="kv_hold_not_found") from None
+    return JSONResponse({"released": released})
 
 
 def build_app(engine: AsyncEngine, served_model_name: Optional[str] = None,

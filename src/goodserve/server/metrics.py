@@ -21,7 +21,8 @@ model's relative error.
 
 Disaggregated serving (``--kv-role``): a consumer observes each pull of a prompt's K/V in
 ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (histograms) and counts failed pulls; a producer shows the
-blocks it holds for pulls and the holds that timed out; both show pulls in flight.
+blocks it holds for pulls, the holds that timed out, and every hold's end by reason
+(``kv_transfer_holds_released_total{reason="pulled|aborted|failed|expired"}``); both show pulls in flight.
 
 Every HTTP call to an API endpoint ends in exactly one of four counters, so a load test can account for all
 it sent: ``api_requests_finished_total`` (answered in full), ``api_requests_rejected_total`` (429, by
@@ -112,6 +113,13 @@ class _EngineCollector(Collector):
                                   value=s.num_kv_transfer_timeouts_total)
         yield CounterMetricFamily(PREFIX + "kv_transfer_failures", "Pulls of prompt K/V that failed (consumer).",
                                   value=s.num_kv_transfer_failures_total)
+        released = CounterMetricFamily(PREFIX + "kv_transfer_holds_released",
+                                       "Holds of KV blocks for a consumer's pull that ended, by reason: pulled, "
+                                       "aborted (the client left on either hop), failed (the consumer could not "
+                                       "read), expired (= kv_transfer_timeouts) (producer).", labels=["reason"])
+        for reason, n in s.num_kv_holds_ended_total.items():
+            released.add_metric([reason], n)
+        yield released
 
 
 class ServerMetrics:

@@ -180,6 +180,7 @@ class OpenAIServing:
         """
         if await self._collect(request, choices) is None:
             self.metrics.count(request.scope, "aborted")
+            await self._release_kv_holds(choices)
             return Response(status_code=499)
         try:
             body = build()
@@ -188,7 +189,7 @@ class OpenAIServing:
         return self.json(request, body)
 
     async def _collect(self, request: Request, choices: list[Choice]) -> Optional[list[Choice]]:
-        """Run all choices' requests to the end; ``None`` if the client disconnected first."""
+        """Run all choices' requests to the end; ``None`` if the client disconnected first (or meanwhile)."""
         async def run() -> None:
             async with contextlib.aclosing(iterate_choices(choices)) as it:
                 async for _ in it:
@@ -198,7 +199,7 @@ class OpenAIServing:
         watcher = asyncio.create_task(_wait_disconnect(request))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
+            if not task.done() or watcher.done():
                 return None
             task.result()
             return choices
@@ -206,6 +207,15 @@ class OpenAIServing:
             for t in (task, watcher):
                 t.cancel()
             self.finish(choices)
+
+    async def _release_kv_holds(self, choices: list[Choice]) -> None:
+        """A producer whose client left just as its prefill finished frees the hold the answer would have
+        published: nobody will pull it."""
+        for c in choices:
+            if c.kv_transfer_params is not None:
+                handle = c.kv_transfer_params
+                with contextlib.suppress(LookupError, ValueError):
+                    await self.engine.call_async(lambda e: e.release_kv_hold(handle))
 
     def _stream(self, request: Request, choices: list[Choice], head: list[str], chunk: Callable[[Choice, str], str],
                 usage_event: Optional[Callable[[], str]]) -> Response:
