@@ -16,8 +16,12 @@ unhealthy and retries the request once on another backend; without one left, or 
 client gets a 503. A connection lost mid-stream, after bytes were relayed, ends the client's stream with an
 OpenAI error event (``code`` 503) and ``[DONE]``. Every backend's ``/health`` is probed every
 ``health_interval`` seconds, which brings a restarted backend back. A client that leaves during a stream
-closes the upstream stream (the backend aborts the request); one that leaves between the P/D hops stops the
-second hop. In-flight counters are released in ``finally`` blocks, whatever happens.
+closes the upstream stream (the backend aborts the request). In P/D mode a client that leaves during a hop
+closes that hop's upstream request too (the backend sees the disconnect and aborts it, C23), and once the
+prefill hop has published a handle that no consumer will pull (the client left, no decode instance took it,
+or it answered an error) the router asks the producer to free the hold at once
+(``POST /v1/kv_transfer/release``, checked against the handle's lease) instead of leaving it to the
+producer's timeout. In-flight counters are released in ``finally`` blocks, whatever happens.
 ``/health`` reports every backend's state and its own last ``/health`` answer; ``/metrics`` is the router's
 registry followed by every backend's metrics, each sample labelled ``instance="<backend url>"``
 (:func:`relabel_metrics`).
@@ -42,7 +46,8 @@ from prometheus_client.samples import Sample
 
 from goodserve.router.policies import (BackendState, LeastLoaded, NoHealthyBackendError, RouteRequest,
                                        RoutingPolicy, make_policy)
-from goodserve.router.protocol import RouterRequestError, decode_request_body, error_body, prefill_request_body
+from goodserve.router.disaggregated import forward_disaggregated
+from goodserve.router.protocol import RouterRequestError, UpstreamLostError, error_body
 
 logger = logging.getLogger(__name__)
 PREFIX = "goodserve:router_"
@@ -65,6 +70,9 @@ class RouterMetrics:
                              registry=r)
         self.local = Counter(PREFIX + "local_errors", "Requests the router answered itself with an error.",
                              ["status_code", "reason"], registry=r)
+        self.kv_releases = Counter(PREFIX + "kv_hold_releases", "Holds the router asked a producer to free (P/D), by "
+                                   "answer: released, pulling (a consumer is reading it), not_found, error.",
+                                   ["backend", "outcome"], registry=r)
 
 
 @dataclasses.dataclass
@@ -139,20 +147,6 @@ class _RelayResponse(StreamingResponse):
             self.flight.end()
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
-
-
-class UpstreamLostError(Exception):
-    """The connection to a backend was lost after the request was sent and before any byte of its answer
-    arrived (the router retries once, then answers 503).
-
-    Args:
-        url: The backend's base URL.
-        cause: The transport error.
-    """
-
-    def __init__(self, url: str, cause: BaseException) -> None:
-        super().__init__(f"the backend {url} was lost before answering ({type(cause).__name__}: {cause})")
-        self.url = url
 
 
 def relabel_metrics(text: str, instance: str) -> list:
@@ -309,8 +303,8 @@ class Router:
                 self.metrics.backend_errors.labels(backend.url, type(e).__name__).inc()
                 self.set_health(backend, False, f"connection lost before the answer: {type(e).__name__}")
                 raise UpstreamLostError(backend.url, e) from e
-            except BaseException:
-                flight.end("backend_error")
+            except BaseException as e:
+                flight.end("aborted" if isinstance(e, asyncio.CancelledError) else "backend_error")
                 raise
 
     async def relay(self, flight: _Flight, upstream: httpx.Response) -> Response:
@@ -365,28 +359,7 @@ class Router:
         request = RouteRequest.from_openai_body(body)
         if not self.disaggregated:
             return await self.route("replica", path, body, request)
-        first = prefill_request_body(body)
-        flight, upstream = await self.open("prefill", path, first, dataclasses.replace(request, max_tokens=1))
-        if not upstream.is_success:
-            return await self.relay(flight, upstream)  # the prefill's error is the client's
-        try:
-            answer = json.loads(await upstream.aread())
-            flight.outcome = "ok"
-        except ValueError:
-            answer = None
-        finally:
-            flight.first_output()
-            flight.end()
-            await upstream.aclose()
-        try:
-            second = decode_request_body(body, answer)
-        except LookupError as e:
-            self.metrics.local.labels("502", "no_kv_transfer_params").inc()
-            return _error(502, f"{e} (prefill backend {flight.backend.url})", "bad_gateway")
-        if await http_request.is_disconnected():
-            logger.info("client left after the prefill hop: the decode hop is not sent")
-            return Response(status_code=499)
-        return await self.route("decode", path, second, request)
+        return await forward_disaggregated(self, path, body, request, http_request)
 
 
 async def _json_object(request: Request) -> dict:

@@ -1,4 +1,5 @@
-"""The router's wire rules as pure functions: the P/D two-hop request bodies and OpenAI error bodies.
+"""The router's wire rules: the P/D two-hop request bodies and OpenAI error bodies (pure functions), and its
+errors (a request it refuses, a backend lost before answering).
 
 The P/D hop protocol follows vLLM's disaggregated-serving proxy (``kv_transfer_params``): the first hop asks
 a prefill instance for one token and to keep the prompt's KV for a remote decode
@@ -23,6 +24,20 @@ class RouterRequestError(ValueError):
     def __init__(self, message: str, param: Optional[str] = None) -> None:
         super().__init__(message)
         self.message, self.param = message, param
+
+
+class UpstreamLostError(Exception):
+    """The connection to a backend was lost after the request was sent and before any byte of its answer
+    arrived (the router retries once, then answers 503).
+
+    Args:
+        url: The backend's base URL.
+        cause: The transport error.
+    """
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        super().__init__(f"the backend {url} was lost before answering ({type(cause).__name__}: {cause})")
+        self.url = url
 
 
 def error_body(message: str, type_: str, code: Union[int, str, None], param: Optional[str] = None) -> dict:
