@@ -63,6 +63,10 @@ class ModelConfig:
         rope_scaling: HF-style rope scaling dict (``rope_type`` ``"llama3"`` is supported) or ``None``.
         attention_bias: Whether q/k/v projections carry a bias (Qwen2).
         tie_word_embeddings: Whether the LM head shares the embedding matrix.
+        sliding_window: Attention window ``W`` in tokens that at least one layer of the checkpoint applies (a
+            token attends to itself and the ``W - 1`` before it, as HF masks ``kv_idx > q_idx - W``), or
+            ``None`` for full attention everywhere. The engine runs full attention, which is exact up to ``W``
+            tokens; :mod:`goodserve.models.config_support` caps ``max_model_len`` to it.
         bos_token_id: Beginning-of-sequence token id, if any.
         eos_token_ids: Token ids that end generation (EOS and e.g. ``<|eot_id|>``).
     """
@@ -83,6 +87,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: Optional[int] = None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes one token occupies: ``2 · L · n_kv · d_head · b_dtype`` (PagedAttention, §3)."""
@@ -97,8 +102,10 @@ class ModelConfig:
         ``num_key_value_heads = num_attention_heads``, ``head_dim = hidden_size // num_attention_heads``,
         ``max_position_embeddings = 2048`` and ``rms_norm_eps = 1e-6`` (transformers' ``LlamaConfig``
         defaults), ``rope_theta = 10000`` without scaling, untied embeddings. ``attention_bias`` is always
-        on for a Qwen2-family ``model_type`` (their q/k/v projections always carry a bias), else the
-        config's ``attention_bias`` (default off).
+        on for a Qwen2-family ``model_type`` (their q/k/v projections always carry a bias), always off for
+        ``mistral`` (transformers' Mistral has no biases and ignores the key), else the config's
+        ``attention_bias`` (default off). ``sliding_window`` is the window transformers applies
+        (:func:`hf_sliding_window`).
 
         Args:
             cfg: The ``config.json`` contents.
@@ -135,10 +142,12 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            attention_bias=model_type.startswith("qwen2") or bool(cfg.get("attention_bias", False)),
+            attention_bias=model_type.startswith("qwen2")
+            or (model_type != "mistral" and bool(cfg.get("attention_bias", False))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=unique_ids(eos),
+            sliding_window=hf_sliding_window(cfg),
         )
 
 
@@ -150,6 +159,37 @@ def hf_model_type(cfg: dict[str, Any]) -> Optional[str]:
             if class_name in HF_CLASS_TO_MODEL_TYPE:
                 return HF_CLASS_TO_MODEL_TYPE[class_name]
     return model_type
+
+
+def hf_sliding_window(cfg: dict[str, Any]) -> Optional[int]:
+    """The attention window transformers applies to a HF config, in tokens, or ``None`` (full attention).
+
+    As transformers 5 reads it: ``llama`` never applies ``sliding_window``; ``mistral`` applies it to every
+    layer; ``qwen2`` applies it only with ``use_sliding_window`` true, on the layers ``layer_types`` marks
+    ``"sliding_attention"`` (by default those at index ``>= max_window_layers``, default 28). Other
+    model types (read only by the simulator) take ``sliding_window`` as given.
+
+    Args:
+        cfg: The ``config.json`` contents.
+
+    Returns:
+        ``W`` when at least one layer attends within a window of ``W`` tokens, else ``None``.
+    """
+    model_type = hf_model_type(cfg) or ""
+    window = cfg.get("sliding_window")
+    if not window or model_type == "llama":
+        return None
+    if model_type.startswith("qwen2"):
+        if not cfg.get("use_sliding_window", False):
+            return None
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            first = int(cfg.get("max_window_layers", 28))
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(int(cfg.get("num_hidden_layers", 0)))]
+        if "sliding_attention" not in layer_types:
+            return None
+    return int(window)
 
 
 def token_id_list(value: Any) -> list[int]:
@@ -167,7 +207,12 @@ def unique_ids(ids: list[int]) -> tuple[int, ...]:
 
 
 def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    """RoPE base and scaling dict from either the transformers-4 or the transformers-5 config layout."""
+    """RoPE base and scaling dict from either the transformers-4 or the transformers-5 config layout.
+
+    ``rope_scaling`` wins over ``rope_parameters`` as in transformers; for ``llama3`` scaling the
+    pretraining length is the dict's ``original_max_position_embeddings``, else ``max_position_embeddings``
+    (transformers' ``standardize_rope_params``; a top-level key of that name does not reach Llama's RoPE).
+    """
     params = cfg.get("rope_parameters")
     scaling = cfg.get("rope_scaling")
     theta = cfg.get("rope_theta")
@@ -181,6 +226,8 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
             scaling["rope_type"] = scaling["type"]
         if scaling.get("rope_type", "default") == "default":
             scaling = None
+        elif scaling["rope_type"] == "llama3":
+            scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings") or 2048)
     return float(theta if theta is not None else 10000.0), scaling
 
 
