@@ -13,6 +13,7 @@ llama.cpp's converter does for ``llama`` (so the loader's un-permutation is exer
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +36,8 @@ def smollm2_tokenizer() -> Any:
     return PreTrainedTokenizerFast.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
-def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: int = SMOLLM2_VOCAB) -> Any:
+def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: int = SMOLLM2_VOCAB,
+                   overrides: Optional[dict[str, Any]] = None) -> Any:
     """A tiny ``transformers`` config of the given family.
 
     Args:
@@ -43,6 +45,7 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
             ``"mistral"``.
         tie: Tie the LM head to the embeddings; default True except for ``"llama3"``.
         vocab_size: Number of token ids (keep the SmolLM2 size to tokenize real text).
+        overrides: Config keys set on top (e.g. ``{"sliding_window": 24}``, ``{"head_dim": 32}``).
 
     Returns:
         A ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig``.
@@ -66,8 +69,9 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(overrides or {})
     if arch == "llama":
-        return LlamaConfig(rope_theta=100000.0, **common)
+        return LlamaConfig(**{"rope_theta": 100000.0, **common})
     if arch == "llama3":
         common["eos_token_id"] = [2, 0]
         scaling = {
@@ -80,8 +84,8 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
         }
         return LlamaConfig(rope_scaling=scaling, rope_theta=500000.0, **common)
     if arch == "mistral":
-        return MistralConfig(rope_theta=10000.0, sliding_window=None, **common)
-    return Qwen2Config(rope_theta=1000000.0, **common)
+        return MistralConfig(**{"rope_theta": 10000.0, "sliding_window": None, **common})
+    return Qwen2Config(**{"rope_theta": 1000000.0, **common})
 
 
 def make_tiny_hf_model(
@@ -90,6 +94,7 @@ def make_tiny_hf_model(
     tie: Optional[bool] = None,
     seed: int = 0,
     max_shard_size: Optional[str] = None,
+    overrides: Optional[dict[str, Any]] = None,
 ) -> str:
     """Build a random tiny model, save it with its tokenizer, and return the directory.
 
@@ -102,13 +107,14 @@ def make_tiny_hf_model(
         tie: See :func:`tiny_hf_config`.
         seed: Seed of the random weights.
         max_shard_size: Passed to ``save_pretrained`` (e.g. ``"1MB"``) to write sharded safetensors.
+        overrides: See :func:`tiny_hf_config` (they name the directory too).
 
     Returns:
         The model directory path.
     """
     from transformers import AutoModelForCausalLM
 
-    config = tiny_hf_config(arch, tie)
+    config = tiny_hf_config(arch, tie, overrides=overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -118,7 +124,8 @@ def make_tiny_hf_model(
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
     model.eval()
-    out = Path(tmp_path) / f"tiny-{arch}{'-tied' if config.tie_word_embeddings else ''}-{seed}"
+    extra = f"-{hashlib.sha1(repr(sorted(overrides.items())).encode()).hexdigest()[:8]}" if overrides else ""
+    out = Path(tmp_path) / f"tiny-{arch}{'-tied' if config.tie_word_embeddings else ''}-{seed}{extra}"
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **kwargs)
     smollm2_tokenizer().save_pretrained(out)

@@ -23,6 +23,7 @@ from goodserve.engine.core import EngineCore
 from goodserve.engine.output_processor import OutputProcessor
 from goodserve.engine.stats import EngineStats
 from goodserve.kv_transfer.params import KVTransferParams
+from goodserve.models.config_support import resolve_max_model_len
 from goodserve.models.loader import default_model_path, load_model
 from goodserve.outputs import RequestOutput
 from goodserve.request import Request, RequestStatus
@@ -42,10 +43,12 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str) -> tuple[int
 
     Returns:
         ``(num_blocks, max_model_len)``. ``max_model_len`` never exceeds what the pool can hold, so a
-        request admitted alone can always finish.
+        request admitted alone can always finish, nor what the engine computes exactly
+        (:func:`~goodserve.models.config_support.resolve_max_model_len`).
 
     Raises:
-        ValueError: if the pool cannot hold a single block.
+        ValueError: if the pool cannot hold a single block, or ``max_model_len`` asks for more tokens than
+            the model's sliding window.
     """
     bytes_per_block = model.kv_bytes_per_token(torch.tensor([], dtype=DTYPES[args.dtype]).element_size()) \
         * args.block_size
@@ -56,7 +59,7 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str) -> tuple[int
         num_blocks = memory // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {bytes_per_block} bytes")
-    max_model_len = min(args.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+    max_model_len = resolve_max_model_len(args.max_model_len, model)
     pool_tokens = num_blocks * args.block_size
     if pool_tokens < max_model_len:
         logger.warning("KV pool of %d blocks holds %d tokens, fewer than max_model_len %d: "

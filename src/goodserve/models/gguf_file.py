@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from goodserve.config import ModelConfig, token_id_list, unique_ids
+from goodserve.models.config_support import check_gguf_metadata, check_gguf_tensors
 from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks
 from goodserve.models.checkpoint import LoadedModel, tokenizer_chat_template, with_tokenizer_eos
@@ -78,11 +79,19 @@ def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
+    """The architecture from a GGUF's metadata, every ``{arch}.`` key checked by
+    :func:`~goodserve.models.config_support.check_gguf_metadata` and the tensor list by
+    :func:`~goodserve.models.config_support.check_gguf_tensors` (no tensor data is read).
+
+    Raises:
+        ValueError: on an unsupported architecture, metadata key or value, or tensor.
+    """
     arch = reader.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
+    check_gguf_metadata(arch, reader.fields)
 
     def get(key: str, default: Any = None) -> Any:
         value = reader.get(f"{arch}.{key}", default)
@@ -95,7 +104,12 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
     head_dim = int(reader.get(f"{arch}.attention.key_length") or hidden // heads)
     rope_dim = int(reader.get(f"{arch}.rope.dimension_count") or head_dim)
     if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) unsupported")
+        raise ValueError(f"GGUF metadata {arch}.rope.dimension_count={rope_dim} is not supported: partial rotary "
+                         f"embeddings (rope dim != head dim {head_dim}) are not implemented")
+    value_dim = int(reader.get(f"{arch}.attention.value_length") or head_dim)
+    if value_dim != head_dim:
+        raise ValueError(f"GGUF metadata {arch}.attention.value_length={value_dim} is not supported: it must equal "
+                         f"the key length {head_dim}")
 
     scaling = None
     scaling_type = reader.get(f"{arch}.rope.scaling.type")
@@ -110,7 +124,8 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
     eos += token_id_list(reader.get("tokenizer.ggml.eom_token_id"))
     bos = reader.get("tokenizer.ggml.bos_token_id")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    return ModelConfig(
+    window = reader.get(f"{arch}.attention.sliding_window")
+    config = ModelConfig(
         architecture=arch,
         vocab_size=n_tokens,
         hidden_size=hidden,
@@ -127,7 +142,20 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
         tie_word_embeddings=tied,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=unique_ids(eos),
+        sliding_window=int(window) if window else None,
     )
+    check_gguf_tensors((t.name for t in reader.tensors), _expected_gguf_names(config))
+    return config
+
+
+def _expected_gguf_names(config: ModelConfig) -> set[str]:
+    """GGUF names of every tensor the engine reads for ``config`` (``output.weight`` included)."""
+    names = set(_GGUF_GLOBAL_NAMES)
+    for i in range(config.num_hidden_layers):
+        names.update(f"blk.{i}.{part}.weight" for part in _GGUF_LAYER_NAMES)
+        if config.attention_bias:
+            names.update(f"blk.{i}.attn_{x}.bias" for x in "qkv")
+    return names
 
 
 def _gguf_hf_name(name: str) -> Optional[str]:
@@ -185,10 +213,8 @@ def _gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     named = []
     for tensor in reader.tensors:
         hf_name = _gguf_hf_name(tensor.name)
-        if hf_name is None:
-            # e.g. rope_freqs.weight (Llama 3.1 rope factors) has no HF parameter.
-            logger.warning("skipping GGUF tensor %s (no HF equivalent)", tensor.name)
-            continue
+        if hf_name is None:  # _gguf_config refused every tensor without one
+            raise RuntimeError(f"GGUF tensor {tensor.name} has no HF name")
         named.append((hf_name, tensor))
     # numpy releases the GIL in its array kernels, so a few threads overlap the per-tensor dequantization.
     workers = min(8, os.cpu_count() or 1)
@@ -210,7 +236,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
         The :class:`LoadedModel` (weights on CPU, HF names); ``vocab_size`` is the embedding's rows.
 
     Raises:
-        ValueError: On an unsupported architecture, tensor type or partial rotary embedding.
+        ValueError: On an unsupported architecture, metadata field, tensor or tensor type.
     """
     reader = GGUFFile(path)
     n_tokens = len(reader.get("tokenizer.ggml.tokens", ()))

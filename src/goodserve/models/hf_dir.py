@@ -2,23 +2,23 @@
 
 ``config.json`` is parsed by :meth:`goodserve.config.ModelConfig.from_hf_config` (shared with the
 simulator's presets); this module adds what the engine can run: Llama-family decoders with a SwiGLU MLP
-and RMSNorm, without MLP biases.
+and RMSNorm, every config field checked against :mod:`goodserve.models.config_support` and every tensor
+name against what the model reads, before any weight is read.
 """
 
 from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 from typing import Any, Optional
 
 import torch
 
 from goodserve.config import ModelConfig, hf_model_type
+from goodserve.models.config_support import check_hf_config
 from goodserve.models.checkpoint import LoadedModel, load_hf_tokenizer, tokenizer_chat_template, with_tokenizer_eos
 
-logger = logging.getLogger(__name__)
 
 #: HF ``model_type`` values we can run (all Llama-family decoders with SwiGLU MLP and RMSNorm).
 SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -27,7 +27,8 @@ SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> ModelConfig:
     """Build the :class:`ModelConfig` of a model the engine can run from a parsed HF ``config.json``.
 
-    Parsing is :meth:`ModelConfig.from_hf_config`'s; this adds what the engine supports.
+    Parsing is :meth:`ModelConfig.from_hf_config`'s; this adds what the engine supports
+    (:func:`~goodserve.models.config_support.check_hf_config`).
 
     Args:
         cfg: The ``config.json`` contents.
@@ -37,7 +38,8 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
         The model config.
 
     Raises:
-        ValueError: On an unsupported architecture or feature (MLP bias), or a missing required key.
+        ValueError: On an unsupported architecture, a field the engine does not implement (named with its
+            value), or a missing required key.
     """
     model_type = hf_model_type(cfg)
     if model_type not in SUPPORTED_HF_ARCHITECTURES:
@@ -45,11 +47,35 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
         raise ValueError(
             f"unsupported architecture {named!r}; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
         )
-    if cfg.get("mlp_bias"):
-        raise ValueError("MLP biases (mlp_bias=true) are not supported")
-    if model_type == "mistral" and cfg.get("sliding_window"):
-        logger.warning("sliding_window=%s is ignored: full attention is used", cfg["sliding_window"])
+    check_hf_config(cfg, model_type)
     return ModelConfig.from_hf_config(cfg, generation_cfg)
+
+
+def expected_weight_names(config: ModelConfig) -> set[str]:
+    """HF names of every tensor the model reads for ``config`` (``lm_head.weight`` included, used when untied)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+    for i in range(config.num_hidden_layers):
+        names.update(f"model.layers.{i}.{part}.weight" for part in parts)
+        if config.attention_bias:
+            names.update(f"model.layers.{i}.self_attn.{x}_proj.bias" for x in "qkv")
+    return names
+
+
+def check_weight_names(names: list[str], config: ModelConfig) -> None:
+    """Refuse checkpoint tensors the model would not read (a bias or norm left out is math left out).
+
+    RoPE's ``rotary_emb.inv_freq`` buffers, which older checkpoints saved, are recomputed and pass.
+
+    Raises:
+        ValueError: naming the first unexpected tensors.
+    """
+    expected = expected_weight_names(config)
+    extra = sorted(n for n in names if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ValueError(f"checkpoint tensors the engine does not implement: {', '.join(extra[:3])}"
+                         + (f" and {len(extra) - 3} more" if len(extra) > 3 else ""))
 
 
 def load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
@@ -64,8 +90,10 @@ def load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
 
     Raises:
         FileNotFoundError: If ``config.json`` or the ``*.safetensors`` shards are missing.
-        ValueError: On an unsupported architecture, or an untied model without ``lm_head.weight``.
+        ValueError: On an unsupported architecture or config field, a tensor the model would not read, or an
+            untied model without ``lm_head.weight``.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     config_path = os.path.join(path, "config.json")
@@ -83,6 +111,11 @@ def load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors files in model directory {path!r}")
+    names = []
+    for shard in shards:  # headers only
+        with safe_open(shard, framework="pt") as f:
+            names.extend(f.keys())
+    check_weight_names(names, config)
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         for name, tensor in load_file(shard).items():

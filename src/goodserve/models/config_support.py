@@ -1,0 +1,320 @@
+"""What the engine implements of a checkpoint's config, decided before any weight is read.
+
+Every field the loaders meet in a HF ``config.json`` (:data:`HF_RULES`) or in GGUF metadata
+(:data:`GGUF_RULES`, keys under the file's architecture) has one handling:
+
+* ``implemented``: the engine computes what the field asks (tests compare with transformers token for token);
+* ``capped``: exact only up to a length, so ``max_model_len`` is capped there (:func:`exact_context_len`);
+* ``refused``: a ``ValueError`` names the field, its value and what is supported, before any weight is read;
+* ``ignored``: the field cannot change the output at inference (dropout, ``use_cache``, dtypes, names), or
+  transformers' class for that ``model_type`` does not read it either, so the engine's output still equals
+  the reference's.
+
+A rule with a ``problem`` check is refused for the values the check names and has its ``handling`` for the
+others (``hidden_act`` is implemented for ``silu`` and refused otherwise). A HF key in no table is logged at
+WARNING (configs carry free-form metadata); a GGUF key under ``{arch}.`` in no table is refused, because
+that namespace holds only hyperparameters (ggml ``docs/gguf.md``). GGUF tensors the engine has no use for are
+refused too (:func:`check_gguf_tensors`): a skipped tensor is skipped math.
+
+The engine runs full causal attention on every layer. :func:`exact_context_len` is the one place that says
+how far that is exact for a model; implementing windowed attention changes that function alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+from goodserve.config import HF_REQUIRED_KEYS, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+HANDLINGS = ("implemented", "capped", "refused", "ignored")
+#: RoPE types the model computes (``goodserve.models.llama.rope_inv_freq``), as transformers names them.
+ROPE_TYPES = ("default", "linear", "llama3")
+#: ``hidden_act`` values of the SwiGLU MLP (transformers' ``swish`` is ``nn.SiLU``).
+ACTIVATIONS = ("silu", "swish")
+
+Problem = Callable[[Any], Optional[str]]
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """How the engine treats one config field.
+
+    Attributes:
+        field: HF ``config.json`` key, or GGUF metadata key without the ``{arch}.`` prefix.
+        handling: One of :data:`HANDLINGS`, for every value ``problem`` accepts.
+        why: What is supported, or why ignoring the field leaves the output unchanged.
+        model_types: HF ``model_type``\\ s / GGUF architectures the rule is for (empty: all supported ones).
+        problem: ``value -> None`` when the value is fine, else the reason it is refused.
+    """
+
+    field: str
+    handling: str
+    why: str
+    model_types: tuple[str, ...] = ()
+    problem: Optional[Problem] = None
+
+
+def _refuse_if_set(reason: str) -> Problem:
+    """A check refusing any value other than absent, null, false or 0."""
+    return lambda value: reason if value else None
+
+
+def _only(allowed: tuple[Any, ...], reason: str) -> Problem:
+    return lambda value: None if value in allowed else reason
+
+
+def _not_one(reason: str) -> Problem:
+    return lambda value: None if value is None or float(value) == 1.0 else reason
+
+
+def _rope_problem(value: Any) -> Optional[str]:
+    """What of a HF ``rope_scaling`` / ``rope_parameters`` dict the engine does not compute, or ``None``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "expected a dict"
+    if any(isinstance(v, dict) for v in value.values()):
+        return "RoPE parameters per layer type are not implemented"
+    kind = value.get("rope_type", value.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        return f"rope_type {kind!r} is not implemented (supported: {', '.join(ROPE_TYPES)})"
+    factor = value.get("partial_rotary_factor")
+    if factor is not None and float(factor) != 1.0:
+        return "partial_rotary_factor != 1 (rotary on part of each head) is not implemented"
+    needed = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    missing = [key for key in needed[kind] if key not in value]
+    return f"rope_type {kind!r} needs {missing[0]!r}" if missing else None
+
+
+def _layer_types_problem(value: Any) -> Optional[str]:
+    kinds = set(value or ()) - {"full_attention", "sliding_attention"}
+    return f"layer types {sorted(kinds)} are not implemented" if kinds else None
+
+
+def _window_problem(value: Any) -> Optional[str]:
+    return None if value is None or (isinstance(value, int) and value > 0) else "expected a positive int or null"
+
+
+_NOT_READ = "transformers' class for this model_type does not read it, so the reference output ignores it too"
+_METADATA = "metadata: no effect on the computed tokens"
+
+#: HF ``config.json`` keys of the ``llama``, ``mistral`` and ``qwen2`` model types (SmolLM2 is ``llama``).
+HF_RULES: tuple[FieldRule, ...] = (
+    *(FieldRule(key, "implemented", "required shape") for key in HF_REQUIRED_KEYS),
+    FieldRule("num_key_value_heads", "implemented", "GQA / MQA; default num_attention_heads"),
+    FieldRule("head_dim", "implemented", "any width, also != hidden_size / num_attention_heads"),
+    FieldRule("max_position_embeddings", "implemented", "caps max_model_len; sizes the RoPE table"),
+    FieldRule("rms_norm_eps", "implemented", "RMSNorm epsilon"),
+    FieldRule("rope_theta", "implemented", "RoPE base"),
+    FieldRule("rope_scaling", "implemented", f"rope_type {', '.join(ROPE_TYPES)}; others refused",
+              problem=_rope_problem),
+    FieldRule("rope_parameters", "implemented", "transformers-5 layout of rope_theta + rope_scaling",
+              problem=_rope_problem),
+    FieldRule("original_max_position_embeddings", "ignored", "at top level transformers' RoPE does not read it "
+              "(llama3 reads the rope dict's, implemented)"),
+    FieldRule("partial_rotary_factor", "refused", "rotary on part of each head is not implemented",
+              problem=_not_one("only 1.0 (rotary on the whole head) is implemented")),
+    FieldRule("hidden_act", "implemented", "SwiGLU with silu (= swish)",
+              problem=_only(ACTIVATIONS, f"only {', '.join(ACTIVATIONS)} is implemented")),
+    FieldRule("tie_word_embeddings", "implemented", "LM head = embedding"),
+    FieldRule("bos_token_id", "implemented", "BOS id"),
+    FieldRule("eos_token_id", "implemented", "EOS ids (with generation_config.json's)"),
+    FieldRule("attention_bias", "refused", "transformers' Llama then adds q/k/v and o_proj biases; the engine has "
+              "no o_proj bias", ("llama",), _refuse_if_set("attention biases on a llama model are not implemented")),
+    FieldRule("attention_bias", "ignored", "Qwen2 always has q/k/v biases and no o_proj bias (implemented)",
+              ("qwen2",)),
+    FieldRule("attention_bias", "ignored", "transformers' Mistral has no biases whatever the key says",
+              ("mistral",)),
+    FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("llama",),
+              _refuse_if_set("MLP biases are not implemented")),
+    FieldRule("mlp_bias", "ignored", _NOT_READ, ("mistral", "qwen2")),
+    FieldRule("sliding_window", "capped", "every layer attends within W tokens: exact up to W",
+              ("mistral",), _window_problem),
+    FieldRule("sliding_window", "capped", "applied only with use_sliding_window and a sliding layer: exact up to W",
+              ("qwen2",), _window_problem),
+    FieldRule("sliding_window", "ignored", _NOT_READ, ("llama",)),
+    FieldRule("use_sliding_window", "implemented", "false: transformers ignores sliding_window (full context)",
+              ("qwen2",)),
+    FieldRule("max_window_layers", "implemented", "layers at index >= it slide (when layer_types is absent)",
+              ("qwen2",)),
+    FieldRule("layer_types", "implemented", "full_attention / sliding_attention per layer", ("qwen2",),
+              _layer_types_problem),
+    FieldRule("layer_types", "ignored", _NOT_READ, ("llama", "mistral")),
+    FieldRule("quantization_config", "refused", "quantized safetensors are not implemented (GGUF blocks are)",
+              problem=_refuse_if_set("quantized safetensors checkpoints (GPTQ, AWQ, bitsandbytes, fp8) are not "
+                                     "implemented; use an unquantized checkpoint or a GGUF")),
+    FieldRule("rope_interleaved", "refused", "GPT-J-style interleaved RoPE is not implemented (rotate-half is)",
+              problem=_refuse_if_set("interleaved RoPE is not implemented")),
+    *(FieldRule(key, "refused", f"{what} is not implemented", problem=_refuse_if_set(f"{what} is not implemented"))
+      for key, what in (("attn_logit_softcapping", "attention logit soft-capping"),
+                        ("final_logit_softcapping", "final logit soft-capping"),
+                        ("qk_norm", "q/k normalisation"), ("use_qk_norm", "q/k normalisation"),
+                        ("num_local_experts", "a mixture of experts"), ("num_experts", "a mixture of experts"))),
+    FieldRule("pretraining_tp", "ignored", "transformers 4 only slices the same matmuls; transformers 5 does not "
+              "read it"),
+    FieldRule("attention_dropout", "ignored", "dropout is off at inference"),
+    FieldRule("initializer_range", "ignored", "weight init for training"),
+    FieldRule("use_cache", "ignored", "the engine always caches KV"),
+    FieldRule("pad_token_id", "ignored", "no padding: a step is a flat batch"),
+    FieldRule("torch_dtype", "ignored", "--dtype chooses the dtype"),
+    FieldRule("dtype", "ignored", "--dtype chooses the dtype"),
+    FieldRule("auto_map", "ignored", "remote code is not run; transformers without trust_remote_code runs the "
+              "model_type's class too"),
+    *(FieldRule(key, "ignored", _METADATA) for key in (
+        "model_type", "architectures", "transformers_version", "_name_or_path", "is_llama_config",
+        "transformers.js_config", "output_attentions", "output_hidden_states", "return_dict")),
+)
+
+
+def _scalar_problem(value: Any) -> Optional[str]:
+    return "per-layer values (an array) are not implemented" if isinstance(value, list) else None
+
+
+#: GGUF metadata keys under ``{arch}.`` for the ``llama`` and ``qwen2`` architectures (llama.cpp's names).
+GGUF_RULES: tuple[FieldRule, ...] = (
+    *(FieldRule(key, "implemented", "shape", problem=_scalar_problem) for key in (
+        "context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
+        "attention.head_count_kv", "attention.key_length")),
+    FieldRule("attention.value_length", "implemented", "equal to key_length", problem=_scalar_problem),
+    FieldRule("attention.layer_norm_rms_epsilon", "implemented", "RMSNorm epsilon"),
+    FieldRule("rope.freq_base", "implemented", "RoPE base"),
+    FieldRule("rope.dimension_count", "implemented", "equal to the head width (partial rotary refused)"),
+    FieldRule("rope.scaling.type", "implemented", "none, linear",
+              problem=_only(("none", "linear"), "only none and linear RoPE scaling are implemented")),
+    FieldRule("rope.scaling.factor", "implemented", "linear scaling's factor"),
+    FieldRule("rope.scaling.original_context_length", "ignored", "linear scaling does not read it"),
+    FieldRule("rope.scaling.finetuned", "ignored", _METADATA),
+    FieldRule("rope.scaling.attn_factor", "refused", "YaRN's attention factor is not implemented",
+              problem=_not_one("only 1.0 is implemented")),
+    FieldRule("attention.sliding_window", "capped", "attention within W tokens: exact up to W", problem=_window_problem),
+    FieldRule("vocab_size", "ignored", "the token embedding's rows are the vocabulary"),
+    *(FieldRule(key, "refused", f"{what} is not implemented", problem=_refuse_if_set(f"{what} is not implemented"))
+      for key, what in (("expert_count", "a mixture of experts"), ("expert_used_count", "a mixture of experts"),
+                        ("attn_logit_softcapping", "attention logit soft-capping"),
+                        ("final_logit_softcapping", "final logit soft-capping"),
+                        ("logit_scale", "logit scaling"), ("embedding_scale", "embedding scaling"),
+                        ("residual_scale", "residual scaling"), ("attention.scale", "a custom attention scale"),
+                        ("attention.clamp_kqv", "q/k/v clamping"),
+                        ("attention.layer_norm_epsilon", "LayerNorm in place of RMSNorm"))),
+)
+
+#: GGUF tensors (or name parts) that ask for math the engine lacks, with the reason given when refusing them.
+GGUF_TENSOR_REASONS = (
+    ("rope_freqs.weight", "per-dimension RoPE frequency factors (Llama 3.1+ scaling as llama.cpp stores it) are "
+                          "not implemented"),
+    ("_exps.", "a mixture of experts is not implemented"),
+    ("ffn_gate_inp.", "a mixture of experts is not implemented"),
+    ("_norm.", "an extra normalisation (e.g. q/k norm) is not implemented"),
+    (".bias", "this bias is not implemented"),
+)
+
+
+def _rules_for(rules: Iterable[FieldRule], model_type: str) -> dict[str, FieldRule]:
+    return {rule.field: rule for rule in rules if not rule.model_types or model_type in rule.model_types}
+
+
+def check_hf_config(cfg: dict[str, Any], model_type: str) -> None:
+    """Refuse a HF config asking for what the engine does not compute; log keys no rule covers.
+
+    Args:
+        cfg: The ``config.json`` contents.
+        model_type: Its ``model_type``, one the loader supports.
+
+    Raises:
+        ValueError: naming the first refused field, its value and what is supported.
+    """
+    rules = _rules_for(HF_RULES, model_type)
+    for key, value in cfg.items():
+        rule = rules.get(key)
+        problem = rule.problem(value) if rule is not None and rule.problem is not None else None
+        if problem:
+            raise ValueError(f"config.json {key}={value!r} is not supported: {problem}")
+    unknown = sorted(key for key in cfg if key not in rules)
+    if unknown:
+        logger.warning("config.json keys the engine does not know (their effect, if any, is not implemented): %s",
+                       ", ".join(unknown))
+
+
+def check_gguf_metadata(arch: str, fields: dict[str, Any]) -> None:
+    """Refuse GGUF metadata under ``{arch}.`` that no rule accepts (unknown keys included).
+
+    Args:
+        arch: ``general.architecture``, one the loader supports.
+        fields: All metadata key -> value.
+
+    Raises:
+        ValueError: naming the first refused key and its value.
+    """
+    rules = _rules_for(GGUF_RULES, arch)
+    prefix = f"{arch}."
+    for key, value in fields.items():
+        if not key.startswith(prefix):
+            continue
+        rule = rules.get(key[len(prefix):])
+        if rule is None:
+            raise ValueError(f"GGUF metadata {key}={value!r} is not supported: the engine does not implement it")
+        problem = rule.problem(value) if rule.problem is not None else None
+        if problem:
+            raise ValueError(f"GGUF metadata {key}={value!r} is not supported: {problem}")
+    splits = fields.get("split.count", 1)
+    if splits and int(splits) > 1:
+        raise ValueError(f"GGUF metadata split.count={splits} is not supported: merge the split files into one")
+
+
+def check_gguf_tensors(names: Iterable[str], expected: set[str]) -> None:
+    """Refuse a GGUF holding tensors the engine would not use (each is math it would skip).
+
+    Args:
+        names: The file's tensor names.
+        expected: The names the engine reads for this config.
+
+    Raises:
+        ValueError: naming the first unexpected tensor and, where known, what it is for.
+    """
+    for name in names:
+        if name in expected:
+            continue
+        reason = next((why for part, why in GGUF_TENSOR_REASONS if part in name),
+                      "the engine has no use for it, and skipping it could change the output")
+        raise ValueError(f"GGUF tensor {name!r} is not supported: {reason}")
+
+
+def exact_context_len(model: ModelConfig) -> Optional[int]:
+    """The longest sequence, in tokens, whose output the engine computes exactly; ``None``: no limit here.
+
+    The engine attends over the whole sequence on every layer. A window of ``W`` tokens (a token sees itself
+    and the ``W - 1`` before it) equals that while a sequence holds at most ``W`` tokens, and differs from
+    the ``W + 1``-th token on (checked against transformers in ``tests/test_config_support.py``).
+    """
+    return model.sliding_window
+
+
+def resolve_max_model_len(requested: Optional[int], model: ModelConfig) -> int:
+    """``max_model_len`` within the model's positions and what :func:`exact_context_len` allows.
+
+    Args:
+        requested: ``--max-model-len`` as the user gave it; ``None`` takes the model's context length.
+        model: The architecture.
+
+    Returns:
+        ``min(requested or max_position_embeddings, max_position_embeddings)``, capped to the exact length
+        (with a WARNING) when the user did not ask for a length.
+
+    Raises:
+        ValueError: if the user asked for more tokens than the engine computes exactly.
+    """
+    limit = model.max_position_embeddings
+    length = min(requested or limit, limit)
+    exact = exact_context_len(model)
+    if exact is None or length <= exact:
+        return length
+    if requested is not None:
+        raise ValueError(f"max_model_len={requested} is longer than the model's sliding_window={exact}: the engine "
+                         f"runs full attention, exact only up to sliding_window tokens; ask for at most {exact}")
+    logger.warning("sliding_window=%d is shorter than the model's %d positions: capping max_model_len to %d "
+                   "(full attention equals windowed attention within the window)", exact, limit, exact)
+    return exact
