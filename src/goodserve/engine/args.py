@@ -39,6 +39,8 @@ class EngineArgs:
         batch_invariant: Batch-invariant numerics (``goodserve.models.invariant``): a token's logits do not
             depend on what shares its step, on prefix hits or on preemption. ``None``: the default,
             :data:`BATCH_INVARIANT_DEFAULT`, on the CPU.
+        fused_decode_step: Decode-only steps run every layer in one native call where the model allows it
+            (``False``: layer by layer, for A/B comparisons; the same bits either way).
         block_size: Tokens per KV block.
         num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
         kv_cache_memory: KV pool size in bytes; default: 20% of available memory, at most 4 GiB on CPU.
@@ -78,6 +80,7 @@ class EngineArgs:
     device: Optional[str] = None
     attention_backend: str = "auto"
     batch_invariant: Optional[bool] = None
+    fused_decode_step: bool = True
     block_size: int = 16
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[int] = None
@@ -153,6 +156,8 @@ class EngineArgs:
                        help="batch-invariant numerics: a request's tokens and logprobs depend on its prompt and "
                             "seed only, not on what shares its step, prefix hits or preemption "
                             f"(default: {'on' if BATCH_INVARIANT_DEFAULT else 'off'}; CPU only)")
+        g.add_argument("--no-fused-decode-step", dest="fused_decode_step", action="store_false",
+                       help="run decode-only steps layer by layer instead of in one native call (A/B comparisons)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
         g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")

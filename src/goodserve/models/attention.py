@@ -395,7 +395,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        if native.load() is None:
+        if not native.load():
             raise RuntimeError("the native attention kernel is not available on this machine "
                                "(no C++ compiler, a failed build, or GOODSERVE_NATIVE_KERNELS=0)")
 
@@ -422,7 +422,7 @@ def make_attention_backend(name: str, device: torch.device, batch_invariant: boo
     if batch_invariant:
         from goodserve.models.invariant_attention import InvariantAttentionBackend
 
-        return InvariantAttentionBackend(name == "native" or (name == "auto" and native.load() is not None))
-    if name == "native" or (name == "auto" and device.type == "cpu" and native.load() is not None):
+        return InvariantAttentionBackend(name == "native" or (name == "auto" and native.load()))
+    if name == "native" or (name == "auto" and device.type == "cpu" and native.load()):
         return NativeAttentionBackend()
     return TorchAttentionBackend()

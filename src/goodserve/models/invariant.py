@@ -18,7 +18,6 @@ computed alone, beside 63 other decodes, or inside a prefill chunk — and a sam
 
 from __future__ import annotations
 
-import ctypes
 from typing import Optional, Union
 
 import torch
@@ -36,20 +35,6 @@ _KINDS = {torch.bfloat16: 0, torch.float32: 1}
 _MODES = {0: "none", 1: "avx512_bf16", 2: "amx"}
 
 
-def _lib() -> Optional[ctypes.CDLL]:
-    lib = native.load()
-    if lib is None or getattr(lib, "_bi_ready", False):
-        return lib
-    lib.goodserve_bi_gemm_init.restype = ctypes.c_int
-    lib.goodserve_bi_gemm_init.argtypes = [ctypes.c_int]
-    vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.goodserve_bi_gemm.restype = ctypes.c_int
-    lib.goodserve_bi_gemm.argtypes = [ctypes.c_int, ctypes.c_int, vp, i64, i64, i64, vp, i64, vp, ctypes.c_int, vp,
-                                      i64, ctypes.c_int]
-    lib._bi_ready = True
-    return lib
-
-
 def kernel_mode(force: Optional[str] = None) -> str:
     """The native kernel this process runs: ``"amx"``, ``"avx512_bf16"`` or ``"none"`` (torch tiles).
 
@@ -57,11 +42,10 @@ def kernel_mode(force: Optional[str] = None) -> str:
         force: Cap the mode (``"avx512_bf16"`` to run that path on a machine with AMX, for tests); layers made
             before keep their packing, which both modes read.
     """
-    lib = _lib()
-    if lib is None:
+    if not native.load():
         return "none"
     cap = -1 if force is None else {v: k for k, v in _MODES.items()}[force]
-    return _MODES[lib.goodserve_bi_gemm_init(cap)]
+    return _MODES[torch.ops.goodserve.bi_gemm_mode(cap)]
 
 
 def native_fits(n: int, k: int, dtype: torch.dtype) -> bool:
@@ -117,20 +101,9 @@ class InvariantLinear(nn.Module):
         """``x``: ``[rows, in_features]`` in the activation dtype -> ``[rows, out_features]``."""
         if self.packed is None:
             return _tiled(self._dense, x, self.out_features)
-        rows = x.shape[0]
-        out = torch.empty((rows, self.out_features), dtype=self.dtype)
-        if rows == 0:
-            return out
         if x.dtype != self.dtype or x.dim() != 2 or x.stride(1) != 1:
             x = x.to(self.dtype).contiguous()
-        code = 1 if self.dtype == torch.bfloat16 else 0
-        rc = _lib().goodserve_bi_gemm(
-            _KINDS[self.dtype], code, x.data_ptr(), x.stride(0), rows, self.in_features, self.packed.data_ptr(),
-            self.out_features, None if self.bias is None else self.bias.data_ptr(), code, out.data_ptr(),
-            out.stride(0), torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"the batch-invariant GEMM refused the call (code {rc})")
-        return out
+        return torch.ops.goodserve.bi_gemm(x, self.packed, self.out_features, self.bias)
 
     @property
     def kind(self) -> int:

@@ -20,9 +20,7 @@ merged in order (the online softmax of flash attention, Dao et al. 2022; flash-d
 
 from __future__ import annotations
 
-import ctypes
 import math
-from typing import Optional
 
 import torch
 
@@ -52,10 +50,10 @@ class InvariantAttentionBackend:
     uses_row_tables = True
 
     def __init__(self, use_native: bool) -> None:
-        if use_native and native.load() is None:
+        if use_native and not native.load():
             raise RuntimeError("the native attention kernel is not available on this machine")
         self.use_native = use_native
-        self.amx = use_native and _amx_lib() is not None
+        self.amx = use_native and torch.ops.goodserve.paged_attention_rows_supported()
 
     def uses_amx(self, q: torch.Tensor, num_kv_heads: int) -> bool:
         """Whether rows like ``q`` (``[rows, num_heads, head_dim]``) run on the AMX kernel."""
@@ -85,20 +83,6 @@ class InvariantAttentionBackend:
         return out
 
 
-def _amx_lib() -> Optional[ctypes.CDLL]:
-    """The kernel library when the AMX attention kernel runs here, else ``None``."""
-    lib = native.load()
-    if lib is None:
-        return None
-    if not getattr(lib, "_amx_attention_ready", False):
-        vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.goodserve_paged_attention_rows_supported.restype = ctypes.c_int
-        lib.goodserve_paged_attention_rows.restype = ctypes.c_int
-        lib.goodserve_paged_attention_rows.argtypes = [vp] * 7 + [i64] * 10 + [ctypes.c_float, ctypes.c_int]
-        lib._amx_attention_ready = True
-    return lib if lib.goodserve_paged_attention_rows_supported() == 1 else None
-
-
 def run_starts(meta: AttentionMetadata, group: int) -> torch.Tensor:
     """``[num_runs + 1]`` int32 first row of each run: every decode alone, each prefill chunk's tokens in
     runs of ``16 // group`` (they share a block table)."""
@@ -122,17 +106,9 @@ def attention_rows_amx(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _, block_size, num_kv_heads, _ = k_cache.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the caches must be contiguous and each query row's heads contiguous")
-    runs = run_starts(meta, num_heads // num_kv_heads)
-    out = torch.empty((rows, num_heads, head_dim), dtype=q.dtype)
-    tables, lens = meta.row_block_tables, meta.row_seq_lens
-    rc = _amx_lib().goodserve_paged_attention_rows(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), runs.data_ptr(),
-        out.data_ptr(), rows, runs.shape[0] - 1, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
-        q.stride(0), SPLIT_TOKENS, -(-meta.max_row_len // SPLIT_TOKENS), 1.0 / math.sqrt(head_dim),
-        torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"the AMX attention kernel refused the call (code {rc})")
-    return out
+    return torch.ops.goodserve.paged_attention_rows(
+        q, k_cache, v_cache, meta.row_block_tables, meta.row_seq_lens, run_starts(meta, num_heads // num_kv_heads),
+        SPLIT_TOKENS, -(-meta.max_row_len // SPLIT_TOKENS), 1.0 / math.sqrt(head_dim))
 
 
 def _attend_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

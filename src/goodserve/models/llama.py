@@ -343,17 +343,6 @@ class LlamaForCausalLM(nn.Module):
             ``[num_tokens, hidden_size]`` final hidden states (after the last norm).
         """
         num_tokens = input_ids.shape[0]
-        plan = self.decode_plan
-        if plan is not None and native.use_decode_step and native.use_decoder_ops \
-                and meta.num_decodes == num_tokens and num_tokens <= plan.max_rows \
-                and meta.decode_block_tables is not None and self._native_attention(attn):
-            return native.decode_layers(plan, self.embed_tokens(input_ids), positions, kv_caches,
-                                        meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-                                        meta.max_decode_len, self.rope_cos_sin(self.norm.weight.dtype),
-                                        SPLIT_TOKENS if self.batch_invariant else None,
-                                        self.batch_invariant and attn.uses_amx(input_ids.new_empty(
-                                            (0, self.config.num_attention_heads, self.config.head_dim),
-                                            dtype=self.norm.weight.dtype), self.config.num_key_value_heads))
         padded = padded_num_tokens(num_tokens)
         if padded > num_tokens:
             input_ids = F.pad(input_ids, (0, padded - num_tokens))
@@ -366,12 +355,35 @@ class LlamaForCausalLM(nn.Module):
         return add_rms_norm(x[:num_tokens], residual[:num_tokens], self.norm.weight, self.norm.eps,
                             self.batch_invariant)[0]
 
-    def _native_attention(self, attn: AttentionBackend) -> bool:
-        """Whether ``attn`` is the native kernel the one-call decode step runs (with fixed splits in
-        batch-invariant mode)."""
+    def can_decode_in_one_call(self, num_tokens: int, meta: AttentionMetadata, attn: AttentionBackend) -> bool:
+        """Whether :meth:`decode_in_one_call` takes this step: a decode plan (every projection on the block
+        kernel, or in batch-invariant mode on the native invariant GEMM), only decodes, at most the plan's
+        rows, and the native attention kernel the plan attends with."""
+        plan = self.decode_plan
+        if plan is None or meta.num_decodes != num_tokens or num_tokens > plan.max_rows \
+                or meta.decode_block_tables is None:
+            return False
         if self.batch_invariant:
             return isinstance(attn, InvariantAttentionBackend) and attn.use_native
         return isinstance(attn, NativeAttentionBackend)
+
+    def decode_in_one_call(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                           kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                           attn: AttentionBackend) -> torch.Tensor:
+        """:meth:`forward` for a decode-only step in one native call (:func:`goodserve.models.native.decode_layers`),
+        the same bits as the layer-by-layer path; the runner calls it where :meth:`can_decode_in_one_call`.
+
+        Returns:
+            ``[num_tokens, hidden_size]`` final hidden states.
+        """
+        c = self.config
+        amx = self.batch_invariant and attn.uses_amx(
+            input_ids.new_empty((0, c.num_attention_heads, c.head_dim), dtype=self.norm.weight.dtype),
+            c.num_key_value_heads)
+        return native.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
+                                    meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
+                                    meta.max_decode_len, self.rope_cos_sin(self.norm.weight.dtype),
+                                    SPLIT_TOKENS if self.batch_invariant else None, amx)
 
     def rope_cos_sin(self, dtype: torch.dtype) -> torch.Tensor:
         """``[2, max_position_embeddings, head_dim]`` cos and sin of every position, made once per dtype.

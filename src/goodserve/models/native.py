@@ -1,4 +1,4 @@
-"""Native CPU kernels: compiled once per machine from ``models/csrc`` and called through ``ctypes``.
+"""Native CPU kernels, called as torch ops.
 
 - :func:`paged_decode_attention`: PyTorch has no CPU kernel that attends over a paged KV cache in place, so
   the portable backend gathers every decode's context into a contiguous copy first (``models/attention.py``);
@@ -16,163 +16,50 @@
 - :func:`argmax`: greedy sampling. PyTorch's CPU argmax over a batch's logits cost ~10x a max over the same
   rows (4.3-7.8 ms at batch 64, 49,152 tokens).
 
-Building: the first call compiles every ``csrc/*.cpp`` with the system C++ compiler (``c++``, or ``$CXX``;
-a few seconds, no torch headers) into one library under ``$XDG_CACHE_HOME/goodserve/kernels/`` (default
-``~/.cache``), keyed by the hash of the sources and headers, the compiler, the flags and the CPU's
-instruction-set flags, and later processes load the cached library. Where there is no compiler, or the build fails, :func:`load` returns ``None`` with one warning and
-the engine stays on the portable backend. ``GOODSERVE_NATIVE_KERNELS=0`` turns the kernels off.
+Each kernel is a torch op, ``torch.ops.goodserve.<name>`` (schemas in ``csrc/torch_bindings.cpp``, built at
+install by :mod:`goodserve.models.native_build`), so ``torch.profiler`` shows it by name and ``torch.compile``
+sees it through its fake implementation (:mod:`goodserve.models.native_fake`). The wrappers here check
+shapes, dtypes and layouts and raise ``ValueError`` naming what is wrong; :func:`load` says whether the ops
+are there (``False`` with one warning where they cannot be built; ``GOODSERVE_NATIVE_KERNELS=0`` turns them
+off), and the engine then runs on PyTorch ops.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
 import math
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+from goodserve.models.native_build import load
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
-HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-# -march=native: the library is built on the machine that runs it. -fopenmp: the parallel region binds to
-# the libgomp torch has already loaded (same soname), so both share one thread pool. -ffp-contract=off: no
-# fused multiply-adds the source does not write, so each product is rounded as PyTorch's eager op rounds it.
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+__all__ = ["load"]  # with the wrappers below
+
 #: A split of a request's context holds at least this many tokens (smaller ones cost more to merge).
 MIN_SPLIT_TOKENS = 256
-
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
-#: Whether the model's norms and RoPE run on the native kernels where they can (a switch for A/B benchmarks).
-use_decoder_ops = True
-#: Whether decode steps of a model on the block kernel run every layer in one native call (an A/B switch).
-use_decode_step = True
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "goodserve" / "kernels"
-
-
-def _cpu_id() -> bytes:
-    """The CPU's instruction-set flags (``-march=native`` builds for them; a cache shared between machines
-    must not hand one machine another's library)."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"flags"):
-                    return line
-    except OSError:
-        pass
-    import platform
-    return (platform.machine() + platform.processor()).encode()
-
-
-def _build(compiler: str) -> Path:
-    """Compile the kernels (or find them built) and return the library's path.
-
-    Raises:
-        subprocess.CalledProcessError, OSError: if compiling fails.
-    """
-    source = b"".join(p.name.encode() + p.read_bytes() for p in SOURCES + HEADERS)
-    key = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode() + _cpu_id()).hexdigest()[:16]
-    path = _cache_dir() / f"goodserve-kernels-{key}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        out = Path(tmp) / path.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)], check=True, capture_output=True,
-                       text=True, timeout=300)
-        os.replace(out, path)  # atomic: a concurrent build of the same key writes the same bytes
-    return path
-
-
-def load() -> Optional[ctypes.CDLL]:
-    """The kernel library, built on first use; ``None`` where it cannot be built or is turned off."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("GOODSERVE_NATIVE_KERNELS", "1") == "0":
-            return None
-        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-        if compiler is None:
-            logger.warning("no C++ compiler found: the model runs on PyTorch ops only")
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(compiler)))
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            logger.warning("building the native kernels failed, the model runs on PyTorch ops only: %s", detail)
-            return None
-        fn = lib.goodserve_paged_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9
-                       + [ctypes.c_float, ctypes.c_int])
-        vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.goodserve_rms_norm.restype = ctypes.c_int
-        lib.goodserve_rms_norm.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, vp, i64, i64, ctypes.c_float,
-                                           ctypes.c_int]
-        lib.goodserve_rope.restype = ctypes.c_int
-        lib.goodserve_rope.argtypes = [ctypes.c_int, vp, i64, vp, i64, vp, vp, i64, i64, i64, ctypes.c_int]
-        lib.goodserve_argmax.restype = ctypes.c_int
-        lib.goodserve_argmax.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int]
-        lib.goodserve_block_gemv_supported.restype = ctypes.c_int
-        lib.goodserve_decode_layers.restype = ctypes.c_int
-        lib.goodserve_decode_layers.argtypes = ([ctypes.c_int] + [i64] * 7 + [ctypes.c_float] + [vp] * 4 + [i64, vp, i64]
-                                                + [vp] * 2 + [i64] * 2 + [vp, i64] + [vp] * 4 + [ctypes.c_int] * 2)
-        lib.goodserve_silu_mul.restype = ctypes.c_int
-        lib.goodserve_silu_mul.argtypes = [ctypes.c_int, vp, i64, i64, i64, vp, ctypes.c_int]
-        lib.goodserve_block_gemv.restype = ctypes.c_int
-        lib.goodserve_block_gemv.argtypes = [ctypes.c_int, ctypes.c_int, vp, i64, i64, i64, vp, vp, vp, ctypes.c_int,
-                                             i64, ctypes.c_int, vp, i64, ctypes.c_int]
-        _lib = lib
-        return _lib
-
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _library(x: torch.Tensor) -> ctypes.CDLL:
-    """The loaded library for a call on ``x``.
+def _ops(x: torch.Tensor):
+    """``torch.ops.goodserve`` for a call on ``x``.
 
     Raises:
         RuntimeError: if the kernels are not built or ``x`` is not on the CPU.
     """
-    lib = load()
-    if lib is None or x.device.type != "cpu":
+    if not load() or x.device.type != "cpu":
         raise RuntimeError("the native kernels are not available (they run on the CPU where they build)")
-    return lib
-
-
-def _check(rc: int, name: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"the native {name} kernel refused the call (code {rc})")
+    return torch.ops.goodserve
 
 
 def supports(x: torch.Tensor) -> bool:
     """Whether the kernels take tensors like ``x``: on the CPU, float32 or bfloat16, the library built."""
-    return x.device.type == "cpu" and x.dtype in _DTYPES and load() is not None
+    return x.device.type == "cpu" and x.dtype in _DTYPES and load()
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether :func:`rms_norm` and :func:`rope` run for tensors like ``x`` (:func:`supports`, and
-    :data:`use_decoder_ops` on)."""
-    return use_decoder_ops and supports(x)
+    """Whether :func:`rms_norm`, :func:`rope` and :func:`silu_mul` run for tensors like ``x`` (:func:`supports`)."""
+    return supports(x)
 
 
 def num_splits(num_seqs: int, max_len: int, num_threads: int) -> int:
@@ -208,7 +95,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         RuntimeError: if the kernels are not available (see :func:`load`) or the kernel refuses the call.
         ValueError: on inconsistent shapes, dtypes or layouts.
     """
-    lib = _library(q)
+    ops = _ops(q)
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -220,22 +107,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.shape[0] != n \
             or seq_lens.shape != (n,) or not block_tables.is_contiguous():
         raise ValueError("block_tables must be [n, max_blocks] int32 and seq_lens [n] int32, contiguous")
-    out = torch.empty((n, num_heads, head_dim), dtype=q.dtype)
     if n == 0:
-        return out
-    threads = torch.get_num_threads()
+        return torch.empty((0, num_heads, head_dim), dtype=q.dtype)
     if split_tokens is None:
-        splits = num_splits(n, max_len, threads)
+        splits = num_splits(n, max_len, torch.get_num_threads())
         split_tokens = -(-max_len // splits)
     else:
         splits = -(-max_len // split_tokens)
-    rc = lib.goodserve_paged_decode_attention(
-        _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(), n, num_heads, num_kv_heads, head_dim, block_size,
-        block_tables.shape[1], q.stride(0), split_tokens, splits,
-        scale if scale is not None else 1.0 / math.sqrt(head_dim), threads)
-    _check(rc, "paged attention")
-    return out
+    return ops.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, split_tokens, splits,
+                                      scale if scale is not None else 1.0 / math.sqrt(head_dim))
 
 
 def _rows(x: torch.Tensor, name: str) -> None:
@@ -260,26 +140,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Raises:
         RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype mismatch.
     """
-    lib = _library(x)
+    ops = _ops(x)
     _rows(x, "x")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.shape != (x.shape[1],) \
             or not weight.is_contiguous():
         raise ValueError(f"weight must be [{x.shape[1]}] contiguous and share x's dtype among {list(_DTYPES)}")
-    rows, cols = x.shape
-    out = torch.empty((rows, cols), dtype=x.dtype)
-    h = x
     if residual is not None:
         _rows(residual, "residual")
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError("residual must have x's shape and dtype")
-        h = torch.empty((rows, cols), dtype=x.dtype)
-    rc = lib.goodserve_rms_norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
-                                None if residual is None else residual.data_ptr(),
-                                0 if residual is None else residual.stride(0),
-                                None if residual is None else h.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                rows, cols, eps, torch.get_num_threads())
-    _check(rc, "rms_norm")
-    return out, h
+    out, h = ops.rms_norm(x, weight, eps, residual)
+    return out, (x if residual is None else h)
 
 
 def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -297,7 +168,7 @@ def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch
     Raises:
         RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype mismatch.
     """
-    lib = _library(x)
+    ops = _ops(x)
     rows, heads, head_dim = x.shape
     if x.dtype not in _DTYPES or table.dtype != x.dtype or not table.is_contiguous() or table.dim() != 3 \
             or table.shape[0] != 2 or table.shape[2] != head_dim:
@@ -306,11 +177,7 @@ def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch
         raise ValueError("each row's heads of x must be contiguous")
     if positions.dtype != torch.int64 or positions.shape != (rows,) or not positions.is_contiguous():
         raise ValueError("positions must be [rows] int64, contiguous")
-    out = torch.empty((rows, heads, head_dim), dtype=x.dtype)
-    rc = lib.goodserve_rope(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0),
-                            positions.data_ptr(), out.data_ptr(), rows, heads, head_dim, torch.get_num_threads())
-    _check(rc, "rope")
-    return out
+    return ops.rope(x, table, positions)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -323,16 +190,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: if the kernels are not available. ValueError: on a layout or dtype it does not take.
     """
-    lib = _library(gate_up)
+    ops = _ops(gate_up)
     _rows(gate_up, "gate_up")
     if gate_up.dtype not in _DTYPES or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [rows, 2 * inter] float32 or bfloat16, got {gate_up.dtype} "
                          f"{tuple(gate_up.shape)}")
-    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((rows, inter), dtype=gate_up.dtype)
-    _check(lib.goodserve_silu_mul(_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), rows, inter,
-                                  out.data_ptr(), torch.get_num_threads()), "silu_mul")
-    return out
+    return ops.silu_mul(gate_up)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -347,14 +210,11 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype it does not take.
     """
-    lib = _library(x)
+    ops = _ops(x)
     _rows(x, "x")
     if x.dtype not in _DTYPES or x.shape[1] < 1:
         raise ValueError(f"x must be float32 or bfloat16 with at least one column, got {x.dtype} {tuple(x.shape)}")
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    _check(lib.goodserve_argmax(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.shape[0], x.shape[1],
-                                out.data_ptr(), torch.get_num_threads()), "argmax")
-    return out
+    return ops.argmax(x)
 
 
 #: Rows of one pass of :func:`block_gemv` over its weight (a :class:`~goodserve.models.quant.QuantLinear` on
@@ -375,7 +235,7 @@ BLOCK_KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1}
 def block_gemv_usable(x: torch.Tensor) -> bool:
     """Whether :func:`block_gemv` runs for activations like ``x`` (:func:`supports`, and the library built
     with AVX-512 VNNI)."""
-    return supports(x) and load().goodserve_block_gemv_supported() == 1
+    return supports(x) and torch.ops.goodserve.block_gemv_supported()
 
 
 def block_gemv_fits(n: int, k: int) -> bool:
@@ -426,21 +286,14 @@ def block_gemv(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Te
         RuntimeError: if the kernel is not available or refuses the call. ValueError: for activations it
         does not take.
     """
-    lib = _library(x)
+    ops = _ops(x)
     rows, k = x.shape
-    n = scales.shape[0]
     if scales.dtype != torch.float16 or (mins is not None and mins.dtype != torch.float16):
         raise ValueError("the weight's scales and minimums must stay float16 (see check_blocks)")
     if x.dtype not in _DTYPES or out_dtype not in _DTYPES or k != scales.shape[1] * 32 or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, {scales.shape[1] * 32}] float32 or bfloat16 with contiguous rows, "
                          f"got {x.dtype} {tuple(x.shape)}")
-    out = torch.empty((rows, n), dtype=out_dtype)
-    if rows == 0:
-        return out
-    _check(lib.goodserve_block_gemv(BLOCK_KINDS[kind], _DTYPES[x.dtype], x.data_ptr(), x.stride(0), rows, k,
-                                    codes.data_ptr(), scales.data_ptr(), None if mins is None else mins.data_ptr(),
-                                    offset, n, _DTYPES[out_dtype], out.data_ptr(), n, torch.get_num_threads()),
-           "block_gemv")
+    return ops.block_gemv(x, BLOCK_KINDS[kind], codes, scales, mins, offset, out_dtype)
     return out
 
 
@@ -533,7 +386,7 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     Raises:
         RuntimeError: if a kernel refuses the call. ValueError: for inputs of another shape or dtype.
     """
-    lib = _library(embeddings)
+    ops = _ops(embeddings)
     rows = embeddings.shape[0]
     hidden, num_heads, num_kv_heads, head_dim, inter = plan.shape
     if embeddings.dtype != plan.dtype or embeddings.shape != (rows, hidden) or not embeddings.is_contiguous() \
@@ -546,14 +399,11 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
         raise ValueError("positions and slot_mapping must hold one entry per row")
     k_addr, v_addr = plan.cache_addresses(kv_caches)
     block_size = kv_caches[0][0].shape[1]
-    threads = torch.get_num_threads()
-    splits = num_splits(rows, max_len, threads) if split_tokens is None else -(-max_len // split_tokens)
-    out = torch.empty((rows, hidden), dtype=plan.dtype)
-    _check(lib.goodserve_decode_layers(
-        _DTYPES[plan.dtype], rows, hidden, num_heads, num_kv_heads, head_dim, inter, len(kv_caches), plan.eps,
-        plan.layer_ptrs.data_ptr(), plan.layer_ints.data_ptr(), k_addr.data_ptr(), v_addr.data_ptr(), block_size,
-        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), slot_mapping.data_ptr(),
-        split_tokens or -(-max_len // splits), splits, rope_table.data_ptr(), rope_table.stride(0), positions.data_ptr(),
-        plan.final_norm.data_ptr(), embeddings.data_ptr(), out.data_ptr(), int(amx_attention), threads),
-           "decode_layers")
-    return out
+    if split_tokens is None:
+        splits = num_splits(rows, max_len, torch.get_num_threads())
+        split_tokens = -(-max_len // splits)
+    else:
+        splits = -(-max_len // split_tokens)
+    return ops.decode_layers(plan.layer_ptrs, plan.layer_ints, k_addr, v_addr, embeddings, positions, slot_mapping,
+                             block_tables, seq_lens, rope_table, plan.final_norm, list(plan.shape), plan.eps,
+                             block_size, split_tokens, splits, amx_attention)

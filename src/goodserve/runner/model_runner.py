@@ -168,7 +168,10 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return {}
         input_ids, positions, meta, ordered = self._prepare_inputs(scheduler_output)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn)  # [num_tokens, hidden]
+        if self.config.fused_decode_step and self.model.can_decode_in_one_call(input_ids.shape[0], meta, self.attn):
+            hidden = self.model.decode_in_one_call(input_ids, positions, self.kv_caches, meta, self.attn)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn)  # [num_tokens, hidden]
         sampling, last_index, offset = [], [], 0
         for s in ordered:
             if self.requests[s.request_id].sampling_params.prompt_logprobs is not None:

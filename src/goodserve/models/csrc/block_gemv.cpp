@@ -23,6 +23,7 @@
 #include <omp.h>
 
 #include "dtype.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define GOODSERVE_VNNI 1

@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include "dtype.h"
+#include "kernels.h"
 
 namespace {
 

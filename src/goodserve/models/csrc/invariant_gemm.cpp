@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "dtype.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define GOODSERVE_BF16 1

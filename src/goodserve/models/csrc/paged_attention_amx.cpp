@@ -28,13 +28,13 @@
 #include <omp.h>
 
 #include "dtype.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GOODSERVE_AMX_ATTENTION 1
 #include <immintrin.h>
 #endif
 
-extern "C" int goodserve_bi_gemm_init(int force);
 
 namespace {
 

@@ -28,6 +28,7 @@
 #include <omp.h>
 
 #include "dtype.h"
+#include "kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

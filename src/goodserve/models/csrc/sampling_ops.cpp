@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include "dtype.h"
+#include "kernels.h"
 
 namespace {
 

@@ -1,0 +1,182 @@
+// The native kernels as torch ops (namespace goodserve): each op's schema is written here, once, and its CPU
+// implementation hands the tensors' data to the kernel's C entry point (kernels.h). The Python wrappers in
+// goodserve/models/native.py check shapes and layouts and give the errors users see; the checks here guard
+// the memory the kernels touch. Fake (meta) implementations are registered in Python.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+int code(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "goodserve's native kernels run on the CPU, got a tensor on ", t.device());
+  if (t.scalar_type() == at::kFloat) return 0;
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "goodserve's native kernels take float32 or bfloat16, got ",
+              t.scalar_type());
+  return 1;
+}
+
+void check(int rc, const char* name) { TORCH_CHECK(rc == 0, "the native ", name, " kernel refused the call (code ", rc, ")"); }
+
+int threads() { return at::get_num_threads(); }
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t split_tokens,
+                                  int64_t num_splits, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              block_tables.is_contiguous() && seq_lens.is_contiguous());
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  check(goodserve_paged_decode_attention(code(q), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         ptr<int32_t>(block_tables), ptr<int32_t>(seq_lens), out.data_ptr(),
+                                         q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+                                         block_tables.size(1), q.stride(0), split_tokens, num_splits,
+                                         static_cast<float>(scale), threads()),
+        "paged attention");
+  return out;
+}
+
+at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& runs,
+                                int64_t split_tokens, int64_t num_splits, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
+              seq_lens.is_contiguous() && runs.is_contiguous() && code(q) == 1);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  check(goodserve_paged_attention_rows(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr<int32_t>(block_tables),
+                                       ptr<int32_t>(seq_lens), ptr<int32_t>(runs), out.data_ptr(), q.size(0),
+                                       runs.size(0) - 1, q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+                                       block_tables.size(1), q.stride(0), split_tokens, num_splits,
+                                       static_cast<float>(scale), threads()),
+        "AMX attention");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                            const std::optional<at::Tensor>& residual) {
+  // Without a residual the sum is x itself: h is returned empty (the caller uses x; an op's output must
+  // not alias its input).
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  at::Tensor h = at::empty({residual.has_value() ? x.size(0) : 0, x.size(1)}, x.options());
+  check(goodserve_rms_norm(code(x), x.data_ptr(), x.stride(0), residual ? residual->data_ptr() : nullptr,
+                           residual ? residual->stride(0) : 0, residual ? h.data_ptr() : nullptr, weight.data_ptr(),
+                           out.data_ptr(), x.size(0), x.size(1), static_cast<float>(eps), threads()),
+        "rms_norm");
+  return {out, h};
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& table, const at::Tensor& positions) {
+  auto out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  check(goodserve_rope(code(x), x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0), ptr<int64_t>(positions),
+                       out.data_ptr(), x.size(0), x.size(1), x.size(2), threads()),
+        "rope");
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
+  check(goodserve_silu_mul(code(gate_up), gate_up.data_ptr(), gate_up.stride(0), gate_up.size(0), inter,
+                           out.data_ptr(), threads()),
+        "silu_mul");
+  return out;
+}
+
+at::Tensor argmax(const at::Tensor& x) {
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  check(goodserve_argmax(code(x), x.data_ptr(), x.stride(0), x.size(0), x.size(1), ptr<int64_t>(out), threads()),
+        "argmax");
+  return out;
+}
+
+bool block_gemv_supported() { return goodserve_block_gemv_supported() == 1; }
+
+at::Tensor block_gemv(const at::Tensor& x, int64_t kind, const at::Tensor& codes, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int64_t offset, at::ScalarType out_dtype) {
+  const int64_t n = scales.size(0);
+  auto out = at::empty({x.size(0), n}, x.options().dtype(out_dtype));
+  if (x.size(0) == 0) return out;
+  check(goodserve_block_gemv(static_cast<int>(kind), code(x), x.data_ptr(), x.stride(0), x.size(0), x.size(1),
+                             ptr<uint8_t>(codes), static_cast<const uint16_t*>(scales.data_ptr()),
+                             mins ? static_cast<const uint16_t*>(mins->data_ptr()) : nullptr, static_cast<int>(offset), n,
+                             code(out), out.data_ptr(), n, threads()),
+        "block_gemv");
+  return out;
+}
+
+int64_t bi_gemm_mode(int64_t force) { return goodserve_bi_gemm_init(static_cast<int>(force)); }
+
+bool paged_attention_rows_supported() { return goodserve_paged_attention_rows_supported() == 1; }
+
+at::Tensor bi_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.is_contiguous() && x.stride(1) == 1 && (!bias || bias->scalar_type() == at::kFloat));
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  const int kind = code(packed) == 1 ? 0 : 1;  // the kernel's kinds: 0 = bfloat16 weight, 1 = float32
+  check(goodserve_bi_gemm(kind, code(x), x.data_ptr(), x.stride(0), x.size(0), x.size(1), packed.data_ptr(),
+                          n, bias ? ptr<float>(*bias) : nullptr, code(out), out.data_ptr(), out.stride(0), threads()),
+        "batch-invariant GEMM");
+  return out;
+}
+
+at::Tensor decode_layers(const at::Tensor& layer_ptrs, const at::Tensor& layer_ints, const at::Tensor& k_caches,
+                         const at::Tensor& v_caches, const at::Tensor& embeddings, const at::Tensor& positions,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& rope_table, const at::Tensor& final_norm, at::IntArrayRef shape, double eps,
+                         int64_t block_size, int64_t split_tokens, int64_t num_splits, bool amx_attention) {
+  TORCH_CHECK(shape.size() == 5, "shape is (hidden, num_heads, num_kv_heads, head_dim, intermediate)");
+  auto out = at::empty({embeddings.size(0), shape[0]}, embeddings.options());
+  check(goodserve_decode_layers(code(embeddings), embeddings.size(0), shape[0], shape[1], shape[2], shape[3], shape[4],
+                                layer_ptrs.size(0), static_cast<float>(eps), ptr<int64_t>(layer_ptrs),
+                                ptr<int32_t>(layer_ints), ptr<int64_t>(k_caches), ptr<int64_t>(v_caches), block_size,
+                                ptr<int32_t>(block_tables), block_tables.size(1), ptr<int32_t>(seq_lens),
+                                ptr<int64_t>(slot_mapping), split_tokens, num_splits, rope_table.data_ptr(),
+                                rope_table.stride(0), ptr<int64_t>(positions), final_norm.data_ptr(),
+                                embeddings.data_ptr(), out.data_ptr(), amx_attention ? 1 : 0, threads()),
+        "decode_layers");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(goodserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "int split_tokens, int num_splits, float scale) -> Tensor");
+  m.def("paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor runs, int split_tokens, int num_splits, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("rope(Tensor x, Tensor table, Tensor positions) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
+  m.def("block_gemv(Tensor x, int kind, Tensor codes, Tensor scales, Tensor? mins, int offset, ScalarType out_dtype) "
+        "-> Tensor");
+  m.def("bi_gemm(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("decode_layers(Tensor layer_ptrs, Tensor layer_ints, Tensor k_caches, Tensor v_caches, Tensor embeddings, "
+        "Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rope_table, "
+        "Tensor final_norm, int[] shape, float eps, int block_size, int split_tokens, int num_splits, "
+        "bool amx_attention) -> Tensor");
+  // Capabilities of this build on this machine (CPU features, and whether the OS grants AMX's tile state).
+  m.def("block_gemv_supported() -> bool", &block_gemv_supported);
+  m.def("bi_gemm_mode(int force) -> int", &bi_gemm_mode);
+  m.def("paged_attention_rows_supported() -> bool", &paged_attention_rows_supported);
+}
+
+TORCH_LIBRARY_IMPL(goodserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_attention_rows", &paged_attention_rows);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("argmax", &argmax);
+  m.impl("block_gemv", &block_gemv);
+  m.impl("bi_gemm", &bi_gemm);
+  m.impl("decode_layers", &decode_layers);
+}
