@@ -40,9 +40,10 @@ def small_producer(tiny_model):
 
 @pytest.fixture(scope="module")
 def producer(tiny_model):
-    """A producer whose holds would wait 30 s, with prefills slow enough (16 tokens a step) to leave during."""
+    """A producer whose holds would wait 30 s, with prefills slow enough to leave during: one token a step, so a
+    1,000-token prompt takes 1,000 steps (a whole one at 16 tokens a step took 0.26 s here)."""
     srv = ServeProcess(tiny_model, "--kv-role", "producer", "--kv-transfer-timeout", "30",
-                       "--max-num-batched-tokens", "16", "--num-blocks", "2048")
+                       "--max-num-batched-tokens", "1", "--num-blocks", "2048")
     yield srv
     srv.close()
 
@@ -168,13 +169,16 @@ def _router(**kw) -> ServerThread:
 
 def test_c23_clients_leaving_during_the_prefill_hop_are_aborted_by_the_producer_at_once(producer, consumer):
     """C23: six clients send a 1,000-token prompt (the tiny model's context is 1,024) through the router and
-    disconnect 0.3-1.5 s later, while the producer still prefills (16 tokens a step). The router closes each
-    prefill hop, the producer aborts each request at once (no hold waits for its 30 s timeout), KV usage on
-    both instances is 0 within a few seconds, and the producer counts six aborts and no timeout."""
+    disconnect 0.3-1.5 s later, while the producer still prefills. They start 50 ms apart, so the producer
+    prefills them in the order they leave (FCFS, one token a step): each has at most 0.3 s of prefill before
+    its client leaves, less than its 1,000 steps take. The router closes each prefill hop, the producer aborts each
+    request at once (no hold waits for its 30 s timeout), KV usage on both instances is 0 within a few
+    seconds, and the producer counts six aborts and no timeout."""
     url = producer.base_url
     before = _metrics(url)
 
     async def client(base: str, i: int) -> None:
+        await asyncio.sleep(0.05 * i)
         delay = 0.3 + 0.24 * i
         async with httpx.AsyncClient(timeout=httpx.Timeout(delay, connect=5)) as http:
             with pytest.raises(httpx.ReadTimeout):
