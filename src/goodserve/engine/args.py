@@ -16,10 +16,6 @@ logger = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 
-#: Whether batch-invariant numerics are on when ``--batch-invariant`` is not given (CPU).
-BATCH_INVARIANT_DEFAULT = False
-
-
 @dataclass
 class EngineArgs:
     """User-facing engine knobs; ``None`` means "pick a sensible default".
@@ -37,8 +33,8 @@ class EngineArgs:
             native CPU kernel where it builds, else PyTorch), ``"torch"`` or ``"native"``
             (:func:`goodserve.models.attention.make_attention_backend`).
         batch_invariant: Batch-invariant numerics (``goodserve.models.invariant``): a token's logits do not
-            depend on what shares its step, on prefix hits or on preemption. ``None``: the default,
-            :data:`BATCH_INVARIANT_DEFAULT`, on the CPU.
+            depend on what shares its step, on prefix hits or on preemption. ``None``: the default (see
+            :func:`resolve_batch_invariant`: on for bfloat16 on a CPU with AMX).
         fused_decode_step: Decode-only steps run every layer in one native call where the model allows it
             (``False``: layer by layer, for A/B comparisons; the same bits either way).
         block_size: Tokens per KV block.
@@ -155,7 +151,7 @@ class EngineArgs:
         g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                        help="batch-invariant numerics: a request's tokens and logprobs depend on its prompt and "
                             "seed only, not on what shares its step, prefix hits or preemption "
-                            f"(default: {'on' if BATCH_INVARIANT_DEFAULT else 'off'}; CPU only)")
+                            "(default: on for bfloat16 on a CPU with AMX; CPU only)")
         g.add_argument("--no-fused-decode-step", dest="fused_decode_step", action="store_false",
                        help="run decode-only steps layer by layer instead of in one native call (A/B comparisons)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -198,17 +194,28 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
-def resolve_batch_invariant(asked: Optional[bool], device: str) -> bool:
-    """``--batch-invariant`` resolved: :data:`BATCH_INVARIANT_DEFAULT` on the CPU when not given, off elsewhere.
+def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quantization: str) -> bool:
+    """``--batch-invariant`` resolved. Not given: on where it costs little, a bfloat16 CPU engine whose
+    batch-invariant kernels run on AMX (BENCHMARKS.md, issue 34), unless ``--quantization int4|int8`` asks for
+    another kernel; off elsewhere (float32, or a CPU without AMX: the invariant paths there are slower).
 
     Raises:
         ValueError: when asked for on a device other than the CPU (its kernels, and the invariance of the
-            GEMM library the torch path relies on, are checked on the CPU only).
+            GEMM library the torch path relies on, are checked on the CPU only), or with ``--quantization int4``
+            / ``int8`` (every layer runs on the invariant kernel).
     """
     if asked is None:
-        return BATCH_INVARIANT_DEFAULT and device == "cpu"
+        if device != "cpu" or dtype != "bfloat16" or quantization in ("int4", "int8"):
+            return False
+        from goodserve.models.invariant import kernel_mode
+        from goodserve.models.invariant_attention import amx_attention_available
+
+        return kernel_mode() == "amx" and amx_attention_available()
     if asked and device.split(":")[0] != "cpu":
         raise ValueError(f"--batch-invariant runs on the CPU only, not on {device}")
+    if asked and quantization in ("int4", "int8"):
+        raise ValueError(f"--batch-invariant runs every linear layer on its own kernel; --quantization "
+                         f"{quantization} asks for PyTorch's {quantization} kernel (use auto or none)")
     return asked
 
 

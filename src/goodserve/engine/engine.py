@@ -112,9 +112,11 @@ class Engine:
                                       policy=args.scheduling_policy, mode=args.scheduler,
                                       shed_load=args.shed_load),
             dtype=args.dtype, quantization=args.quantization, attention_backend=args.attention_backend,
-            batch_invariant=resolve_batch_invariant(args.batch_invariant, device),
+            batch_invariant=resolve_batch_invariant(args.batch_invariant, device, args.dtype, args.quantization),
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer())
+        logger.info("batch-invariant numerics %s", "on: a request's tokens depend on its prompt and seed only"
+                    if self.config.batch_invariant else "off (--batch-invariant turns them on)")
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
         self.slo_ttft, self.slo_tpot = args.slo_ttft, args.slo_tpot

@@ -53,7 +53,7 @@ class InvariantAttentionBackend:
         if use_native and not native.load():
             raise RuntimeError("the native attention kernel is not available on this machine")
         self.use_native = use_native
-        self.amx = use_native and torch.ops.goodserve.paged_attention_rows_supported()
+        self.amx = use_native and amx_attention_available()
 
     def uses_amx(self, q: torch.Tensor, num_kv_heads: int) -> bool:
         """Whether rows like ``q`` (``[rows, num_heads, head_dim]``) run on the AMX kernel."""
@@ -81,6 +81,11 @@ class InvariantAttentionBackend:
             out[start:end] = _attend_torch(q[start:end], k_cache, v_cache, meta.row_block_tables[start:end],
                                            meta.row_seq_lens[start:end])
         return out
+
+
+def amx_attention_available() -> bool:
+    """Whether the AMX attention kernel runs here (the native kernels built, AMX granted by the OS)."""
+    return bool(native.load() and torch.ops.goodserve.paged_attention_rows_supported())
 
 
 def run_starts(meta: AttentionMetadata, group: int) -> torch.Tensor:

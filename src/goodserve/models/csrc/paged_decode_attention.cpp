@@ -1,7 +1,7 @@
 // Paged decode attention on the CPU: one query token per request, read straight from the block table.
 //
-// The Python side (goodserve/models/native.py) compiles this file once per machine with the system C++
-// compiler and calls it through ctypes with raw pointers; it owns every check of shapes and dtypes.
+// Called as the torch op goodserve::paged_decode_attention (torch_bindings.cpp); goodserve/models/native.py
+// checks shapes, dtypes and layouts before the call.
 //
 // Layout (goodserve/models/attention.py): the cache of one layer is [num_blocks, block_size, num_kv_heads,
 // head_dim]; token p of request i lives in block block_tables[i][p / block_size], row p % block_size.
