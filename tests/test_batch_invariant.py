@@ -229,3 +229,20 @@ def test_one_call_decode_step_equals_the_layer_path():
                 lens[i] += 1
     for (k1, v1), (k2, v2) in zip(caches[True], caches[False]):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_packing_a_block_weight_gives_its_dense_copy(qtype):
+    """The one-pass native packing of a GGUF block weight holds the values of its dense bfloat16 copy (the
+    layer outputs are then the same bits as a layer made from that copy)."""
+    from test_block_gemv import _blocks
+
+    w = _blocks(qtype, 48, 128)
+    dense = w.dequantize().to(torch.bfloat16)
+    assert torch.equal(invariant.pack(w, torch.bfloat16), invariant.pack(dense, torch.bfloat16))
+    ref = dense.view(3, 16, 4, 16, 2).permute(0, 2, 3, 1, 4)
+    assert torch.equal(invariant.pack(dense, torch.bfloat16), ref)
+    x = torch.randn(7, 128).to(torch.bfloat16)
+    assert torch.equal(InvariantLinear(w, None, torch.bfloat16).forward(x),
+                       InvariantLinear(dense, None, torch.bfloat16).forward(x))

@@ -54,13 +54,22 @@ def native_fits(n: int, k: int, dtype: torch.dtype) -> bool:
     return n % 16 == 0 and k % 32 == 0 and dtype in _KINDS and kernel_mode() != "none"
 
 
-def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[N, K]`` -> the native layout: bfloat16 ``[N/16, K/32, 16, 16, 2]`` (k pairs, n, pair) or float32
+_OFFSETS = {"Q4_0": 8.0, "Q4_1": 0.0, "Q8_0": 0.0}
+
+
+def pack(weight: Union[torch.Tensor, BlockQuantized], dtype: torch.dtype) -> torch.Tensor:
+    """``[N, K]`` -> the native layout: bfloat16 ``[N/16, K/32, 16, 16, 2]`` (k pairs, n, pair), a GGUF block
+    weight dequantized on the way in one pass (the values of its dense bfloat16 copy); float32
     ``[N/16, K, 16]``."""
     n, k = weight.shape
     if dtype == torch.bfloat16:
-        return weight.to(dtype).view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-    return weight.to(torch.float32).view(n // 16, 16, k).permute(0, 2, 1).contiguous()
+        if isinstance(weight, BlockQuantized):
+            return torch.ops.goodserve.bi_pack(None, weight.q.contiguous(), weight.scales.float().contiguous(),
+                                               None if weight.mins is None else weight.mins.float().contiguous(),
+                                               _OFFSETS[weight.qtype], n, k)
+        return torch.ops.goodserve.bi_pack(weight.to(dtype).contiguous(), None, None, None, 0.0, n, k)
+    dense = weight.dequantize() if isinstance(weight, BlockQuantized) else weight
+    return dense.to(torch.float32).view(n // 16, 16, k).permute(0, 2, 1).contiguous()
 
 
 class InvariantLinear(nn.Module):
@@ -82,13 +91,14 @@ class InvariantLinear(nn.Module):
             raise ValueError(f"batch-invariant linear layers run in float32 or bfloat16, not {dtype}")
         self.dtype = dtype
         self.out_features, self.in_features = weight.shape
-        dense = weight.dequantize() if isinstance(weight, BlockQuantized) else weight
         self.packed: Optional[torch.Tensor] = None
         self._dense: Optional[nn.Module] = None
-        if dense.device.type == "cpu" and native_fits(self.out_features, self.in_features, dtype):
-            self.packed = pack(dense, dtype)
+        on_cpu = isinstance(weight, BlockQuantized) or weight.device.type == "cpu"
+        if on_cpu and native_fits(self.out_features, self.in_features, dtype):
+            self.packed = pack(weight, dtype)
             self.bias = None if bias is None else bias.float().contiguous()
         else:
+            dense = weight.dequantize() if isinstance(weight, BlockQuantized) else weight
             self._dense = dense_linear(dense.to(dtype), bias)
             self.bias = None if bias is None else bias.to(dtype)
 

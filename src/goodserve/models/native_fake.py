@@ -55,3 +55,8 @@ def _bi_gemm(x, packed, n, bias):
 def _decode_layers(layer_ptrs, layer_ints, k_caches, v_caches, embeddings, positions, slot_mapping, block_tables,
                    seq_lens, rope_table, final_norm, shape, eps, block_size, split_tokens, num_splits, amx_attention):
     return embeddings.new_empty((embeddings.shape[0], shape[0]))
+
+
+@register_fake("goodserve::bi_pack")
+def _bi_pack(w, q, scales, mins, offset, n, k):
+    return (w if w is not None else q).new_empty((n // 16, k // 32, 16, 16, 2), dtype=torch.bfloat16)

@@ -302,4 +302,37 @@ int goodserve_bi_gemm(int kind, int x_dtype, const void* x, int64_t x_stride, in
 #endif
 }
 
+// Packing, at load time, into kind 0's layout: w [N, K] bfloat16 rows (kernels reading packed B tiles); or a
+// GGUF block weight, q [N, K] codes (uint8 0..15 for Q4, int8 for Q8), scales and mins [N, K / 32] float32
+// (mins null but for Q4_1), dequantized as (q - offset) * d (+ m) in float32 and rounded to bfloat16: the values
+// of models/quant.py's dequantize, in one pass. out: [N/16][K/32][16][16][2] bfloat16.
+int goodserve_bi_pack(const uint16_t* w, const uint8_t* q, int q_signed, const float* scales, const float* mins,
+                      float offset, int64_t N, int64_t K, uint16_t* out, int num_threads) {
+  if (N % kTileN || K % kTileK) return 1;
+  const int64_t kts = K / kTileK;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t nt = 0; nt < N / kTileN; ++nt)
+    for (int64_t kt = 0; kt < kts; ++kt) {
+      uint16_t* tile = out + (nt * kts + kt) * kTileElems;
+      for (int64_t n = 0; n < kTileN; ++n) {
+        const int64_t row = nt * kTileN + n;
+        for (int64_t k = 0; k < kTileK; ++k) {
+          const int64_t col = kt * kTileK + k;
+          uint16_t v;
+          if (w != nullptr) {
+            v = w[row * K + col];
+          } else {
+            const uint8_t c = q[row * K + col];
+            const float code = q_signed ? static_cast<float>(static_cast<int8_t>(c)) : static_cast<float>(c);
+            float x = (code - offset) * scales[row * kts + kt];
+            if (mins != nullptr) x = x + mins[row * kts + kt];
+            goodserve::store(&v, x);
+          }
+          tile[(k / 2) * 32 + n * 2 + (k % 2)] = v;
+        }
+      }
+    }
+  return 0;
+}
+
 }  // extern "C"

@@ -39,6 +39,8 @@ int goodserve_bi_gemm_init(int force);
 int goodserve_bi_gemm(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
                       const void* packed, int64_t N, const float* bias, int y_dtype, void* y, int64_t y_stride,
                       int num_threads);
+int goodserve_bi_pack(const uint16_t* w, const uint8_t* q, int q_signed, const float* scales, const float* mins,
+                      float offset, int64_t N, int64_t K, uint16_t* out, int num_threads);
 int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t inter, int64_t num_layers, float eps, const int64_t* layer_ptrs,
                             const int32_t* layer_ints, const int64_t* k_caches, const int64_t* v_caches,

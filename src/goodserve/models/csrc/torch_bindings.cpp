@@ -127,6 +127,23 @@ at::Tensor bi_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, con
   return out;
 }
 
+at::Tensor bi_pack(const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& q,
+                   const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& mins, double offset,
+                   int64_t n, int64_t k) {
+  for (const auto* t : {&w, &q, &scales, &mins}) TORCH_CHECK(!t->has_value() || (*t)->is_contiguous());
+  TORCH_CHECK(w.has_value() != q.has_value() && (!q || scales.has_value()));
+  TORCH_CHECK(!w || (w->scalar_type() == at::kBFloat16 && w->numel() == n * k));
+  TORCH_CHECK(!q || (q->element_size() == 1 && q->numel() == n * k && scales->scalar_type() == at::kFloat));
+  auto out = at::empty({n / 16, k / 32, 16, 16, 2}, at::TensorOptions().dtype(at::kBFloat16));
+  check(goodserve_bi_pack(w ? static_cast<const uint16_t*>(w->data_ptr()) : nullptr,
+                          q ? static_cast<const uint8_t*>(q->data_ptr()) : nullptr,
+                          q && q->scalar_type() == at::kChar ? 1 : 0, scales ? ptr<float>(*scales) : nullptr,
+                          mins ? ptr<float>(*mins) : nullptr, static_cast<float>(offset), n, k,
+                          static_cast<uint16_t*>(out.data_ptr()), threads()),
+        "batch-invariant pack");
+  return out;
+}
+
 at::Tensor decode_layers(const at::Tensor& layer_ptrs, const at::Tensor& layer_ints, const at::Tensor& k_caches,
                          const at::Tensor& v_caches, const at::Tensor& embeddings, const at::Tensor& positions,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -159,6 +176,7 @@ TORCH_LIBRARY(goodserve, m) {
   m.def("block_gemv(Tensor x, int kind, Tensor codes, Tensor scales, Tensor? mins, int offset, ScalarType out_dtype) "
         "-> Tensor");
   m.def("bi_gemm(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("bi_pack(Tensor? w, Tensor? q, Tensor? scales, Tensor? mins, float offset, int n, int k) -> Tensor");
   m.def("decode_layers(Tensor layer_ptrs, Tensor layer_ints, Tensor k_caches, Tensor v_caches, Tensor embeddings, "
         "Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rope_table, "
         "Tensor final_norm, int[] shape, float eps, int block_size, int split_tokens, int num_splits, "
@@ -179,4 +197,5 @@ TORCH_LIBRARY_IMPL(goodserve, CPU, m) {
   m.impl("block_gemv", &block_gemv);
   m.impl("bi_gemm", &bi_gemm);
   m.impl("decode_layers", &decode_layers);
+  m.impl("bi_pack", &bi_pack);
 }
