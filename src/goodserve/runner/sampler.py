@@ -25,6 +25,16 @@ a request's tokens depend on its own seed and prompt, never on its batch neighbo
 in the batch, and a preempted request that is recomputed samples the same tokens again. Unseeded
 rows share the engine-wide generator and draw their noise in one call.
 
+Batch invariance: every op above gives a row the same bits whatever the batch's size, the row's position in
+it and its neighbours (tested in ``tests/test_sampler_invariance.py``). The logit processors touch only their
+own rows' entries; log-softmax, softmax, cumsum, top-k/sort values, max and argmax/argmin reduce each row
+alone in PyTorch's CPU kernels. Two things needed care: ``torch.logsumexp`` (a generic reduction) splits a
+lone row's sum across threads when its output has one element, so a batch of one rounds differently from a
+larger batch; :func:`row_logsumexp` reads the sum from the row's log-softmax instead. And the order of tied
+top logprobs depends on how many ``torch.topk`` is asked for, so every row asks for
+:data:`~goodserve.sampling_params.MAX_LOGPROBS` and keeps its own count. Only unseeded rows, which share
+the engine-wide generator, may depend on their batch.
+
 All the per-batch bookkeeping (which rows are greedy, which need penalties, logprobs) is done once in
 :meth:`SamplingMetadata.from_requests` (:mod:`goodserve.runner.sampling_metadata`, re-exported here
 with :class:`SamplingRow`), so that the common cases stay cheap: an all-greedy batch is one argmax; a
@@ -41,8 +51,10 @@ import torch
 
 from goodserve.models import native
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
+from goodserve.sampling_params import MAX_LOGPROBS
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "apply_min_tokens", "apply_penalties"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "apply_min_tokens", "apply_penalties",
+           "row_logsumexp"]
 
 
 @dataclass
@@ -134,6 +146,24 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return out
 
 
+def row_logsumexp(x: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """Each row's logsumexp, rounded the same whatever the batch around the row.
+
+    ``torch.logsumexp`` over a single row splits the row's sum across threads (a generic reduction with one
+    output), while over several rows each thread sums whole rows: a row's logsumexp then depends on the
+    batch's size. The log-softmax kernel always reduces a row in one pass, and at a row's maximum it is
+    exactly ``-log(sum(exp(x - max)))``, so ``max - log_softmax[argmax]`` is ``max + log(sum)`` rounded once.
+
+    Args:
+        x: ``[n, W]`` float32, each row holding at least one finite value (``-inf`` entries count as 0).
+        argmax: ``[n, 1]`` int64, the index of a maximum of each row.
+
+    Returns:
+        ``[n, 1]`` float32.
+    """
+    return x.gather(1, argmax) - x.log_softmax(dim=-1).gather(1, argmax)
+
+
 _TOP_P_CANDIDATES = 256  # top-p first looks for its cut among this many best tokens
 
 
@@ -162,7 +192,8 @@ def _top_p_cutoff(sorted_vals: torch.Tensor, full_lse: torch.Tensor, top_k: Opti
         on = (top_k < vocab_size).unsqueeze(1)  # [m, 1]
         kth = sorted_vals.gather(1, (top_k.clamp(max=width) - 1).unsqueeze(1)).masked_fill(~on, neg_inf)
         sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, neg_inf)
-        lse = torch.where(on, sorted_vals.logsumexp(dim=-1, keepdim=True), full_lse)
+        first = torch.zeros_like(kth, dtype=torch.int64)  # [m, 1]: a sorted row's maximum is its first entry
+        lse = torch.where(on, row_logsumexp(sorted_vals, first), full_lse)
     probs = (sorted_vals - lse).exp()  # [m, W], renormalised over the top-k set
     cum = probs.cumsum(dim=-1)
     mass_before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # [m, W] exclusive, monotone
@@ -203,10 +234,10 @@ def _apply_filters(logits: torch.Tensor, top_k: Optional[torch.Tensor], max_top_
     if top_p is not None:
         width = min(vocab_size, _TOP_P_CANDIDATES)  # fixed, so a row's path never depends on its batch
         if width < vocab_size:
-            candidates = logits.topk(width, dim=-1).values  # [n, W], descending
+            candidates, order = logits.topk(width, dim=-1)  # [n, W], descending
         else:
-            candidates = logits.sort(dim=-1, descending=True).values  # [n, V]
-        full_lse = logits.logsumexp(dim=-1, keepdim=True)  # [n, 1]
+            candidates, order = logits.sort(dim=-1, descending=True)  # [n, V]
+        full_lse = row_logsumexp(logits, order[:, :1])  # [n, 1]
         cutoff, exact = _top_p_cutoff(candidates, full_lse, top_k, top_p, vocab_size)
         if not bool(exact.all()):
             redo = (~exact).nonzero().squeeze(1)  # [m] rows whose nucleus is wider than W
@@ -293,7 +324,8 @@ class Sampler:
             lp = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [B]
             out.logprobs = lp.tolist()
             if metadata.max_num_logprobs > 0:
-                k = min(metadata.max_num_logprobs, metadata.vocab_size)
+                # The same k for every batch: which of several tied tokens topk lists first depends on k.
+                k = min(max(MAX_LOGPROBS, metadata.max_num_logprobs), metadata.vocab_size)
                 top = raw_logprobs.topk(k, dim=-1)  # [B, k] values, indices, most likely first
                 vals, ids = top.values.tolist(), top.indices.tolist()
                 # A token the logit processors ruled out (-inf: a grammar, min_tokens) is not "likely": left out.
