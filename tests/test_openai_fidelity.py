@@ -109,6 +109,37 @@ def test_c15_text_offset_indexes_text(client):
                 assert text[offsets[i]:offsets[i] + len(tokens[i])] == tokens[i]
 
 
+ZWJ_SCIENTISTS = "\U0001F468\u200d\U0001F52C" * 3  # "👨‍🔬👨‍🔬👨‍🔬"
+
+
+def test_c22_zwj_emoji_logprob_bytes(client):
+    """C22: chat at temperature 0 repeating "👨‍🔬👨‍🔬👨‍🔬" with ``logprobs: true``: each token's ``bytes`` are its
+    own (the byte pieces of the emoji and the joiner), never U+FFFD's; joined they are the content's UTF-8;
+    ``token`` writes a byte that is not a whole character as ``\\xNN``. Completions' ``text_offset`` over the
+    same text indexes it (a token continuing a character starts where that character does)."""
+    choice = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f'Repeat "{ZWJ_SCIENTISTS}" exactly.'}],
+        temperature=0, max_tokens=24, logprobs=True).choices[0]
+    tokens = choice.logprobs.content
+    assert ZWJ_SCIENTISTS[:3] in choice.message.content  # the model repeats at least one scientist
+    assert all(t.bytes != list("\ufffd".encode()) and "\ufffd" not in t.token for t in tokens)
+    joined = b"".join(bytes(t.bytes) for t in tokens)
+    content = choice.message.content.encode()
+    assert joined == content or (choice.finish_reason == "length" and joined.startswith(content)
+                                 and incomplete_utf8(joined[len(content):]))
+    partial = [t for t in tokens if not _decodes(bytes(t.bytes))]
+    assert partial and all(t.token == bytes(t.bytes).decode("utf-8", "backslashreplace") for t in partial)
+
+    lp = client.completions.create(model=MODEL, prompt=ZWJ_SCIENTISTS, echo=True, max_tokens=1, temperature=0,
+                                   logprobs=0).choices[0]
+    text, offsets, strings = lp.text, lp.logprobs.text_offset, lp.logprobs.tokens
+    assert text.startswith(ZWJ_SCIENTISTS)
+    prompt_offsets = offsets[:len(offsets) - 1]
+    # The emoji's tokens: man (3 byte pieces), joiner (2), microscope (3), so offsets 0 0 0 1 1 2 2 2, 3 3 3 ...
+    assert prompt_offsets == [c + 3 * k for k in range(3) for c in (0, 0, 0, 1, 1, 2, 2, 2)]
+    assert strings[:5] == ["\\xf0\\x9f", "\\x91", "\\xa8", "\\xe2\\x80", "\\x8d"]
+
+
 # ------------------------------------------------------------------------------ C16: logprob meaning
 def test_c16_logprobs_do_not_move_with_temperature_top_p(client):
     """C16: the sampled token's logprob equals its entry in top_logprobs, and equals what a temperature-0
