@@ -167,3 +167,26 @@ def test_tied_top_logprobs_list_the_same_tokens_whatever_the_batch_asks():
     assert both.top_logprobs[0] == alone.top_logprobs[0]
     assert len(alone.top_logprobs[0]) == 2 and len(both.top_logprobs[1]) == 20
     assert both.token_ids[0] == alone.token_ids[0] == int(logits[0].argmax())
+
+
+def test_a_positions_logprobs_are_the_same_greedy_or_sampled():
+    """Issue 34: one row of logits gives the same logprob and top logprobs, to the bit, to a temperature-0
+    request and to sampled ones (seeded or not, any filters), alone or together in one batch."""
+    vocab = SMOLLM2_VOCAB
+    x = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 4
+    kinds = [dict(temperature=0.0), dict(temperature=0.7, seed=5), dict(temperature=1.3),
+             dict(temperature=1.0, top_k=40, top_p=0.8, min_p=0.02, seed=9), dict(temperature=0.5, top_p=0.3)]
+    rows = [SamplingRow(SamplingParams(logprobs=5, **kw), [], []) for kw in kinds]
+    greedy_token = int(x.argmax())
+    with threads():
+        outs = [run(x[None].clone(), [r]) for r in rows]
+        batch = run(x.expand(len(rows), vocab).contiguous(), rows)
+    reference = dict(outs[0].top_logprobs[0])
+    for i, out in enumerate(outs):
+        assert out.top_logprobs[0] == batch.top_logprobs[i] == outs[0].top_logprobs[0]
+        for o, j in ((out, 0), (batch, i)):
+            token = o.token_ids[j]
+            if token in reference:
+                assert o.logprobs[j] == reference[token]
+            if token == greedy_token:
+                assert o.logprobs[j] == outs[0].logprobs[0]
