@@ -24,7 +24,7 @@ from goodserve.models.llama import LlamaForCausalLM
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from goodserve.runner.sampler import Sampler, SamplerOutput
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
-from goodserve.sampling_params import SamplingParams
+from goodserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from goodserve.scheduler.output import SampledToken, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -216,8 +216,10 @@ class ModelRunner:
         chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
         k = state.sampling_params.prompt_logprobs
         if k:
-            top = logprobs.topk(k, dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            # Always MAX_LOGPROBS, then the request's own count: the order of tied entries depends on how many
+            # topk is asked for, and must not differ from the sampler's top logprobs at the same position.
+            top = logprobs.topk(min(MAX_LOGPROBS, logprobs.shape[-1]), dim=-1)
+            tops = [list(zip(i[:k], v[:k])) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         else:
             tops = [[] for _ in chosen]
         state.prompt_logprobs.extend(zip(chosen, tops))
