@@ -246,3 +246,17 @@ def test_packing_a_block_weight_gives_its_dense_copy(qtype):
     x = torch.randn(7, 128).to(torch.bfloat16)
     assert torch.equal(InvariantLinear(w, None, torch.bfloat16).forward(x),
                        InvariantLinear(dense, None, torch.bfloat16).forward(x))
+
+
+@pytest.mark.slow
+@needs_native
+def test_a_positions_logprobs_are_the_same_in_any_request(default_model_path):
+    """Issue 34: the first output position's logprobs of one prompt, asked by a greedy request and by a
+    seeded sampled one (the second hits the prefix cache the first filled), are the same numbers."""
+    llm = LLM(default_model_path, batch_invariant=True, log_stats_interval=0)
+    prompt = _prompts(1, shared=40)[0] + [1234, 5678]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    sampled = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=1, logprobs=5),
+                           use_tqdm=False)[0]
+    assert sampled.metrics.num_cached_tokens > 0
+    assert greedy.outputs[0].top_logprobs == sampled.outputs[0].top_logprobs
