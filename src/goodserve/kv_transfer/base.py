@@ -127,7 +127,10 @@ class KVConnectorScheduler(ABC):
 
 class KVConnectorWorker(ABC):
     """The worker's side of a KV connector: moves bytes, on the engine thread (it may run threads of its
-    own). Each load started gets exactly one result from :meth:`poll`, finished or failed.
+    own). Each load started gets exactly one result from :meth:`poll`, finished or failed. A load failed
+    while its transfer may still write into the request's blocks is also named in
+    :attr:`KVConnectorOutput.still_writing`, and later, once the transport says the transfer has ended, in
+    :attr:`KVConnectorOutput.done_writing`: until then the blocks are not returned to the pool.
 
     Attributes:
         port: The side-channel port it bound (published in handles).
@@ -150,4 +153,4 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release sockets, threads and registered memory."""
+        """Release sockets, threads and registered memory (never memory a running transfer writes into)."""

@@ -41,11 +41,20 @@ class KVConnectorOutput:
             when the transport (not the lease table) learns it, e.g. the simulator's links.
         finished_recving: Consumer side: request id -> ``(bytes, seconds)`` of each pull that completed.
         failed_recving: Consumer side: request id -> why its pull failed (the request fails with it).
+        still_writing: Consumer side: ids in ``failed_recving`` whose READ the transport could not stop and
+            may still write into the request's blocks (given up past its deadline, or aborted). The request
+            fails at once, but its blocks stay out of the pool (quarantined) until the id comes back in
+            ``done_writing``: freed earlier, they could be handed to another request whose K/V the late
+            bytes would then overwrite.
+        done_writing: Consumer side: ids of earlier ``still_writing`` pulls whose transfer has ended (the
+            transport reported it done or failed): their blocks can go back to the pool.
     """
 
     finished_sending: list[str] = field(default_factory=list)
     finished_recving: dict[str, tuple[int, float]] = field(default_factory=dict)
     failed_recving: dict[str, str] = field(default_factory=dict)
+    still_writing: list[str] = field(default_factory=list)
+    done_writing: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +82,8 @@ class KVConnectorStats:
         num_blocks_held: Blocks of finished requests held for a consumer's pull (producer).
         num_loads_in_flight: Pulls not yet ended, aborted requests' included (consumer).
         num_failures: Pulls that failed (consumer).
+        num_blocks_quarantined: Blocks of failed or aborted pulls kept out of the pool because their READ
+            may still write into them (consumer; see :attr:`KVConnectorOutput.still_writing`).
         holds_ended: Holds ended since start by reason: ``pulled``, ``aborted``, ``failed``, ``expired``
             (producer).
     """
@@ -80,4 +91,5 @@ class KVConnectorStats:
     num_blocks_held: int = 0
     num_loads_in_flight: int = 0
     num_failures: int = 0
+    num_blocks_quarantined: int = 0
     holds_ended: dict[str, int] = field(default_factory=dict)

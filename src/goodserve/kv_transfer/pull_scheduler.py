@@ -13,6 +13,12 @@ goes back to the waiting queue with those tokens computed, computes its last pro
 give the first output token) and decodes like any request (vLLM v1's ``WAITING_FOR_REMOTE_KVS`` works the
 same way). A request aborted while its pull runs keeps its blocks until the pull ends (it may still be
 writing into them), and ``kv_cancels`` tells the worker to give the pull up and release the producer's hold.
+
+Quarantine: a pull the worker gives up while its READ may still be writing (past its deadline, or aborted
+and past it) is reported failed at once, so the request fails without waiting, and ``still_writing``; its
+blocks stay allocated to the finished request, out of the pool (so :meth:`KVCacheManager.check_integrity`
+counts them in use), until the worker reports the transfer ended (``done_writing``). Freed earlier, they
+could go to another request whose K/V the late bytes would overwrite: silent wrong output.
 """
 
 from __future__ import annotations
@@ -48,8 +54,11 @@ class PullConnectorScheduler(KVConnectorScheduler):
         self.config, self.block_size = config, block_size
         self.leases = leases if leases is not None else LeaseTable(config.timeout)
         self._held: dict[str, tuple["Request", int]] = {}  # request id -> (request, its blocks)
-        self._recving: dict[str, "Request"] = {}  # pulls in flight of waiting requests
-        self._recving_finished: dict[str, "Request"] = {}  # pulls in flight of requests already aborted
+        # request id -> (request, its blocks), for pulls in flight of waiting requests, of requests already
+        # aborted, and of finished requests whose given-up READ may still write into their blocks
+        self._recving: dict[str, tuple["Request", int]] = {}
+        self._recving_finished: dict[str, tuple["Request", int]] = {}
+        self._quarantined: dict[str, tuple["Request", int]] = {}
         self._loads: list[KVLoadSpec] = []  # for the next step's metadata
         self._cancels: list[str] = []
         self.num_failures = 0
@@ -87,7 +96,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_computed_tokens: int,
                                  num_external_tokens: int) -> None:
         rid = request.request_id
-        self._recving[rid] = request
+        self._recving[rid] = (request, len(block_ids))
         self._loads.append(KVLoadSpec(rid, list(block_ids), num_computed_tokens,
                                       num_computed_tokens + num_external_tokens, request.kv_transfer_params))
 
@@ -99,9 +108,13 @@ class PullConnectorScheduler(KVConnectorScheduler):
     def request_finished(self, request: "Request", block_ids: list[int],
                          now: Optional[float]) -> tuple[bool, Optional[dict]]:
         rid = request.request_id
-        if self._recving.pop(rid, None) is not None:
+        quarantined = self._quarantined.get(rid)
+        if quarantined is not None and quarantined[0] is request:  # its pull failed, but the READ may still
+            return True, None  # write into its blocks: they are freed when it ends
+        entry = self._recving.pop(rid, None)
+        if entry is not None:
             # Aborted while its pull runs: the pull may still write into its blocks; freed when it ends.
-            self._recving_finished[rid] = request
+            self._recving_finished[rid] = entry
             self._cancels.append(rid)
             return True, None
         p = request.kv_transfer_params
@@ -123,25 +136,43 @@ class PullConnectorScheduler(KVConnectorScheduler):
                 self.leases.drop(rid, "pulled")
             for rid, transfer in kv_output.finished_recving.items():
                 self._end_recv(rid, None, transfer, update)
+            # A READ that ended within the same news needs no quarantine.
+            writing = set(kv_output.still_writing).difference(kv_output.done_writing)
             for rid, error in kv_output.failed_recving.items():
-                self._end_recv(rid, error, None, update)
+                self._end_recv(rid, error, None, update, rid in writing)
+            for rid in kv_output.done_writing:
+                entry = self._quarantined.pop(rid, None)
+                if entry is not None:  # the late bytes are void: only its prefix-cache hits hold valid K/V
+                    logger.info("KV transfer: the given-up READ of %s ended; its %d blocks are freed", rid, entry[1])
+                    update.to_free.append((entry[0], entry[0].num_cached_tokens))
         update.to_free.extend((req, None) for req in self.take_ended_holds(now))
         return update
 
     def _end_recv(self, rid: str, error: Optional[str], transfer: Optional[tuple[int, float]],
-                  update: KVConnectorUpdate) -> None:
-        req = self._recving_finished.pop(rid, None)
-        if req is not None:  # aborted meanwhile: only its prefix-cache hits hold valid K/V
-            update.to_free.append((req, req.num_cached_tokens))
+                  update: KVConnectorUpdate, still_writing: bool = False) -> None:
+        """A pull ended for the request (``error``: it failed; ``still_writing``: its READ may go on)."""
+        entry = self._recving_finished.pop(rid, None)
+        if entry is not None:  # aborted meanwhile: only its prefix-cache hits hold valid K/V
+            if still_writing:
+                self._quarantine(rid, entry)
+            else:
+                update.to_free.append((entry[0], entry[0].num_cached_tokens))
             return
-        req = self._recving.pop(rid, None)
-        if req is None:
+        entry = self._recving.pop(rid, None)
+        if entry is None:
             return
         if error is not None:
             self.num_failures += 1
-            update.failed.append((req, error))
+            if still_writing:  # before the scheduler finishes it: request_finished then keeps its blocks
+                self._quarantine(rid, entry)
+            update.failed.append((entry[0], error))
         else:
-            update.loaded.append((req, transfer))
+            update.loaded.append((entry[0], transfer))
+
+    def _quarantine(self, rid: str, entry: tuple["Request", int]) -> None:
+        logger.warning("KV transfer: the READ of %s was given up but may still write; its %d blocks stay out of "
+                       "the pool until it ends", rid, entry[1])
+        self._quarantined[rid] = entry
 
     def take_ended_holds(self, now: float) -> list["Request"]:
         if not self._held:
@@ -174,9 +205,11 @@ class PullConnectorScheduler(KVConnectorScheduler):
         return len(self._recving)
 
     def has_pending(self) -> bool:
-        return bool(self._held) or bool(self._recving) or bool(self._recving_finished)
+        return bool(self._held or self._recving or self._recving_finished or self._quarantined)
 
     def stats(self) -> KVConnectorStats:
         return KVConnectorStats(num_blocks_held=sum(n for _, n in self._held.values()),
                                 num_loads_in_flight=len(self._recving) + len(self._recving_finished),
-                                num_failures=self.num_failures, holds_ended=self.leases.counts())
+                                num_failures=self.num_failures,
+                                num_blocks_quarantined=sum(n for _, n in self._quarantined.values()),
+                                holds_ended=self.leases.counts())

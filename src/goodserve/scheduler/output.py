@@ -204,6 +204,8 @@ class SchedulerStats:
             >= 1).
         num_blocks_held_for_pull: Blocks of finished requests held for a consumer's pull (producer).
         num_kv_transfers_in_flight: Pulls of prompt K/V not yet ended (consumer).
+        num_kv_blocks_quarantined: Blocks of failed or aborted pulls kept out of the pool while their READ may
+            still write into them (consumer); they count as in use.
         num_kv_transfer_timeouts_total: Holds that ended because no consumer pulled in time (producer).
         num_kv_holds_ended_total: Holds ended since start by reason, ``pulled``, ``aborted`` (the client left
             on either hop), ``failed`` (the consumer could not read) and ``expired`` (the timeouts above)
@@ -227,6 +229,7 @@ class SchedulerStats:
     step_time_margin: float = 1.0
     num_blocks_held_for_pull: int = 0
     num_kv_transfers_in_flight: int = 0
+    num_kv_blocks_quarantined: int = 0
     num_kv_transfer_timeouts_total: int = 0
     num_kv_transfer_failures_total: int = 0
     num_kv_holds_ended_total: dict[str, int] = field(default_factory=dict)

@@ -575,6 +575,7 @@ class Scheduler:
                               step_time_abs_error_s_total=m.abs_error_s_total, step_time_margin=m.margin,
                               num_blocks_held_for_pull=c.num_blocks_held,
                               num_kv_transfers_in_flight=c.num_loads_in_flight,
+                              num_kv_blocks_quarantined=c.num_blocks_quarantined,
                               num_kv_transfer_timeouts_total=c.holds_ended.get("expired", 0),
                               num_kv_transfer_failures_total=c.num_failures,
                               num_kv_holds_ended_total=dict(c.holds_ended))

@@ -22,7 +22,8 @@ model's relative error.
 Disaggregated serving (``--kv-role``): a consumer observes each pull of a prompt's K/V in
 ``kv_transfer_bytes`` and ``kv_transfer_seconds`` (histograms) and counts failed pulls; a producer shows the
 blocks it holds for pulls, the holds that timed out, and every hold's end by reason
-(``kv_transfer_holds_released_total{reason="pulled|aborted|failed|expired"}``); both show pulls in flight.
+(``kv_transfer_holds_released_total{reason="pulled|aborted|failed|expired"}``); both show pulls in flight,
+and a consumer the blocks of given-up pulls whose READ has not ended yet (``kv_transfer_blocks_quarantined``).
 
 Every HTTP call to an API endpoint ends in exactly one of four counters, so a load test can account for all
 it sent: ``api_requests_finished_total`` (answered in full), ``api_requests_rejected_total`` (429, by
@@ -108,6 +109,10 @@ class _EngineCollector(Collector):
                                 value=s.num_blocks_held_for_pull)
         yield GaugeMetricFamily(PREFIX + "kv_transfers_in_flight", "Pulls of prompt K/V not yet ended (consumer).",
                                 value=s.num_kv_transfers_in_flight)
+        yield GaugeMetricFamily(PREFIX + "kv_transfer_blocks_quarantined",
+                                "KV blocks of failed or aborted pulls kept out of the pool until their READ ends, "
+                                "since it may still write into them (consumer).",
+                                value=s.num_kv_blocks_quarantined)
         yield CounterMetricFamily(PREFIX + "kv_transfer_timeouts",
                                   "Holds freed because no consumer pulled them in time (producer).",
                                   value=s.num_kv_transfer_timeouts_total)
