@@ -11,6 +11,14 @@ metadata and the addresses and strides of its KV tensors.
 
 Bytes moved: for tokens ``[start, end)`` of a request, per layer, K and V each, the filled slots of each
 block: exactly ``2 · L · n_kv · d_head · b_dtype · (end - start)`` bytes.
+
+A READ given up while it runs (past its deadline, or aborted and past it) cannot be recalled: NIXL's
+``release_xfer_handle`` on an active transfer only *attempts* a cancel (its UCX backend cancels the requests
+and reports success even where, by its own comment, that "may not be enough"). So the connector never
+releases an active READ: it reports the pull failed at once and ``still_writing``, keeps the handle, and
+reports ``done_writing`` once NIXL's state for it is ``DONE`` or ``ERR``; only then does the scheduler
+half free the blocks. :meth:`NixlConnector.close` likewise keeps the registration and the KV tensors until every
+READ has ended.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two progress calls of the connector's thread.
 PROGRESS_INTERVAL = 0.005
+#: Seconds :meth:`NixlConnector.close` waits for running READs before it leaves them to the progress thread.
+CLOSE_WAIT_S = 2.0
 
 
 def _import_nixl():
@@ -131,8 +141,9 @@ class NixlConnector(KVConnectorWorker):
         # then called from two threads: strict thread synchronisation.
         self.agent = nixl_agent(config.engine_id, nixl_agent_config(
             enable_prog_thread=False, backends=list(config.backends), sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
-        tensors = [t for kv in kv_caches for t in kv]
-        self._reg = self.agent.register_memory(self.agent.get_reg_descs(tensors))
+        # Held while registered: a READ still running at close keeps the memory it writes alive.
+        self._tensors = [t for kv in kv_caches for t in kv]
+        self._reg = self.agent.register_memory(self.agent.get_reg_descs(self._tensors))
         k0 = kv_caches[0][0]
         self.layout = _Layout(config.engine_id, [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches],
                               k0.stride(0) * k0.element_size(), k0.stride(1) * k0.element_size(), k0.shape[1],
@@ -148,14 +159,25 @@ class NixlConnector(KVConnectorWorker):
         self._progress.start()
         self._remotes: dict[str, _Layout] = {}  # engine id -> layout, once its agent is added
         self._loads: dict[str, _Load] = {}  # request id -> a pull not yet reported
+        self._writing: dict[str, _Load] = {}  # request id -> a pull reported failed whose READ has not ended
+        self._orphans: Optional[list[_Load]] = None  # READs still running at close, for the progress thread
         self._out = KVConnectorOutput()
         logger.info("KV connector (NIXL) %s: role %s, side channel %s:%d", config.engine_id, config.role,
                     config.host, self.port)
 
     def _progress_forever(self) -> None:
-        """Progress NIXL's transfers: over TCP both ends of a READ must, the producer's included."""
+        """Progress NIXL's transfers: over TCP both ends of a READ must, the producer's included. After a
+        :meth:`close` that left READs running, wait for them, then deregister the memory and stop."""
         while not self._stop.wait(PROGRESS_INTERVAL):
             self.agent.get_new_notifs()
+            orphans = self._orphans
+            if orphans is not None:
+                orphans[:] = [load for load in orphans if not self._ended(load)]
+                if not orphans:
+                    logger.info("KV connector %s: the last READ ended after close; its memory is deregistered",
+                                self.config.engine_id)
+                    self._deregister()
+                    return
 
     # ----------------------------------------------------------------------------------------- pulls
     def start_loads(self, specs: list[KVLoadSpec]) -> None:
@@ -238,22 +260,42 @@ class NixlConnector(KVConnectorWorker):
             "lease": r.remote_lease, "reason": reason}, time.monotonic() + self.config.timeout,
             ("release", load.spec.request_id, 0.0))
 
-    def _forget(self, load: _Load) -> None:
-        self._loads.pop(load.spec.request_id, None)
+    def _state(self, load: _Load) -> str:
+        """NIXL's state of ``load``'s READ: ``"PROC"`` while it may write, ``"DONE"`` or ``"ERR"`` once ended
+        (also when never posted, or when NIXL no longer knows the handle: it raises)."""
+        if load.handle is None:
+            return "DONE"
+        try:
+            return self.agent.check_xfer_state(load.handle)
+        except Exception:  # noqa: BLE001 - NIXL reports an error for this transfer: it has ended
+            logger.debug("checking the transfer of %s failed", load.spec.request_id, exc_info=True)
+            return "ERR"
+
+    def _ended(self, load: _Load) -> bool:
+        """Whether ``load``'s READ has ended; if so its NIXL handle is released (never while it runs)."""
+        if self._state(load) == "PROC":
+            return False
         if load.handle is not None:
             try:
                 self.agent.release_xfer_handle(load.handle)
-            except Exception:  # noqa: BLE001 - an aborted transfer may refuse; nothing more can be done
+            except Exception:  # noqa: BLE001 - the transfer has ended; only its bookkeeping stays in NIXL
                 logger.debug("releasing the transfer of %s failed", load.spec.request_id, exc_info=True)
             load.handle = None
+        return True
 
     def _done(self, load: _Load) -> None:
-        self._forget(load)
+        self._loads.pop(load.spec.request_id, None)
+        self._ended(load)
         self._out.finished_recving[load.spec.request_id] = (load.nbytes, time.monotonic() - load.started)
 
     def _fail(self, load: _Load, why: str, release: Optional[str] = None) -> None:
-        """Report ``load`` failed; with ``release``, a claimed hold is released with that reason."""
-        self._forget(load)
+        """Report ``load`` failed at once; with ``release``, a claimed hold is released with that reason. A READ
+        that may still write into the request's blocks is kept (``still_writing``) until it ends."""
+        rid = load.spec.request_id
+        self._loads.pop(rid, None)
+        if not self._ended(load):
+            self._writing[rid] = load
+            self._out.still_writing.append(rid)
         if release is not None and load.claimed:
             self._release(load, release)
         r = load.spec.remote
@@ -262,7 +304,12 @@ class NixlConnector(KVConnectorWorker):
             f"failed: {why}")
 
     def poll(self) -> KVConnectorOutput:
-        """Advance the claims and READs and collect the pulls that ended since the last call."""
+        """Advance the claims and READs and collect the pulls that ended since the last call, and the
+        given-up READs that have stopped writing."""
+        for rid, load in list(self._writing.items()):
+            if self._ended(load):
+                del self._writing[rid]
+                self._out.done_writing.append(rid)
         now = time.monotonic()
         for (kind, rid, sent), reply in self._client.poll(now):
             load = self._loads.get(rid)
@@ -274,9 +321,10 @@ class NixlConnector(KVConnectorWorker):
         for load in list(self._loads.values()):
             if load.handle is None:
                 continue
-            state = self.agent.check_xfer_state(load.handle)
+            state = self._state(load)
             if now >= load.deadline:  # past the pin, the producer may reuse the blocks: whatever landed is void
-                self._fail(load, f"the transfer did not finish within {self.config.timeout:g} s", "failed")
+                self._fail(load, f"the transfer did not finish within {self.config.timeout:g} s",
+                           "aborted" if load.cancelled else "failed")
             elif state == "DONE":
                 if load.cancelled:
                     self._fail(load, "aborted", "aborted")
@@ -289,14 +337,35 @@ class NixlConnector(KVConnectorWorker):
         return out
 
     def close(self) -> None:
-        """Stop the side channel and release NIXL resources."""
-        self._stop.set()
+        """Stop the side channel and release NIXL's resources, never under a running READ.
+
+        READs still running (pulls in flight, or given up) are waited for up to :data:`CLOSE_WAIT_S`. Those
+        that outlast it keep the agent, the registration and the KV tensors alive (the progress thread holds
+        this connector): it deregisters the memory once the last of them ends, so freed memory is never
+        written.
+        """
         self._server.close()
-        self._progress.join(1.0)
-        for load in list(self._loads.values()):
-            self._forget(load)
         self._client.close()
         self._zmq.term()
+        running = list(self._loads.values()) + list(self._writing.values())
+        self._loads.clear()
+        self._writing.clear()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while True:
+            running = [load for load in running if not self._ended(load)]
+            if not running or time.monotonic() >= deadline:
+                break
+            time.sleep(PROGRESS_INTERVAL)
+        if running:
+            logger.error("KV connector %s closed with %d READ(s) still writing into its KV cache; its memory "
+                         "stays registered and allocated until they end", self.config.engine_id, len(running))
+            self._orphans = running
+            return
+        self._stop.set()
+        self._progress.join(1.0)
+        self._deregister()
+
+    def _deregister(self) -> None:
         try:
             self.agent.deregister_memory(self._reg)
         except Exception:  # noqa: BLE001 - best effort at shutdown
