@@ -66,9 +66,10 @@ def _cpu_id() -> bytes:
 
 
 def _torch_paths() -> tuple[list[str], list[str]]:
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    return include_paths(), library_paths()
+    """torch's C++ header and library folders (those ``torch.utils.cpp_extension`` would give, without
+    importing it: it imports setuptools)."""
+    root = Path(torch.__file__).parent
+    return [str(root / "include"), str(root / "include" / "torch" / "csrc" / "api" / "include")], [str(root / "lib")]
 
 
 def compiler() -> Optional[str]:
