@@ -1,7 +1,7 @@
 """Same request, same answer on the served default model (issue 34): case C21 and seeded ``n > 1``.
 
-A fresh ``goodserve serve`` with its default flags (batch-invariant numerics are the default for bfloat16 on a
-CPU with AMX; elsewhere the test asks for them). The prompts are longer than a KV block, so the later sends
+A fresh ``goodserve serve`` with its default flags (batch-invariant numerics are a server's default for bfloat16
+on a CPU with AMX; elsewhere the test asks for them). The prompts are longer than a KV block, so the later sends
 hit the prefix cache the first one filled: their prompts' tails run as smaller chunks beside other choices.
 """
 
@@ -24,7 +24,7 @@ PROMPTS = ["Write a short story about a robot who learns to paint in the city of
 @pytest.fixture(scope="module")
 def default_server():
     port = free_port()
-    flags = [] if resolve_batch_invariant(None, "cpu", "bfloat16", "auto") else ["--batch-invariant"]
+    flags = [] if resolve_batch_invariant(None, "cpu", "bfloat16", "auto", serving=True) else ["--batch-invariant"]
     proc = subprocess.Popen([sys.executable, "-m", "goodserve.cli", "serve", "--port", str(port),
                              "--log-stats-interval", "0", *flags], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -165,7 +165,7 @@ class InstanceServer:
             extra = json.loads(kw.get("kv_transfer_config") or "{}")
             extra.update(host=self.host, ucx_net_devices=self.spec.ucx_net_devices)
             kw.update(kv_role=kv_role, kv_transfer_config=json.dumps(extra))
-        return EngineArgs(**kw)
+        return EngineArgs(**{**kw, "serving": True})
 
     def _serve(self) -> None:
         import uvicorn

@@ -34,7 +34,9 @@ class EngineArgs:
             (:func:`goodserve.models.attention.make_attention_backend`).
         batch_invariant: Batch-invariant numerics (``goodserve.models.invariant``): a token's logits do not
             depend on what shares its step, on prefix hits or on preemption. ``None``: the default (see
-            :func:`resolve_batch_invariant`: on for bfloat16 on a CPU with AMX).
+            :func:`resolve_batch_invariant`: on for a bfloat16 server on a CPU with AMX, off otherwise).
+        serving: The engine serves requests (``goodserve serve``, a Ray instance): the defaults that depend on
+            it (``batch_invariant``) are a server's.
         fused_decode_step: Decode-only steps run every layer in one native call where the model allows it
             (``False``: layer by layer, for A/B comparisons; the same bits either way).
         block_size: Tokens per KV block.
@@ -76,6 +78,7 @@ class EngineArgs:
     device: Optional[str] = None
     attention_backend: str = "auto"
     batch_invariant: Optional[bool] = None
+    serving: bool = False
     fused_decode_step: bool = True
     block_size: int = 16
     num_blocks: Optional[int] = None
@@ -151,7 +154,8 @@ class EngineArgs:
         g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                        help="batch-invariant numerics: a request's tokens and logprobs depend on its prompt and "
                             "seed only, not on what shares its step, prefix hits or preemption "
-                            "(default: on for bfloat16 on a CPU with AMX; CPU only)")
+                            "(default: on for `serve` in bfloat16 on a CPU with AMX, off for one-shot commands; "
+                            "CPU only)")
         g.add_argument("--no-fused-decode-step", dest="fused_decode_step", action="store_false",
                        help="run decode-only steps layer by layer instead of in one native call (A/B comparisons)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -194,10 +198,24 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
-def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quantization: str) -> bool:
-    """``--batch-invariant`` resolved. Not given: on where it costs little, a bfloat16 CPU engine whose
-    batch-invariant kernels run on AMX (BENCHMARKS.md, issue 34), unless ``--quantization int4|int8`` asks for
-    another kernel; off elsewhere (float32, or a CPU without AMX: the invariant paths there are slower).
+def batch_invariant_is_cheap(device: str, dtype: str, quantization: str) -> bool:
+    """Whether batch-invariant numerics cost little here: a bfloat16 CPU engine whose invariant kernels run on
+    AMX (BENCHMARKS.md, issue 34: faster than the default kernels from 16 decodes a step, slower at one),
+    without ``--quantization int4|int8`` asking for another kernel."""
+    if device != "cpu" or dtype != "bfloat16" or quantization in ("int4", "int8"):
+        return False
+    from goodserve.models.invariant import kernel_mode
+    from goodserve.models.invariant_attention import amx_attention_available
+
+    return kernel_mode() == "amx" and amx_attention_available()
+
+
+def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quantization: str,
+                            serving: bool = False) -> bool:
+    """``--batch-invariant`` resolved. Not given: on for a server (``serving``) where
+    :func:`batch_invariant_is_cheap` — a served request's answer then depends on the request alone (case C21),
+    and a loaded server's steps run faster on the invariant kernels; off for one-shot use, whose batch-1
+    decode is faster on the GGUF block kernel.
 
     Raises:
         ValueError: when asked for on a device other than the CPU (its kernels, and the invariance of the
@@ -205,12 +223,7 @@ def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quan
             / ``int8`` (every layer runs on the invariant kernel).
     """
     if asked is None:
-        if device != "cpu" or dtype != "bfloat16" or quantization in ("int4", "int8"):
-            return False
-        from goodserve.models.invariant import kernel_mode
-        from goodserve.models.invariant_attention import amx_attention_available
-
-        return kernel_mode() == "amx" and amx_attention_available()
+        return serving and batch_invariant_is_cheap(device, dtype, quantization)
     if asked and device.split(":")[0] != "cpu":
         raise ValueError(f"--batch-invariant runs on the CPU only, not on {device}")
     if asked and quantization in ("int4", "int8"):

@@ -112,7 +112,8 @@ class Engine:
                                       policy=args.scheduling_policy, mode=args.scheduler,
                                       shed_load=args.shed_load),
             dtype=args.dtype, quantization=args.quantization, attention_backend=args.attention_backend,
-            batch_invariant=resolve_batch_invariant(args.batch_invariant, device, args.dtype, args.quantization),
+            batch_invariant=resolve_batch_invariant(args.batch_invariant, device, args.dtype, args.quantization,
+                                                    args.serving),
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer())
         logger.info("batch-invariant numerics %s", "on: a request's tokens depend on its prompt and seed only"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import math
 import signal
@@ -82,7 +83,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    engine = AsyncEngine.from_engine_args(EngineArgs.from_cli_args(args), step_trace=args.step_trace,
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), serving=True)
+    engine = AsyncEngine.from_engine_args(engine_args, step_trace=args.step_trace,
                                           on_dead=on_dead, inject_step_fault=args.inject_step_fault)
     logger.debug("froze %d startup objects out of the garbage collector", freeze_startup_objects())
     app = build_app(engine, served_model_name=args.served_model_name,
