@@ -142,7 +142,8 @@ def test_top_p_cut_at_a_boundary_mass_does_not_move_with_the_batch():
 @pytest.mark.parametrize("vocab", [37, 1000, SMOLLM2_VOCAB, 151936])
 def test_row_logsumexp_is_the_rows_alone_and_accurate(vocab):
     """:func:`row_logsumexp` of a row inside a batch of 1-64 rows equals the row's alone, bit for bit, and
-    ``torch.logsumexp`` in float64 to float32 rounding."""
+    ``torch.logsumexp`` in float64 to float32 rounding (a few ulps: log-softmax sums up to 151,936 float32
+    terms in its vector kernel's order, 8 lanes on AVX2, 16 on AVX-512)."""
     x = torch.randn(64, vocab, generator=torch.Generator().manual_seed(vocab)) * 5
     x[3, ::2] = -torch.inf  # masked entries count as zero
     with threads():
@@ -152,7 +153,7 @@ def test_row_logsumexp_is_the_rows_alone_and_accurate(vocab):
                 alone = row_logsumexp(x[i:i + 1].clone(), x[i:i + 1].argmax(-1, keepdim=True))
                 assert torch.equal(batch[i], alone[0])
     expected = x.double().logsumexp(-1, keepdim=True).float()
-    torch.testing.assert_close(batch, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(batch, expected, rtol=4e-6, atol=0)
 
 
 def test_tied_top_logprobs_list_the_same_tokens_whatever_the_batch_asks():

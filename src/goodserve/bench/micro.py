@@ -88,19 +88,19 @@ def run_micro(args: argparse.Namespace) -> int:
 
     eargs = EngineArgs.from_cli_args(args)
     eargs.log_stats_interval = 0
-    dtype = DTYPES[eargs.dtype]
     llm = LLM(**vars(eargs))
     engine = llm.engine
+    dtype = DTYPES[engine.config.dtype]
     model = engine.core.runner.model
     make_dense_copies(model)  # as a server does before its first step: no measured step makes them
     weight_bytes, linear_params = weight_bytes_per_step(model)
     bandwidth = measure_gemv_bandwidth(dtype)
     flops = measure_matmul_flops(dtype)
-    result = {"dtype": eargs.dtype, "quantization": eargs.quantization, "weight_bytes": weight_bytes, "gemv_bandwidth_GBps": bandwidth / 1e9,
+    result = {"dtype": engine.config.dtype, "quantization": eargs.quantization, "weight_bytes": weight_bytes, "gemv_bandwidth_GBps": bandwidth / 1e9,
               "matmul_TFLOPs": flops / 1e12, "decode": [], "threads": torch.get_num_threads()}
     bound = weight_bytes / bandwidth
     print(f"weights read per decode step: {weight_bytes / 1e6:.1f} MB; GEMV bandwidth {bandwidth / 1e9:.1f} GB/s "
-          f"-> bound {bound * 1e3:.2f} ms/step; matmul {flops / 1e9:.0f} GFLOP/s ({eargs.dtype}, "
+          f"-> bound {bound * 1e3:.2f} ms/step; matmul {flops / 1e9:.0f} GFLOP/s ({engine.config.dtype}, "
           f"quantization {eargs.quantization})")
 
     vocab = engine.config.model.vocab_size

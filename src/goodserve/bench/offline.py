@@ -63,7 +63,7 @@ def run_offline(args: argparse.Namespace) -> int:
     result = {"engine": {"elapsed_s": elapsed, "requests": len(specs), "output_tok_s": output_tokens / elapsed,
                          "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
                          "preemptions": engine.make_stats().num_preemptions_total,
-                         "dtype": eargs.dtype, "max_num_batched_tokens": eargs.max_num_batched_tokens,
+                         "dtype": engine.config.dtype, "max_num_batched_tokens": eargs.max_num_batched_tokens,
                          "max_num_seqs": eargs.max_num_seqs}}
     rows = [("goodserve", len(specs), elapsed, output_tokens / elapsed, (prompt_tokens + output_tokens) / elapsed)]
 
@@ -73,7 +73,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
         hf_specs = specs[: args.hf_num_prompts or len(specs)]
         del llm, engine
-        model = build_hf_model(engine_path(eargs), DTYPES[eargs.dtype])
+        model = build_hf_model(engine_path(eargs), DTYPES[result["engine"]["dtype"]])
         best = None
         for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
             r = run_static_batches(model, hf_specs, bs)

@@ -275,7 +275,7 @@ def run_prefix(args: argparse.Namespace) -> int:
                   f"p99 {s['ttft_p99_s']:.3f} s, {s['total_tok_s']:.0f} tok/s, hit rate {s['hit_rate']:.1%}",
                   flush=True)
         info["engine"] = {"num_blocks": engine.config.cache.num_blocks, "block_size": eargs.block_size,
-                          "dtype": eargs.dtype, "max_num_batched_tokens": eargs.max_num_batched_tokens}
+                          "dtype": engine.config.dtype, "max_num_batched_tokens": eargs.max_num_batched_tokens}
         del engine
 
     print(f"\n{'workload':<14} {'caching':<8} {'reqs':>5} {'prompt tok':>10} {'hit rate':>8} "

@@ -15,6 +15,9 @@ logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 
+#: ``--dtype`` values: the activation (and dense weight) dtype, or ``auto`` (:func:`resolve_dtype`).
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+
 
 @dataclass
 class EngineArgs:
@@ -22,7 +25,8 @@ class EngineArgs:
 
     Attributes:
         model: GGUF file or HF model directory; ``None`` is the default model (SmolLM2-135M-Instruct).
-        dtype: ``"bfloat16"`` (default: faster on this class of CPU and on GPUs) or ``"float32"``.
+        dtype: ``"auto"`` (default, :func:`resolve_dtype`: bfloat16 on GPUs and on CPUs with a fast bfloat16
+            path, float32 elsewhere), ``"bfloat16"`` or ``"float32"``.
         quantization: How linear layers run (``goodserve.models.quant``): ``"auto"`` (default: a GGUF's
             Q4_0/Q4_1/Q8_0 weights run as they are in the file for small steps, in bfloat16 only, on the
             native block kernel where the CPU has AVX-512 VNNI, else Q4 on PyTorch's int4 CPU kernel;
@@ -73,7 +77,7 @@ class EngineArgs:
     """
 
     model: Optional[str] = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     quantization: str = "auto"
     device: Optional[str] = None
     attention_backend: str = "auto"
@@ -101,8 +105,8 @@ class EngineArgs:
     kv_transfer_timeout: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -142,7 +146,9 @@ class EngineArgs:
         """Add the engine flags (``--dtype``, ``--num-blocks``, ...) to ``parser``."""
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
-        g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+        g.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
+                       help="auto (default): bfloat16 on a GPU or a CPU with a fast bfloat16 path (AVX-512 or "
+                            "AMX), float32 on others (AVX2 only); float32 is the precision mode")
         g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                        help="auto (default): a GGUF's Q4_0/Q4_1/Q8_0 weights as they are, on the native block "
                             "kernel (AVX-512 VNNI) or PyTorch's int4 CPU kernel (bfloat16 only); none: dequantize "
@@ -196,6 +202,20 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         """Build from parsed flags."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def resolve_dtype(asked: str, device: str) -> str:
+    """``--dtype`` resolved: ``auto`` is bfloat16 on CUDA and on a CPU where oneDNN has a bfloat16 path
+    (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX), else float32: on an AVX2-only CPU oneDNN refuses bfloat16
+    and PyTorch's fallback GEMM is several times slower than float32 at every step size past a few rows
+    (BENCHMARKS.md, "CPUs without AVX-512")."""
+    if asked != "auto":
+        return asked
+    if device.split(":")[0] != "cpu":
+        return "bfloat16"
+    from goodserve.models.linear import onednn_has_bfloat16
+
+    return "bfloat16" if onednn_has_bfloat16() else "float32"
 
 
 def batch_invariant_is_cheap(device: str, dtype: str, quantization: str) -> bool:

@@ -9,6 +9,7 @@ out. Nothing here knows about HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import time
@@ -17,7 +18,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from goodserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from goodserve.engine.args import EngineArgs, default_kv_cache_memory, resolve_batch_invariant
+from goodserve.engine.args import EngineArgs, default_kv_cache_memory, resolve_batch_invariant, resolve_dtype
 from goodserve.engine.chat import render_chat
 from goodserve.engine.core import EngineCore
 from goodserve.engine.output_processor import OutputProcessor
@@ -96,6 +97,10 @@ class Engine:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.dtype == "auto":
+            args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, device))
+            logger.info("dtype auto: %s on %s", args.dtype, device if device != "cpu" else
+                        f"this CPU ({torch.backends.cpu.get_cpu_capability()})")
         path = args.model or default_model_path()
         t0 = time.perf_counter()
         # The file's blocks run on CPU kernels: elsewhere every weight is dequantized at load.

@@ -3,9 +3,10 @@
 ``F.linear`` hands oneDNN a plain row-major weight, which its bfloat16 GEMM reorders into its blocked
 layout on every call. Reordering once at load time (``mkldnn._reorder_linear_weight``, the weight prepacking
 that ``torch.compile``'s freezing pass applies to CPU linears) and calling ``mkldnn._linear_pointwise`` on
-the packed weight gives the same values, 1.5-2.5x faster on this machine at every decode batch size for the
-default model's layers (BENCHMARKS.md, issue 15, run 4). It is used where it applies: a bfloat16 weight
-on a CPU whose PyTorch build has oneDNN; everything else (float32, CUDA) stays on ``F.linear``.
+the packed weight gives the same values, 1.5-2.5x faster at every decode batch size for the default model's
+layers (BENCHMARKS.md, issue 15, run 4). It is used where it applies: a bfloat16 weight on a CPU where
+oneDNN has a bfloat16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere the reorder raises);
+everything else (float32, CUDA, an AVX2-only CPU) stays on ``F.linear``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def onednn_has_bfloat16() -> bool:
+    """Whether oneDNN has a bfloat16 path on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX); on an
+    AVX2-only CPU its reorder raises and PyTorch's bfloat16 GEMM falls back to a slow path."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can run on a prepacked oneDNN weight (bfloat16, on the CPU, oneDNN present)."""
+    """Whether ``weight`` can run on a prepacked oneDNN weight (bfloat16, on a CPU where oneDNN has a
+    bfloat16 path)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available())
+            and onednn_has_bfloat16())
 
 
 class PackedLinear(nn.Module):
@@ -38,7 +46,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         if not can_pack(weight):
             raise ValueError(f"cannot prepack a {weight.dtype} weight on {weight.device} "
-                             f"(bfloat16 on a CPU with oneDNN only)")
+                             f"(bfloat16 on a CPU with oneDNN's bfloat16 path only)")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()))
         self.bias = None if bias is None else bias.to(weight.dtype)

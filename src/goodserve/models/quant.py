@@ -29,6 +29,7 @@ kernel and larger ones on a dense copy of the same weight, made from the codes (
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -187,7 +188,8 @@ def pack_int4(weight: BlockQuantized, dtype: torch.dtype) -> tuple[torch.Tensor,
         (``scale = d``; ``zero = m + 8d`` for Q4_1, ``0`` for Q4_0).
 
     Raises:
-        ValueError: for another type, or ``out_features`` not a multiple of 64 (the kernel's row tile).
+        ValueError: for another type, or ``out_features`` not a multiple of 64 (the kernel's largest row
+            tile).
     """
     if weight.qtype not in ("Q4_0", "Q4_1"):
         raise ValueError(f"{weight.qtype} weights do not map to the int4 kernel")
@@ -200,27 +202,51 @@ def pack_int4(weight: BlockQuantized, dtype: torch.dtype) -> tuple[torch.Tensor,
     return packed, scales_and_zeros
 
 
+@functools.cache
+def int4_tile_rows() -> int:
+    """Output rows per tile of the CPU int4 kernel's packed layout: 64 where PyTorch's kernel was built for
+    AVX-512, 32 on AVX2 (``BLOCK_N`` of ``aten/src/ATen/native/cpu/int4mm_kernel.cpp``). Read once from the
+    kernel's own packing of a probe, so the layout can never disagree with the kernel that reads it.
+
+    Raises:
+        RuntimeError: if the kernel packs in none of the known layouts.
+    """
+    q = torch.arange(128 * 64, dtype=torch.int64).remainder_(13).to(torch.uint8).view(128, 64)
+    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+    for rows in (64, 32, 16):
+        if torch.equal(_pack_tiles(q, rows), ref):
+            return rows
+    raise RuntimeError("PyTorch's CPU int4 kernel packs its weights in an unknown layout")
+
+
+def _pack_tiles(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows ``r`` and ``r + rows/2`` of each tile of ``rows`` output rows in one byte, per input feature."""
+    n, k = q.shape
+    tiles = q.view(n // rows, 2, rows // 2, k)
+    return (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
+
+
 def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
     """``[out, in]`` uint8 codes 0..15 in the CPU int4 kernel's packed layout, ``[out, in // 2]`` uint8.
 
     The same bytes as ``aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)`` (``tests/test_quant.py``), made
-    with two uint8 operations instead of through an int32 copy of every weight: per tile of 64 output rows
-    and per input feature, rows ``r`` and ``r + 32`` of the tile go in the low and high nibble of one byte.
+    with two uint8 operations instead of through an int32 copy of every weight: per tile of
+    :func:`int4_tile_rows` output rows ``T`` and per input feature, rows ``r`` and ``r + T/2`` of the tile go
+    in the low and high nibble of one byte.
     """
-    n, k = q.shape
-    tiles = q.view(n // 64, 2, 32, k)
-    return (tiles[:, 0] | (tiles[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
+    return _pack_tiles(q, int4_tile_rows())
 
 
 def unpack_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Dense ``[out, in]`` weight of :func:`pack_int4`'s operands: ``(q - 8) * scale + zero`` in float32.
 
-    The CPU packing stores, per tile of 64 output rows and per input feature, rows ``r`` and ``r + 32`` of
-    the tile in the low and high nibble of one byte (``[out / 64, in, 32]``); ``tests/test_quant.py`` checks
-    the round trip against the kernel.
+    The CPU packing stores, per tile of ``T`` output rows (:func:`int4_tile_rows`) and per input feature, rows
+    ``r`` and ``r + T/2`` of the tile in the low and high nibble of one byte (``[out / T, in, T/2]``);
+    ``tests/test_quant.py`` checks the round trip against the kernel.
     """
     n, k = packed.shape[0], packed.shape[1] * 2
-    tiles = packed.view(n // 64, k, 32)
+    rows = int4_tile_rows()
+    tiles = packed.view(n // rows, k, rows // 2)
     q = torch.cat([tiles & 15, tiles >> 4], dim=-1).permute(0, 2, 1).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     sz = scales_and_zeros.float()  # [groups, n, 2]
     # In place on one float32 buffer: the same operations as ``(q - 8) * scale + zero``, without three more

@@ -13,13 +13,15 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
+from goodserve.engine.args import resolve_dtype
 from goodserve.engine.step_trace import read_step_trace
 from goodserve.sim.profile import fit_linear, profile
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF model directory (default: the default model)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="the engine's --dtype (auto: bfloat16 where the CPU has a fast path, else float32)")
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated decode batch sizes")
     p.add_argument("--contexts", default="64,512,1024", help="comma-separated prompt lengths (tokens)")
     p.add_argument("--decode-steps", type=int, default=8, help="tokens each request decodes")
@@ -49,7 +51,7 @@ def run_profile(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     report = {
         "kind": "linear", "machine": platform.machine(),
         "model": None if args.from_step_trace else args.model or "default",
-        "dtype": None if args.from_step_trace else args.dtype,
+        "dtype": None if args.from_step_trace else resolve_dtype(args.dtype, "cpu"),
         "coefficients": fit.to_dict(),
         "fit": {"num_steps": len(samples), "median_abs_rel_error": errors[len(errors) // 2],
                 "p90_abs_rel_error": errors[int(0.9 * (len(errors) - 1))], "max_abs_rel_error": errors[-1],
