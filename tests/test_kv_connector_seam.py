@@ -63,7 +63,7 @@ def test_no_transport_is_named_outside_kv_transfer(package):
     assert not offenders
 
 
-@pytest.mark.parametrize("path", ["scheduler/scheduler.py", "engine/core.py"])
+@pytest.mark.parametrize("path", ["scheduler/scheduler.py", "scheduler/remote_kv.py", "engine/core.py"])
 def test_the_scheduler_and_the_core_import_only_the_protocol(path):
     allowed = {f"goodserve.kv_transfer.{m}" for m in ("base", "config", "factory", "messages", "params")}
     used = {m.rsplit(".", 1)[0] if m.count(".") > 2 else m for m in imported_modules(SRC / path)
@@ -73,7 +73,8 @@ def test_the_scheduler_and_the_core_import_only_the_protocol(path):
 
 def test_the_scheduler_calls_only_the_scheduler_half_protocol():
     protocol = set(KVConnectorScheduler.__abstractmethods__)
-    used = _connector_calls(SRC / "scheduler/scheduler.py", "kv_connector")
+    used = set().union(*(_connector_calls(SRC / "scheduler" / f, "kv_connector")
+                         for f in ("scheduler.py", "remote_kv.py")))
     assert used and used <= protocol, used - protocol
 
 
@@ -83,8 +84,9 @@ def test_the_engine_core_calls_only_the_worker_half_protocol():
     assert used and used <= protocol, used - protocol
 
 
-def test_the_scheduler_keeps_no_pd_bookkeeping():
-    tree = ast.parse((SRC / "scheduler/scheduler.py").read_text())
+@pytest.mark.parametrize("path", ["scheduler/scheduler.py", "scheduler/remote_kv.py"])
+def test_the_scheduler_keeps_no_pd_bookkeeping(path):
+    tree = ast.parse((SRC / path).read_text())
     own = {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}

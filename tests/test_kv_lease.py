@@ -14,6 +14,7 @@ import pytest
 from goodserve import SamplingParams
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_transfer import KVConnectorOutput, KVLoadSpec, KVTransferConfig, KVTransferParams
+from goodserve.kv_transfer.factory import create_connector_scheduler
 from goodserve.kv_transfer.lease import LeaseError, LeaseTable
 from goodserve.kv_transfer.side_channel import answer
 from goodserve.request import Request, RequestStatus
@@ -152,7 +153,8 @@ def test_side_channel_answers():
 def _scheduler(role: str, timeout: float = 5.0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
                      CacheConfig(num_blocks=16, block_size=BS),
-                     kv_transfer=KVTransferConfig(role, engine_id="p0", port=5555, timeout=timeout))
+                     kv_connector=create_connector_scheduler(
+                         KVTransferConfig(role, engine_id="p0", port=5555, timeout=timeout), BS))
 
 
 def _request(rid: str, n: int, kv: dict) -> Request:

@@ -18,6 +18,7 @@ import pytest
 from goodserve import SamplingParams
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransferParams
+from goodserve.kv_transfer.factory import create_connector_scheduler
 from goodserve.kv_transfer.lease import LeaseTable
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import SampledToken, SchedulerStats
@@ -30,7 +31,8 @@ LATE = "pulling the prompt's KV cache from producer p0 (127.0.0.1:5555) failed: 
 def _scheduler(num_blocks: int = 16) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
                      CacheConfig(num_blocks=num_blocks, block_size=BS),
-                     kv_transfer=KVTransferConfig("consumer", engine_id="c0", timeout=5.0))
+                     kv_connector=create_connector_scheduler(
+                         KVTransferConfig("consumer", engine_id="c0", timeout=5.0), BS))
 
 
 def _handle(rid: str = "r", port: int = 5555, lease: str = "0" * 32, engine: str = "p0") -> dict:

@@ -19,6 +19,7 @@ from goodserve.engine.args import EngineArgs
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.engine import Engine
 from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransferParams
+from goodserve.kv_transfer.factory import create_connector_scheduler
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import SampledToken
 from goodserve.scheduler.scheduler import Scheduler
@@ -34,7 +35,8 @@ BS = 4  # block size of every instance here
 def _scheduler(role: str, num_blocks: int = 16, timeout: float = 5.0, prefix: bool = True) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
                      CacheConfig(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=prefix),
-                     kv_transfer=KVTransferConfig(role, engine_id="p0", port=5555, timeout=timeout))
+                     kv_connector=create_connector_scheduler(
+                         KVTransferConfig(role, engine_id="p0", port=5555, timeout=timeout), BS))
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, kv: dict | None) -> Request:

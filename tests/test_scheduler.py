@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from factories import EOS, FAKE_TOKEN, create_requests, create_scheduler, fake_step, run_to_completion, sampled_tokens
 from goodserve.request import Request, RequestStatus
 from goodserve.sampling_params import SamplingParams
+from goodserve.scheduler.policy import create_policy
 
 
 def add_all(sched, reqs):
@@ -415,8 +416,7 @@ def test_random_workloads_finish_without_leaks(specs, block_size, budget, max_nu
 
 # ----------------------------------------------------------------------------------------- queues
 def test_fcfs_queue_prepends_preempted_requests():
-    from goodserve.scheduler.queue import create_request_queue
-    q = create_request_queue("fcfs")
+    q = create_policy("fcfs", None, 64, 4).make_queue()
     a, b, c = create_requests(3)
     q.add(a)
     q.add(b)
@@ -429,8 +429,7 @@ def test_fcfs_queue_prepends_preempted_requests():
 
 
 def test_priority_queue_orders_by_priority_then_arrival():
-    from goodserve.scheduler.queue import create_request_queue
-    q = create_request_queue("priority")
+    q = create_policy("priority", None, 64, 4).make_queue()
     a, b, c, d = create_requests(4, priorities=[1, 0, 1, 0])
     for r in (c, a, d, b):
         q.add(r)
@@ -441,7 +440,7 @@ def test_priority_queue_orders_by_priority_then_arrival():
     with pytest.raises(ValueError):
         q.remove(create_requests(1, prefix="x")[0])
     with pytest.raises(ValueError, match="unknown scheduling policy"):
-        create_request_queue("lifo")
+        create_policy("lifo", None, 64, 4)
 
 
 def test_static_mode_runs_one_batch_to_completion_before_the_next():

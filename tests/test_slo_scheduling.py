@@ -6,6 +6,7 @@ server."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -17,7 +18,9 @@ from goodserve.request import Request, RequestStatus
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SampledToken, SchedulerOutput, StepShape
 from goodserve.scheduler.scheduler import Scheduler
+from goodserve.scheduler.policy import Triage
 from goodserve.scheduler.slo import SLOPolicy, SLOUnattainableError
+from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients, StepTimeModel
 from goodserve.sim.cost_model import LinearCostModel
 from goodserve.sim.simulator import ClusterConfig, SimRequest, Simulator
@@ -123,7 +126,8 @@ def test_a_running_prompt_that_became_late_is_shed_before_it_streams():
     assert sched.kv_cache_manager.num_free_blocks == 128 and not sched.has_unfinished_requests()
     sched, p, step = _stalled_prefill(shed_load=False)
     assert [(s.request_id, s.num_new_tokens) for s in step.scheduled] == [("P", 100)] and p.slo_late
-    assert sched.slo.slack(p, 0.95) == math.inf  # the first preemption victim among prefilling requests
+    # The first preemption victim among prefilling requests.
+    assert sched.policy.predict.slack(p, 0.95, sched.plan.figures) == math.inf
 
 
 def test_the_ttft_prediction_paces_prefill_by_the_tightest_tpot():
@@ -137,7 +141,7 @@ def test_the_ttft_prediction_paces_prefill_by_the_tightest_tpot():
     sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
     step = sched.schedule(0.0)
     sched.update_from_output(step, {"D": SampledToken(5)}, 0.013)
-    pace = sched.slo.prefill_pace(sched.running, 0.013)
+    pace = sched.policy.predict.prefill_pace(sched.running, 0.013)
     assert (pace.chunk, pace.banked) == (49, [])  # D may stop at any token: no time banked ahead
     with pytest.raises(SLOUnattainableError, match="predicted after 180 ms"):
         sched.add_request(Request("P", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
@@ -162,7 +166,7 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
         return sched
 
     sched = scheduler(50)
-    pace = sched.slo.prefill_pace(sched.running, 0.013)
+    pace = sched.policy.predict.prefill_pace(sched.running, 0.013)
     assert pace.chunk == 49 and pace.banked[:2] == [(99, pytest.approx(0.11)), (198, pytest.approx(0.22))]
     with pytest.raises(SLOUnattainableError, match="predicted after 169 ms"):
         sched.add_request(Request("P", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
@@ -176,10 +180,10 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
     assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("D", 1), ("Q", 48)]
 
     sched = scheduler(3)
-    pace = sched.slo.prefill_pace(sched.running, 0.013)
+    pace = sched.policy.predict.prefill_pace(sched.running, 0.013)
     assert pace.chunk == 49 and pace.banked == [(99, pytest.approx(0.11))]
     # 99 banked tokens, two 49-token steps (0.06 s each), and 3 tokens (0.014 s) for a 200-token prompt.
-    assert sched.slo.first_token_time(200, pace, 0.013) == pytest.approx(0.013 + 0.11 + 0.12 + 0.014)
+    assert sched.policy.predict.first_token_time(200, pace, 0.013) == pytest.approx(0.013 + 0.11 + 0.12 + 0.014)
 
 
 # A step with a prompt chunk costs 40 ms more than one of decodes alone (a CPU engine's one-call decode step,
@@ -214,13 +218,13 @@ def test_the_ttft_prediction_paces_efficient_chunks_after_banking_decode_steps()
                       CacheConfig(num_blocks=256, block_size=4), StepTimeModel(CHUNK_OVERHEAD, adapt=False))
     sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
     sched.update_from_output(sched.schedule(0.0), {"D": SampledToken(5)}, 0.053)
-    pace = sched.slo.prefill_pace(sched.running, 0.053)
-    assert sched.slo.efficient_chunk(pace.decodes) == 40
+    pace = sched.policy.predict.prefill_pace(sched.running, 0.053)
+    assert sched.policy.predict.efficient_chunk(pace.decodes) == 40
     assert (pace.chunk, pace.banked) == (40, [])
-    assert sched.slo.first_token_time(100, pace, 0.053) == pytest.approx(0.053 + 2 * 0.102 + 0.082)
+    assert sched.policy.predict.first_token_time(100, pace, 0.053) == pytest.approx(0.053 + 2 * 0.102 + 0.082)
     # Without the overhead term nothing changes: 49-token steps within the SLO, as before.
     plain = StepTimeModel(StepCoefficients(0.01, 0.001, 0, 0), adapt=False)
-    assert SLOPolicy(plain, 100, 4).efficient_chunk(pace.decodes) == 0
+    assert SLOPredictor(plain, 100, 4).efficient_chunk(pace.decodes) == 0
 
 
 @pytest.mark.parametrize("slo_tpot, case, chunk", [(0.0605, "prompt", 0), (0.011, "prompt", 9),
@@ -237,14 +241,12 @@ def test_a_small_chunk_is_held_back_only_while_decode_steps_bank_time(slo_tpot, 
     req.first_token_time = 0.0
     req.append_output_token(7)
     req.num_computed_tokens = req.num_tokens - 1  # decoding
-    policy.begin_step([req], 0.01)
-    policy.tpot_limit = policy.borrow_limit = 0.060
+    triage = Triage(urgent=frozenset({"p"} if case == "urgent" else ()))
+    plan = dataclasses.replace(policy.plan([req], 0.01, triage), tpot_limit=0.060, borrow_limit=0.060)
     prompt = Request("p", list(range(100)), SamplingParams(max_tokens=2), 0.0, max_tokens=2)
-    if case == "urgent":
-        policy.urgent = {"p"}
     if case == "recompute":
         prompt.append_output_token(7)
-    assert policy.chunk_size(prompt, 0, 99, False) == chunk
+    assert policy.chunk_size(plan, plan.tally(), prompt, 0, 99, False) == chunk
 
 
 def test_a_held_chunk_is_not_held_again_once_the_decode_beside_it_is_preempted():
@@ -309,16 +311,16 @@ def test_decodes_with_slack_sit_out_steps_for_a_prompt_that_needs_the_room():
     sched.add_request(Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
                               slo_ttft=0.2, slo_tpot=0.0605))
     step = sched.schedule(0.05)
-    assert sched.slo.deferred == {"B0", "B1", "B2", "B3"}
+    assert sched.plan.deferred == {"B0", "B1", "B2", "B3"}
     assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("I", 1), ("P", 39)]
     sched.update_from_output(step, {"I": SampledToken(5)}, 0.105)
     step = sched.schedule(0.105)
-    assert sched.slo.deferred == {"B0", "B1", "B2", "B3"}
+    assert sched.plan.deferred == {"B0", "B1", "B2", "B3"}
     assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("I", 1), ("P", 39)]
     outs = sched.update_from_output(step, {"I": SampledToken(5), "P": SampledToken(7)}, 0.165)
     assert [o.new_token_ids for o in outs if o.request_id == "P"] == [[7]]  # first token at 0.165: TTFT 0.115 s
     step = sched.schedule(0.165)
-    assert not sched.slo.deferred and sched.make_stats().num_deferred_decodes_total == 8
+    assert not sched.plan.deferred and sched.make_stats().num_deferred_decodes_total == 8
     assert sorted(s.request_id for s in step.scheduled) == ["B0", "B1", "B2", "B3", "I", "P"]
 
 
@@ -340,7 +342,7 @@ def test_decodes_that_cannot_spare_the_time_or_share_the_prompts_slo_do_not_sit_
     p = prompt()
     sched.add_request(p)
     step = sched.schedule(0.05)
-    assert p.slo_late and not sched.slo.deferred  # late, it is served behind the others, beside every decode
+    assert p.slo_late and not sched.plan.deferred  # late, it is served behind the others, beside every decode
     assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == \
         [("B0", 1), ("B1", 1), ("B2", 1), ("B3", 1), ("I", 1), ("P", 15)]
 
@@ -355,11 +357,14 @@ def test_decodes_sit_out_for_the_earliest_deadline_they_can_cover():
                 slo_tpot=0.0605)
     q = Request("Q", list(range(300)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.5,
                 slo_tpot=0.0605)
-    sched.slo.prefill_paces(sched.running, 0.05)  # the figures of every decode
-    assert sched.slo.spare(sched.running, 0.05, 0.0605) == {f"B{i}": pytest.approx(0.26) for i in range(4)}
-    late, urgent, deferred, paces = sched.slo.assess([p, q], sched.running, 0.05)
-    assert late == [q] and urgent == {"P"} and deferred == {"B0", "B1", "B2", "B3"} and len(paces) == 3
-    assert sched.slo.first_token_time(78, paces[2], 0.05) == pytest.approx(0.17)
+    predict = sched.policy.predict
+    figures = predict.pace_figures(sched.running)  # the figures of every decode
+    assert predict.spare(sched.running, 0.05, 0.0605, figures) == {f"B{i}": pytest.approx(0.26) for i in range(4)}
+    verdict = predict.assess([p, q], sched.running, 0.05)
+    assert verdict.late == [q] and verdict.urgent == {"P"} and verdict.deferred == {"B0", "B1", "B2", "B3"}
+    paces = verdict.paces
+    assert len(paces) == 3
+    assert sched.policy.predict.first_token_time(78, paces[2], 0.05) == pytest.approx(0.17)
 
 
 def test_deferred_decodes_run_when_the_prompt_gets_no_blocks():
@@ -376,10 +381,10 @@ def test_deferred_decodes_run_when_the_prompt_gets_no_blocks():
     p = Request("P", list(range(20)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.055,
                 slo_tpot=0.0605)
     sched.add_request(p)
-    assert sched.slo.assess([p], sched.running, 0.05)[2] == {"B0", "B1", "B2", "B3"}
+    assert sched.policy.predict.assess([p], sched.running, 0.05).deferred == {"B0", "B1", "B2", "B3"}
     step = sched.schedule(0.05)
     assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [(f"B{i}", 1) for i in range(4)]
-    assert not sched.slo.deferred and sched.make_stats().num_deferred_decodes_total == 0
+    assert not sched.plan.deferred and sched.make_stats().num_deferred_decodes_total == 0
     assert sched.waiting.peek() is p
 
 
@@ -411,16 +416,18 @@ def test_token_budget_from_the_tpot_slo_when_the_length_is_unknown():
     assert slo.records[1].ttft == pytest.approx(0.125 + 0.127 - 0.015, abs=1e-9)
 
 
-def _allowance_of_a_decode(policy, now: float, max_tokens: int, ignore_eos: bool, slo_tpot: float) -> float:
-    """``policy``'s allowance at ``now`` for a lone running request that streamed 2 tokens from t=0."""
+def _allowance_of_a_decode(policy, now: float, max_tokens: int, ignore_eos: bool, slo_tpot: float
+                           ) -> tuple[float, float]:
+    """``policy``'s allowance at ``now`` for a lone running request that streamed 2 tokens from t=0, and the
+    step's time limit."""
     req = Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
                   max_tokens=max_tokens, slo_tpot=slo_tpot)
     req.first_token_time = 0.0
     req.append_output_token(7)
     req.append_output_token(7)
     req.num_computed_tokens = req.num_tokens - 1  # decoding
-    policy.begin_step([req], now)
-    return policy.allowance(req, now)
+    plan = policy.plan([req], now)
+    return policy.predict.allowance(req, now, plan.figures), plan.tpot_limit
 
 
 def test_allowance_of_a_request_behind_its_tpot():
@@ -432,12 +439,12 @@ def test_allowance_of_a_request_behind_its_tpot():
 
     policy = SLOPolicy(StepTimeModel(StepCoefficients(0.25, 0.0, 0.0, 0.0), adapt=False), 64, 4)
 
-    def behind(max_tokens: int, ignore_eos: bool = False) -> float:
+    def behind(max_tokens: int, ignore_eos: bool = False) -> tuple[float, float]:
         return _allowance_of_a_decode(policy, 2.0, max_tokens, ignore_eos, slo_tpot=0.5)
 
-    assert behind(100) == 0.25 and policy.tpot_limit == 0.25
-    assert behind(6) == -math.inf and policy.tpot_limit == math.inf
-    assert behind(12, ignore_eos=True) == 1.25
+    assert behind(100) == (0.25, 0.25)  # (allowance, the step's limit)
+    assert behind(6) == (-math.inf, math.inf)
+    assert behind(12, ignore_eos=True)[0] == 1.25
 
 
 def test_allowance_aims_below_the_tpot_slo_by_the_models_margin():
@@ -454,8 +461,8 @@ def test_allowance_aims_below_the_tpot_slo_by_the_models_margin():
     assert model.margin == pytest.approx(1.25)
     policy = SLOPolicy(model, 64, 4)
 
-    assert _allowance_of_a_decode(policy, 0.2, 12, True, slo_tpot=0.1) == pytest.approx(0.455)
-    assert _allowance_of_a_decode(policy, 0.15, 100, False, slo_tpot=0.1) == pytest.approx(0.05)
+    assert _allowance_of_a_decode(policy, 0.2, 12, True, slo_tpot=0.1)[0] == pytest.approx(0.455)
+    assert _allowance_of_a_decode(policy, 0.15, 100, False, slo_tpot=0.1)[0] == pytest.approx(0.05)
 
 
 def test_an_urgent_prompt_borrows_against_later_decode_steps():
@@ -483,12 +490,15 @@ def test_an_urgent_prompt_borrows_against_later_decode_steps():
         return Request(rid, list(range(300)), SamplingParams(max_tokens=4), 0.0, max_tokens=4, slo_ttft=slo_ttft)
 
     p, q = prompt("P", 0.35), prompt("Q", 10.0)
-    assert policy.triage([p, q], [d], 0.0) == [] and policy.urgent == {"P"}
-    assert policy.first_token_time(300, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.388)
-    assert policy.first_token_time(300, policy.prefill_pace([d], 0.0, borrow=True), 0.0) == pytest.approx(0.311)
-    policy.begin_step([d], 0.0)
-    assert policy.tpot_limit == pytest.approx(0.0505) and policy.borrow_limit == pytest.approx(0.6825)
-    assert policy.chunk_size(p, 0, 300, True) == 300 and policy.chunk_size(q, 0, 300, True) == 39
+    predict = policy.predict
+    triage = policy.triage([p, q], [d], 0.0)
+    assert triage.late == () and triage.urgent == {"P"}
+    assert predict.first_token_time(300, predict.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.388)
+    assert predict.first_token_time(300, predict.prefill_pace([d], 0.0, borrow=True), 0.0) == pytest.approx(0.311)
+    plan = policy.plan([d], 0.0, triage)
+    assert plan.tpot_limit == pytest.approx(0.0505) and plan.borrow_limit == pytest.approx(0.6825)
+    assert policy.chunk_size(plan, plan.tally(), p, 0, 300, True) == 300
+    assert policy.chunk_size(plan, plan.tally(), q, 0, 300, True) == 39
     policy.check_arrival(prompt("P2", 0.312), [], [d], 0.0)  # in time when borrowing: admitted
     with pytest.raises(SLOUnattainableError, match="predicted after 311 ms"):
         policy.check_arrival(prompt("P3", 0.31), [], [d], 0.0)
@@ -501,8 +511,9 @@ def test_an_urgent_prompt_borrows_against_later_decode_steps():
         model.observe(StepShape(1, 1, 1, 1, 1), 0.01375)
     assert model.margin == pytest.approx(1.25)
     slow = prompt("P4", 0.38)
-    assert policy.triage([slow], [d], 0.0) == [] and policy.urgent == {"P4"}
-    assert policy.first_token_time(300, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.322)
+    triage = policy.triage([slow], [d], 0.0)
+    assert triage.late == () and triage.urgent == {"P4"}
+    assert predict.first_token_time(300, predict.prefill_pace([d], 0.0), 0.0) == pytest.approx(0.322)
 
 
 def test_a_request_is_late_only_if_both_paces_miss_its_ttft():
@@ -520,12 +531,13 @@ def test_a_request_is_late_only_if_both_paces_miss_its_ttft():
         d.append_output_token(7)
     d.num_computed_tokens = d.num_tokens - 1
     p = Request("P", list(range(2167)), SamplingParams(max_tokens=4), 0.0, max_tokens=4, slo_ttft=2.25)
-    assert policy.first_token_time(2167, policy.prefill_pace([d], 0.0), 0.0) == pytest.approx(2.233)
-    assert policy.first_token_time(2167, policy.prefill_pace([d], 0.0, borrow=True), 0.0) == pytest.approx(2.266)
-    assert policy.triage([p], [d], 0.0) == []
+    predict = policy.predict
+    assert predict.first_token_time(2167, predict.prefill_pace([d], 0.0), 0.0) == pytest.approx(2.233)
+    assert predict.first_token_time(2167, predict.prefill_pace([d], 0.0, borrow=True), 0.0) == pytest.approx(2.266)
+    assert policy.triage([p], [d], 0.0).late == ()
     policy.check_arrival(p, [], [d], 0.0)  # not refused
-    policy.begin_step([d], 0.0)
-    assert policy.tpot_limit == policy.borrow_limit == pytest.approx(2.02)
+    plan = policy.plan([d], 0.0)
+    assert plan.tpot_limit == plan.borrow_limit == pytest.approx(2.02)
 
 
 def test_admission_stops_before_a_decode_would_break_the_tightest_tpot():

@@ -15,10 +15,13 @@ another process:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from goodserve.kv_transfer.messages import KVLoadSpec
 from goodserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from goodserve.request import Request
 
 
 @dataclass
@@ -176,6 +179,20 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, req: "Request", new_token_ids: list[int], now: float, token: Optional["SampledToken"] = None,
+           error: Optional[str] = None, kv_transfer_params: Optional[dict] = None) -> "EngineCoreOutput":
+        """``req``'s result as it stands after a step that sampled ``token`` (``None``: it only finished)."""
+        with_logprobs = token is not None and req.sampling_params.logprobs is not None
+        return cls(req.request_id, new_token_ids, now, first_scheduled_time=req.first_scheduled_time,
+                   finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                   logprobs=[token.logprob] if with_logprobs else None,
+                   top_logprobs=[token.top_logprobs or []] if with_logprobs else None,
+                   num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions, error=error,
+                   prompt_logprobs=token.prompt_logprobs if token is not None else None,
+                   kv_transfer_params=kv_transfer_params,
+                   kv_transfer=req.kv_transfer if new_token_ids and req.num_output_tokens == 1 else None)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""Waiting-queue policies: the order in which waiting (and preempted) requests are admitted.
+"""Waiting queues: the order in which waiting (and preempted) requests are admitted. Each scheduling
+policy builds its own (:meth:`goodserve.scheduler.policy.StepPolicy.make_queue`):
 
-* ``fcfs``: arrival order; a preempted request goes back to the head, so it is readmitted first.
-* ``priority``: by ``(priority, arrival_time, insertion seq)``, lower priority value first; a preempted
-  request is re-inserted under its original priority and arrival time, so it precedes later arrivals.
-* ``slo``: by a key the SLO policy computes (:meth:`goodserve.scheduler.slo.SLOPolicy.queue_key`: latest
-  start first, late requests last); a request whose key changes is removed and added again.
+* :class:`FCFSQueue` (``fcfs``): arrival order; a preempted request goes back to the head, so it is
+  readmitted first.
+* :class:`SortedQueue` by a key: ``priority`` sorts by ``(priority, arrival_time, insertion seq)``, so a
+  preempted request re-inserted under its original priority and arrival time precedes later arrivals;
+  ``slo`` by its latest start (:meth:`goodserve.scheduler.slo.SLOPolicy.queue_key`), late requests last (a
+  request whose key changes is removed and added again).
 """
 
 from __future__ import annotations
@@ -129,27 +131,3 @@ class SortedQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return (e[2] for e in self._entries)
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return request.priority, request.arrival_time
-
-
-def create_request_queue(policy: str, key: Callable[[Request], Any] | None = None) -> RequestQueue:
-    """Build the waiting queue of a scheduling policy.
-
-    Args:
-        policy: ``"fcfs"``, ``"priority"`` or ``"slo"``.
-        key: The ``slo`` policy's sort key.
-
-    Raises:
-        ValueError: on an unknown policy, or ``slo`` without a key.
-    """
-    if policy == "fcfs":
-        return FCFSQueue()
-    if policy == "priority":
-        return SortedQueue(_priority_key)
-    if policy == "slo" and key is not None:
-        return SortedQueue(key)
-    raise ValueError(f"unknown scheduling policy {policy!r} (or 'slo' without a key); expected 'fcfs', "
-                     "'priority' or 'slo'")

@@ -1,11 +1,39 @@
-"""Token-level stop rules, applied by the scheduler to every sampled token (stop strings are matched on the
-text downstream, by the output processor)."""
+"""A request's length limits: whether it can ever fit, checked as it arrives, and the token-level stop rules
+applied to every sampled token (stop strings are matched on the text downstream, by the output
+processor)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from goodserve.request import Request, RequestStatus
+from goodserve.validation import ParamError
+
+
+def check_fits(req: Request, max_model_len: int, num_blocks: int, block_size: int) -> None:
+    """Refuse at once a request that can never run.
+
+    Raises:
+        ValueError: if ``max_tokens`` is not a positive int; if prompt + ``max_tokens`` exceeds
+            ``max_model_len`` tokens, or needs more KV blocks than the whole pool holds (a
+            :class:`ParamError` with code ``context_length_exceeded``).
+    """
+    max_tokens = req.max_tokens
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"request {req.request_id!r}: max_tokens must be resolved to an int >= 1, "
+                         f"got {max_tokens!r}")
+    num_prompt = req.num_prompt_tokens
+    total = num_prompt + max_tokens
+    if total > max_model_len:
+        raise ParamError(f"This model's maximum context length is {max_model_len} tokens; this request asks for "
+                         f"{total} tokens ({num_prompt} prompt tokens + max_tokens {max_tokens}). Shorten the "
+                         "prompt or lower max_tokens.", code="context_length_exceeded")
+    blocks_needed = -(-total // block_size)
+    if blocks_needed > num_blocks:
+        raise ParamError(f"this request needs {blocks_needed} KV blocks ({total} tokens at "
+                         f"block_size {block_size}), but the KV pool has only {num_blocks} blocks; "
+                         "shorten the prompt, lower max_tokens or give the cache more memory",
+                         code="context_length_exceeded")
 
 
 def check_stop(req: Request, token: int, max_model_len: int) -> Optional[RequestStatus]:

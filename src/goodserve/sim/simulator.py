@@ -44,6 +44,7 @@ from typing import Optional
 
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransferParams
+from goodserve.kv_transfer.factory import create_connector_scheduler
 from goodserve.request import Request
 from goodserve.router.policies import BackendState, LeastLoaded, RouteRequest, RoutingPolicy, make_policy
 from goodserve.sampling_params import SamplingParams
@@ -307,7 +308,8 @@ class Simulator:
         kv_role = {"prefill": "producer", "decode": "consumer"}.get(role)
         # A producer's hold ends when the pull lands (the simulated links never fail): no timeout. No socket is
         # bound here: the handle's port only has to be a valid one.
-        kv = KVTransferConfig(kv_role, engine_id=name, port=1, timeout=float("inf")) if kv_role else None
+        kv = create_connector_scheduler(KVTransferConfig(kv_role, engine_id=name, port=1, timeout=float("inf")),
+                                        cache.block_size) if kv_role else None
         return Instance(name, role, Scheduler(self.config.scheduler, cache, step_model, kv), cost_model)
 
     # ------------------------------------------------------------------------------------------ loop
