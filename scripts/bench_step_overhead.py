@@ -12,8 +12,8 @@
    path adds per step (scheduler, output processing, handing outputs to the event loop, and the event loop's
    SSE work competing for the GIL).
 
-Works on any version that has ``Engine.step``, ``Engine.last_schedule`` and a model runner (``engine.runner``
-or ``engine.core.runner``); prints one JSON object.
+Works on any version that has ``Engine.run_step`` (or, older, ``Engine.step`` and ``Engine.last_schedule``)
+and a model runner (``engine.runner`` or ``engine.core.runner``); prints one JSON object.
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ from goodserve.sampling_params import SamplingParams
 
 def runner_of(engine: Engine):
     return getattr(engine, "core", engine).runner
+
+
+def step_of(engine: Engine):
+    """One step: ``(outputs, the step computed or None)``, on this version's API."""
+    if hasattr(engine, "run_step"):
+        step = engine.run_step()
+        return step.outputs, step.schedule
+    return engine.step(), engine.last_schedule
 
 
 class Timer:
@@ -66,8 +74,7 @@ def engine_step(engine: Engine, batch: int, context: int, steps: int) -> dict:
         added = engine.add_request(p, params)
         ids.append(added if isinstance(added, str) else added.request_id)  # older versions return the Request
     for _ in range(40):  # prefill, then a few decode steps to warm up
-        engine.step()
-        shape = engine.last_schedule
+        _, shape = step_of(engine)
         if shape is not None and shape.num_prefill_tokens == 0:
             break
     execute = Timer(runner, "execute")
@@ -118,7 +125,8 @@ def serving_path(args: argparse.Namespace) -> dict:
     def build() -> Engine:
         engine = Engine(eargs)
         runner = runner_of(engine)
-        real_execute, real_step = runner.execute, engine.step
+        new_api = hasattr(engine, "run_step")  # the serving loop calls run_step (older versions: step)
+        real_execute, real_step = runner.execute, (engine.run_step if new_api else engine.step)
         state = {"execute": 0.0, "start": None, "decodes": 0}
 
         def execute(out):
@@ -133,12 +141,13 @@ def serving_path(args: argparse.Namespace) -> dict:
             if state["start"] is not None:  # the previous cycle ends where this step starts
                 cycles.append((now - state["start"], state["execute"], state["decodes"]))
             state["start"] = now
-            outs = real_step()
-            shape = engine.last_schedule
+            result = real_step()
+            shape = result.schedule if new_api else engine.last_schedule
             state["decodes"] = shape.num_decode_tokens if shape is not None and not shape.num_prefill_tokens else 0
-            return outs
+            return result
 
-        runner.execute, engine.step = execute, step
+        runner.execute = execute
+        setattr(engine, "run_step" if new_api else "step", step)
         return engine
 
     engine = AsyncEngine(build=build)

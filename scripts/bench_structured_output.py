@@ -76,9 +76,8 @@ def run(engine: Engine, batch: int, constrained: int, steps: int, min_chars: int
         n = len(sample.times)
         marks = {name: len(t.times) for name, t in grammar.items()}
         t0 = time.perf_counter()
-        engine.step()
+        sched = engine.run_step().schedule
         dt = time.perf_counter() - t0
-        sched = engine.last_schedule
         if sched is not None and sched.num_decode_tokens == batch and len(sched.scheduled) == batch:
             step_times.append(dt)
             sample_times.extend(sample.times[n:])

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.request import Request
+from goodserve.request_options import RequestOptions
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SampledToken, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
@@ -42,8 +43,8 @@ def create_requests(num_requests: int, prompt_len: int = 8, max_tokens: int = 4,
             ids = [100 + 1000 * i + t for t in range(prompt_len)]
         priority = priorities[i - start] if priorities is not None else 0
         reqs.append(Request(f"{prefix}{i}", ids, SamplingParams(max_tokens=max_tokens, **params),
-                            arrival_time=arrival + i * 1e-3, priority=priority, eos_token_ids=(EOS,),
-                            cache_salt=cache_salt))
+                            arrival_time=arrival + i * 1e-3, eos_token_ids=(EOS,),
+                            options=RequestOptions(priority=priority, cache_salt=cache_salt)))
     return reqs
 
 

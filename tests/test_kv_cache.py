@@ -7,6 +7,7 @@ import pytest
 from factories import create_requests
 from goodserve.kv_cache import BlockPool, KVCacheManager
 from goodserve.kv_cache.hashing import hash_block_tokens, hash_request_blocks
+from goodserve.request_options import RequestOptions
 from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
 
@@ -14,7 +15,8 @@ BS = 4
 
 
 def make_request(rid: str, tokens: list[int], cache_salt=None) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=8), arrival_time=0.0, cache_salt=cache_salt)
+    return Request(rid, tokens, SamplingParams(max_tokens=8), arrival_time=0.0,
+                   options=RequestOptions(cache_salt=cache_salt))
 
 
 def refs(manager: KVCacheManager, ids: list[int]) -> list[int]:

@@ -17,6 +17,7 @@ from goodserve.kv_transfer import KVConnectorOutput, KVLoadSpec, KVTransferConfi
 from goodserve.kv_transfer.factory import create_connector_scheduler
 from goodserve.kv_transfer.lease import LeaseError, LeaseTable
 from goodserve.kv_transfer.side_channel import answer
+from goodserve.request_options import RequestOptions
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import SampledToken
 from goodserve.scheduler.scheduler import Scheduler
@@ -159,7 +160,7 @@ def _scheduler(role: str, timeout: float = 5.0) -> Scheduler:
 
 def _request(rid: str, n: int, kv: dict) -> Request:
     return Request(rid, list(range(n)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), 0.0,
-                   kv_transfer_params=KVTransferParams.from_dict(kv))
+                   options=RequestOptions(kv_transfer_params=KVTransferParams.from_dict(kv)))
 
 
 def _step(s: Scheduler, now: float, kv_output: KVConnectorOutput | None = None):

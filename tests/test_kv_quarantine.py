@@ -20,6 +20,7 @@ from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransferParams
 from goodserve.kv_transfer.factory import create_connector_scheduler
 from goodserve.kv_transfer.lease import LeaseTable
+from goodserve.request_options import RequestOptions
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import SampledToken, SchedulerStats
 from goodserve.scheduler.scheduler import Scheduler
@@ -41,8 +42,9 @@ def _handle(rid: str = "r", port: int = 5555, lease: str = "0" * 32, engine: str
 
 
 def _request(rid: str, n: int, kv: dict | None = None, first: int = 100) -> Request:
+    params = None if kv is None else KVTransferParams.from_dict(kv)
     return Request(rid, list(range(first, first + n)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                   0.0, kv_transfer_params=None if kv is None else KVTransferParams.from_dict(kv))
+                   0.0, options=RequestOptions(kv_transfer_params=params))
 
 
 def _step(s: Scheduler, now: float, kv_output: KVConnectorOutput | None = None):

@@ -20,6 +20,7 @@ from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.engine import Engine
 from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransferParams
 from goodserve.kv_transfer.factory import create_connector_scheduler
+from goodserve.request_options import RequestOptions
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import SampledToken
 from goodserve.scheduler.scheduler import Scheduler
@@ -41,7 +42,7 @@ def _scheduler(role: str, num_blocks: int = 16, timeout: float = 5.0, prefix: bo
 
 def _request(rid: str, prompt: list[int], max_tokens: int, kv: dict | None) -> Request:
     return Request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), 0.0,
-                   kv_transfer_params=None if kv is None else KVTransferParams.from_dict(kv))
+                   options=RequestOptions(kv_transfer_params=None if kv is None else KVTransferParams.from_dict(kv)))
 
 
 def _step(s: Scheduler, now: float, kv_output: KVConnectorOutput | None = None, token: int = 7):

@@ -13,6 +13,7 @@ import pickle
 import pytest
 
 from goodserve.request import Request
+from goodserve.request_options import RequestOptions
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.policy import FCFSPolicy, PriorityPolicy, StepPolicy, create_policy
 from goodserve.scheduler.slo import SLOPolicy
@@ -54,8 +55,9 @@ def test_a_policy_writes_no_state_of_its_own_after_construction(name):
     assert not writes
 
 
-def _request(rid: str, prompt: int, arrival: float, **kw) -> Request:
-    return Request(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=8), arrival, max_tokens=8, **kw)
+def _request(rid: str, prompt: int, arrival: float, **slos) -> Request:
+    return Request(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=8), arrival, max_tokens=8,
+                   options=RequestOptions(**slos))
 
 
 def _decoding(rid: str, slo_tpot: float, streamed: int) -> Request:

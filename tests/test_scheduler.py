@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from factories import EOS, FAKE_TOKEN, create_requests, create_scheduler, fake_step, run_to_completion, sampled_tokens
 from goodserve.request import Request, RequestStatus
+from goodserve.request_options import RequestOptions
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.policy import create_policy
 
@@ -361,8 +362,8 @@ def test_random_workloads_finish_without_leaks(specs, block_size, budget, max_nu
     for i, (arrive, shared, own, max_tokens, priority, salt) in enumerate(specs):
         prompt = base[:shared] + [1000 + 100 * i + t for t in range(own)]
         reqs.append((arrive, Request(f"q{i}", prompt, SamplingParams(max_tokens=max_tokens),
-                                     arrival_time=float(arrive), priority=priority, eos_token_ids=(EOS,),
-                                     cache_salt=salt)))
+                                     arrival_time=float(arrive), eos_token_ids=(EOS,),
+                                     options=RequestOptions(priority=priority, cache_salt=salt))))
     kv = sched.kv_cache_manager
     slots: dict[int, tuple] = {}  # slot -> (salt, prefix tokens) whose K/V the slot holds
     tables: dict[str, list[int]] = {}  # the runner's block tables, kept from the diffs

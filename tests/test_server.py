@@ -22,6 +22,7 @@ import pytest
 from goodserve.engine.args import EngineArgs
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.engine import Engine
+from goodserve.request_options import RequestOptions
 from goodserve.scheduler.output import SchedulerStats
 from goodserve.server.app import build_app
 from goodserve.server.slo_classes import parse_slo_classes
@@ -386,8 +387,7 @@ class _BrokenEngine:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.chat_template, self.max_model_len = tokenizer, None, 64
-        self.slo_ttft = self.slo_tpot = None
-        self.config = SimpleNamespace(model_path="/models/broken.gguf")
+        self.config = SimpleNamespace(model_path="/models/broken.gguf", request_options=lambda *a: RequestOptions())
         self._pending = False
 
     def tokenize(self, prompt):

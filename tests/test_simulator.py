@@ -27,7 +27,8 @@ from goodserve.sim.profile import fit_linear
 from goodserve.sim.replay import load_bench_runs
 from goodserve.sim.roofline import decode_step
 from goodserve.sim.simulate_cli import build_workload, parse_disaggregate, parse_rates, parse_stall
-from goodserve.sim.simulator import ClusterConfig, Disaggregation, SimRequest, Simulator
+from goodserve.sim.simulator import Simulator
+from goodserve.sim.spec import ClusterConfig, Disaggregation, SimRequest
 
 STEP = 0.1  # seconds per step under the constant cost model
 

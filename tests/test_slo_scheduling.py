@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.request_options import RequestOptions
 from goodserve.request import Request, RequestStatus
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SampledToken, SchedulerOutput, StepShape
@@ -23,7 +24,8 @@ from goodserve.scheduler.slo import SLOPolicy, SLOUnattainableError
 from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients, StepTimeModel
 from goodserve.sim.cost_model import LinearCostModel
-from goodserve.sim.simulator import ClusterConfig, SimRequest, Simulator
+from goodserve.sim.simulator import Simulator
+from goodserve.sim.spec import ClusterConfig, SimRequest
 
 # A step costs 10 ms plus 1 ms per computed token: a 100-token prefill step takes 0.11 s.
 COST = LinearCostModel(StepCoefficients(overhead_s=0.010, per_token_s=0.001, per_sampled_s=0.0, per_pair_s=0.0))
@@ -107,7 +109,8 @@ def _stalled_prefill(shed_load: bool):
                                       shed_load=shed_load),
                       CacheConfig(num_blocks=128, block_size=4), StepTimeModel(StepCoefficients(0.01, 0.001, 0, 0),
                                                                                adapt=False))
-    p = Request("P", list(range(200)), SamplingParams(max_tokens=2), arrival_time=0.0, max_tokens=2, slo_ttft=1.0)
+    p = Request("P", list(range(200)), SamplingParams(max_tokens=2), arrival_time=0.0, max_tokens=2,
+                options=RequestOptions(slo_ttft=1.0))
     sched.add_request(p)
     first = sched.schedule(0.0)
     assert [(s.request_id, s.num_new_tokens) for s in first.scheduled] == [("P", 100)]
@@ -138,16 +141,17 @@ def test_the_ttft_prediction_paces_prefill_by_the_tightest_tpot():
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo", shed_load=True),
                       CacheConfig(num_blocks=256, block_size=4), StepTimeModel(StepCoefficients(0.01, 0.001, 0, 0),
                                                                                adapt=False))
-    sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
+    sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50,
+                              options=RequestOptions(slo_tpot=0.0605)))
     step = sched.schedule(0.0)
     sched.update_from_output(step, {"D": SampledToken(5)}, 0.013)
     pace = sched.policy.predict.prefill_pace(sched.running, 0.013)
     assert (pace.chunk, pace.banked) == (49, [])  # D may stop at any token: no time banked ahead
     with pytest.raises(SLOUnattainableError, match="predicted after 180 ms"):
         sched.add_request(Request("P", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
-                                  slo_ttft=0.17))
+                                  options=RequestOptions(slo_ttft=0.17)))
     sched.add_request(Request("Q", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
-                              slo_ttft=0.19))
+                              options=RequestOptions(slo_ttft=0.19)))
 
 
 def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
@@ -161,7 +165,7 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
                                           shed_load=True), CacheConfig(num_blocks=256, block_size=4),
                           StepTimeModel(StepCoefficients(0.01, 0.001, 0, 0), adapt=False))
         sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0.0,
-                                  max_tokens=max_tokens, slo_tpot=0.0605))
+                                  max_tokens=max_tokens, options=RequestOptions(slo_tpot=0.0605)))
         sched.update_from_output(sched.schedule(0.0), {"D": SampledToken(5)}, 0.013)
         return sched
 
@@ -170,9 +174,9 @@ def test_the_ttft_prediction_spends_the_time_a_request_of_known_length_banked():
     assert pace.chunk == 49 and pace.banked[:2] == [(99, pytest.approx(0.11)), (198, pytest.approx(0.22))]
     with pytest.raises(SLOUnattainableError, match="predicted after 169 ms"):
         sched.add_request(Request("P", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
-                                  slo_ttft=0.16))
+                                  options=RequestOptions(slo_ttft=0.16)))
     sched.add_request(Request("Q", list(range(147)), SamplingParams(max_tokens=2), 0.013, max_tokens=2,
-                              slo_ttft=0.17))
+                              options=RequestOptions(slo_ttft=0.17)))
     step = sched.schedule(0.013)
     assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("D", 1), ("Q", 99)]
     sched.update_from_output(step, {"D": SampledToken(5)}, 0.123)
@@ -216,7 +220,8 @@ def test_the_ttft_prediction_paces_efficient_chunks_after_banking_decode_steps()
     0.286 s."""
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo", shed_load=True),
                       CacheConfig(num_blocks=256, block_size=4), StepTimeModel(CHUNK_OVERHEAD, adapt=False))
-    sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
+    sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50,
+                              options=RequestOptions(slo_tpot=0.0605)))
     sched.update_from_output(sched.schedule(0.0), {"D": SampledToken(5)}, 0.053)
     pace = sched.policy.predict.prefill_pace(sched.running, 0.053)
     assert sched.policy.predict.efficient_chunk(pace.decodes) == 40
@@ -237,7 +242,8 @@ def test_a_small_chunk_is_held_back_only_while_decode_steps_bank_time(slo_tpot, 
     here the borrowed limit is the plain one), nor a request recomputing tokens it streamed before a
     preemption (its own allowance does not grow while it waits)."""
     policy = SLOPolicy(StepTimeModel(CHUNK_OVERHEAD, adapt=False), 100, 4)
-    req = Request("r", [1, 2], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=slo_tpot)
+    req = Request("r", [1, 2], SamplingParams(max_tokens=50), 0.0, max_tokens=50,
+                  options=RequestOptions(slo_tpot=slo_tpot))
     req.first_token_time = 0.0
     req.append_output_token(7)
     req.num_computed_tokens = req.num_tokens - 1  # decoding
@@ -260,7 +266,7 @@ def test_a_held_chunk_is_not_held_again_once_the_decode_beside_it_is_preempted()
                       StepTimeModel(CHUNK_OVERHEAD, adapt=False))
     sched.add_request(Request("D", [1, 2, 3], SamplingParams(max_tokens=1300), 0.0, max_tokens=1300))
     sched.add_request(Request("R", list(range(10, 410)), SamplingParams(max_tokens=1000), 0.0, max_tokens=1000,
-                              slo_tpot=0.0605))
+                              options=RequestOptions(slo_tpot=0.0605)))
     now = 0.0
 
     def step(now: float) -> float:
@@ -290,10 +296,11 @@ def _interactive_beside_batch(batch_tpot: float, batch_forced: bool, shed_load: 
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_model_len=1024, policy="slo",
                                       shed_load=shed_load), CacheConfig(num_blocks=256, block_size=4),
                       StepTimeModel(StepCoefficients(0.01, 0.001, 0.005, 0), adapt=False))
-    sched.add_request(Request("I", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50, slo_tpot=0.0605))
+    sched.add_request(Request("I", [1, 2, 3], SamplingParams(max_tokens=50), 0.0, max_tokens=50,
+                              options=RequestOptions(slo_tpot=0.0605)))
     for i in range(4):
         sched.add_request(Request(f"B{i}", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=batch_forced), 0.0,
-                                  max_tokens=50, slo_tpot=batch_tpot))
+                                  max_tokens=50, options=RequestOptions(slo_tpot=batch_tpot)))
     step = sched.schedule(0.0)
     assert step.total_num_scheduled_tokens == 15
     sched.update_from_output(step, {r: SampledToken(5) for r in ("I", "B0", "B1", "B2", "B3")}, 0.05)
@@ -309,7 +316,7 @@ def test_decodes_with_slack_sit_out_steps_for_a_prompt_that_needs_the_room():
     token, TTFT 0.115 s. Then every decode runs again."""
     sched = _interactive_beside_batch(0.3, True)
     sched.add_request(Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
-                              slo_ttft=0.2, slo_tpot=0.0605))
+                              options=RequestOptions(slo_ttft=0.2, slo_tpot=0.0605)))
     step = sched.schedule(0.05)
     assert sched.plan.deferred == {"B0", "B1", "B2", "B3"}
     assert sorted((s.request_id, s.num_new_tokens) for s in step.scheduled) == [("I", 1), ("P", 39)]
@@ -332,8 +339,8 @@ def test_decodes_that_cannot_spare_the_time_or_share_the_prompts_slo_do_not_sit_
     refused on arrival at the pace beside all five decodes (0.348 s); without shedding it is late and gets the
     15 tokens a step beside them."""
     def prompt():
-        return Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.2,
-                       slo_tpot=0.0605)
+        return Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
+                       options=RequestOptions(slo_ttft=0.2, slo_tpot=0.0605))
 
     sched = _interactive_beside_batch(batch_tpot, forced)
     with pytest.raises(SLOUnattainableError, match="predicted after 348 ms"):
@@ -353,10 +360,10 @@ def test_decodes_sit_out_for_the_earliest_deadline_they_can_cover():
     out until P's deadline brings P in time (0.12 s, as above); Q is late at every pace (378 prompt
     tokens at 39 a step take 0.6 s)."""
     sched = _interactive_beside_batch(0.3, False)
-    p = Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.2,
-                slo_tpot=0.0605)
-    q = Request("Q", list(range(300)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.5,
-                slo_tpot=0.0605)
+    p = Request("P", list(range(78)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
+                options=RequestOptions(slo_ttft=0.2, slo_tpot=0.0605))
+    q = Request("Q", list(range(300)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
+                options=RequestOptions(slo_ttft=0.5, slo_tpot=0.0605))
     predict = sched.policy.predict
     figures = predict.pace_figures(sched.running)  # the figures of every decode
     assert predict.spare(sched.running, 0.05, 0.0605, figures) == {f"B{i}": pytest.approx(0.26) for i in range(4)}
@@ -375,11 +382,11 @@ def test_deferred_decodes_run_when_the_prompt_gets_no_blocks():
                       StepTimeModel(StepCoefficients(0.01, 0.001, 0.005, 0), adapt=False))
     for i in range(4):
         sched.add_request(Request(f"B{i}", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True), 0.0,
-                                  max_tokens=10, slo_tpot=0.3))
+                                  max_tokens=10, options=RequestOptions(slo_tpot=0.3)))
     step = sched.schedule(0.0)
     sched.update_from_output(step, {s.request_id: SampledToken(5) for s in step.scheduled}, 0.05)
-    p = Request("P", list(range(20)), SamplingParams(max_tokens=2), 0.05, max_tokens=2, slo_ttft=0.055,
-                slo_tpot=0.0605)
+    p = Request("P", list(range(20)), SamplingParams(max_tokens=2), 0.05, max_tokens=2,
+                options=RequestOptions(slo_ttft=0.055, slo_tpot=0.0605))
     sched.add_request(p)
     assert sched.policy.predict.assess([p], sched.running, 0.05).deferred == {"B0", "B1", "B2", "B3"}
     step = sched.schedule(0.05)
@@ -421,7 +428,7 @@ def _allowance_of_a_decode(policy, now: float, max_tokens: int, ignore_eos: bool
     """``policy``'s allowance at ``now`` for a lone running request that streamed 2 tokens from t=0, and the
     step's time limit."""
     req = Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), 0.0,
-                  max_tokens=max_tokens, slo_tpot=slo_tpot)
+                  max_tokens=max_tokens, options=RequestOptions(slo_tpot=slo_tpot))
     req.first_token_time = 0.0
     req.append_output_token(7)
     req.append_output_token(7)
@@ -481,13 +488,15 @@ def test_an_urgent_prompt_borrows_against_later_decode_steps():
     model.observe(StepShape(200, 1, 0, 200, 1), 0.21)
     assert model.recent_step_s == 0.21
     policy = SLOPolicy(model, 512, 4, shed_load=True)
-    d = Request("D", [1, 2], SamplingParams(max_tokens=20, ignore_eos=True), 0.0, max_tokens=20, slo_tpot=0.0505)
+    d = Request("D", [1, 2], SamplingParams(max_tokens=20, ignore_eos=True), 0.0, max_tokens=20,
+                options=RequestOptions(slo_tpot=0.0505))
     d.first_token_time = 0.0
     d.append_output_token(7)
     d.num_computed_tokens = d.num_tokens - 1
 
     def prompt(rid: str, slo_ttft: float) -> Request:
-        return Request(rid, list(range(300)), SamplingParams(max_tokens=4), 0.0, max_tokens=4, slo_ttft=slo_ttft)
+        return Request(rid, list(range(300)), SamplingParams(max_tokens=4), 0.0, max_tokens=4,
+                       options=RequestOptions(slo_ttft=slo_ttft))
 
     p, q = prompt("P", 0.35), prompt("Q", 10.0)
     predict = policy.predict
@@ -525,12 +534,14 @@ def test_a_request_is_late_only_if_both_paces_miss_its_ttft():
     from goodserve.scheduler.slo import SLOPolicy
 
     policy = SLOPolicy(StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False), 512, 4, shed_load=True)
-    d = Request("D", [1, 2], SamplingParams(max_tokens=1000), 0.0, max_tokens=1000, slo_tpot=0.0505)
+    d = Request("D", [1, 2], SamplingParams(max_tokens=1000), 0.0, max_tokens=1000,
+                options=RequestOptions(slo_tpot=0.0505))
     d.first_token_time = 0.0
     for _ in range(40):
         d.append_output_token(7)
     d.num_computed_tokens = d.num_tokens - 1
-    p = Request("P", list(range(2167)), SamplingParams(max_tokens=4), 0.0, max_tokens=4, slo_ttft=2.25)
+    p = Request("P", list(range(2167)), SamplingParams(max_tokens=4), 0.0, max_tokens=4,
+                options=RequestOptions(slo_ttft=2.25))
     predict = policy.predict
     assert predict.first_token_time(2167, predict.prefill_pace([d], 0.0), 0.0) == pytest.approx(2.233)
     assert predict.first_token_time(2167, predict.prefill_pace([d], 0.0, borrow=True), 0.0) == pytest.approx(2.266)
@@ -569,7 +580,8 @@ def _two_decoding(policy: str) -> tuple[Scheduler, list[str]]:
                       CacheConfig(num_blocks=4, block_size=4), StepTimeModel(DEFAULT_SEED, adapt=False))
     params = SamplingParams(max_tokens=4)
     sched.add_request(Request("B", list(range(8)), params, arrival_time=0.0, max_tokens=4))
-    sched.add_request(Request("A", list(range(100, 108)), params, arrival_time=0.001, max_tokens=4, slo_tpot=1.0))
+    sched.add_request(Request("A", list(range(100, 108)), params, arrival_time=0.001, max_tokens=4,
+                              options=RequestOptions(slo_tpot=1.0)))
     first = sched.schedule(0.0)
     assert [s.request_id for s in first.scheduled] == ["B", "A"]
     sched.update_from_output(first, {"A": SampledToken(1), "B": SampledToken(1)}, 0.05)
@@ -704,10 +716,11 @@ def test_config_errors():
     with pytest.raises(ValueError, match="shed_load needs policy 'slo'"):
         SchedulerConfig(shed_load=True)
     with pytest.raises(ValueError, match="slo_ttft must be a positive"):
-        Request("x", [1], SamplingParams(max_tokens=1), 0.0, slo_ttft=0.0)
+        Request("x", [1], SamplingParams(max_tokens=1), 0.0, options=RequestOptions(slo_ttft=0.0))
     sched = Scheduler(SchedulerConfig(policy="slo", shed_load=True), CacheConfig(num_blocks=16, block_size=4))
     with pytest.raises(SLOUnattainableError):  # no prefill takes under a microsecond
-        sched.add_request(Request("x", [1, 2], SamplingParams(max_tokens=1), 0.0, max_tokens=1, slo_ttft=1e-6))
+        sched.add_request(Request("x", [1, 2], SamplingParams(max_tokens=1), 0.0, max_tokens=1,
+                                  options=RequestOptions(slo_ttft=1e-6)))
     assert not sched.has_unfinished_requests() and sched.make_stats().num_shed_total == 1
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from goodserve.kv_transfer.config import KVTransferConfig
+from goodserve.kv_transfer.params import KVTransferParams
+from goodserve.request_options import UNSET, RequestOptions
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 # How batches form: "chunked" is continuous batching with chunked prefill (Sarathi-Serve); "static" is
@@ -231,6 +233,15 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
     return float(theta if theta is not None else 10000.0), scaling
 
 
+def _flag(flag: str, help: str, dest: Optional[str] = None, choices: Optional[tuple] = None,
+          **default: Any) -> dict[str, Any]:
+    """A config field's command-line flag, read by :mod:`goodserve.config_flags` (``dest`` defaults to the
+    field's name; ``default``, if given, replaces the field's on the command line: ``None`` for a value the
+    engine resolves itself)."""
+    return {"flag": flag, "help": help, "dest": dest, "choices": choices, **({"cli_default": default["default"]}
+                                                                          if "default" in default else {})}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache, resolved (the engine sizes the pool from ``EngineArgs`` first).
@@ -241,9 +252,11 @@ class CacheConfig:
         enable_prefix_caching: Register full blocks by content hash and reuse them across requests.
     """
 
-    num_blocks: int
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    num_blocks: int = field(metadata=_flag("--num-blocks", "KV pool size in blocks (default: sized from the memory "
+                                                          "the KV cache may take)", default=None))
+    block_size: int = field(default=16, metadata=_flag("--block-size", "tokens per KV block"))
+    enable_prefix_caching: bool = field(default=True, metadata=_flag(
+        "--no-prefix-caching", "do not reuse the KV blocks of shared prompt prefixes"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -267,12 +280,21 @@ class SchedulerConfig:
             late.
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 8192
-    policy: str = "fcfs"
-    mode: str = "chunked"
-    shed_load: bool = False
+    max_num_batched_tokens: int = field(default=1024, metadata=_flag("--max-num-batched-tokens",
+                                                                     "token budget per step"))
+    max_num_seqs: int = field(default=128, metadata=_flag("--max-num-seqs", "most running requests"))
+    max_model_len: int = field(default=8192, metadata=_flag(
+        "--max-model-len", "longest prompt + output in tokens (default: the model's context length)", default=None))
+    policy: str = field(default="fcfs", metadata=_flag(
+        "--scheduling-policy", "waiting order: fcfs, priority, or slo (goodput first: order, step size, admission "
+        "and preemption from predicted step times and each request's SLOs)", dest="scheduling_policy",
+        choices=SCHEDULING_POLICIES))
+    mode: str = field(default="chunked", metadata=_flag(
+        "--scheduler", "batching mode: chunked (default: continuous, chunked prefill); baselines: static "
+        "(request-level), reserve (reserve max length), prefill-first (vLLM v0: unchunked, prompts before "
+        "decodes)", dest="scheduler", choices=SCHEDULING_MODES))
+    shed_load: bool = field(default=False, metadata=_flag(
+        "--shed-load", "with --scheduling-policy slo: refuse (429) requests whose TTFT SLO can no longer be met"))
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -312,6 +334,8 @@ class EngineConfig:
         seed: Seed of the engine-wide generator used by unseeded sampled requests.
         log_stats_interval: Seconds between periodic stats log lines (``0`` disables them).
         kv_transfer: The instance's part in disaggregated serving (``None``: none).
+        slo_ttft: A request's TTFT SLO in seconds when it gives none (``None``: none).
+        slo_tpot: A request's TPOT SLO in seconds when it gives none (``None``: none).
     """
 
     model_path: str
@@ -327,3 +351,31 @@ class EngineConfig:
     seed: int = 0
     log_stats_interval: float = 10.0
     kv_transfer: Optional[KVTransferConfig] = None
+    slo_ttft: Optional[float] = None
+    slo_tpot: Optional[float] = None
+
+    def request_options(self, priority: int = 0, cache_salt: Optional[str] = None, slo_ttft: Any = UNSET,
+                        slo_tpot: Any = UNSET, slo_class: Optional[str] = None,
+                        kv_transfer_params: Any = None) -> RequestOptions:
+        """A request's :class:`RequestOptions`, built where it enters, with this engine's defaults applied
+        (here only).
+
+        Args:
+            priority: Lower runs first under the ``priority`` policy.
+            cache_salt: Prefix-cache isolation key.
+            slo_ttft: TTFT SLO in seconds; ``None``: no limit; :data:`UNSET`: this engine's ``slo_ttft``.
+            slo_tpot: TPOT SLO in seconds, the same way.
+            slo_class: The label of its SLOs on ``/metrics``; by default ``"default"`` when both SLOs are the
+                engine's, else ``"custom"``.
+            kv_transfer_params: Its part in disaggregated serving, as a request body gives it (a dict) or
+                parsed.
+
+        Raises:
+            ParamError: on a malformed field (naming it).
+        """
+        if slo_class is None:
+            slo_class = "default" if slo_ttft is UNSET and slo_tpot is UNSET else "custom"
+        if isinstance(kv_transfer_params, dict):
+            kv_transfer_params = KVTransferParams.from_dict(kv_transfer_params)
+        return RequestOptions(priority, cache_salt, self.slo_ttft if slo_ttft is UNSET else slo_ttft,
+                              self.slo_tpot if slo_tpot is UNSET else slo_tpot, slo_class, kv_transfer_params)

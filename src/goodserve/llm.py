@@ -75,8 +75,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(self.engine.add_request(prompt, final_only, priority=priority[i] if priority else 0,
-                                                   cache_salt=salts[i]))
+                options = self.engine.config.request_options(priority[i] if priority else 0, salts[i])
+                ids.append(self.engine.add_request(prompt, final_only, options=options))
         except ValueError:
             self.engine.abort(ids)
             raise

@@ -12,6 +12,7 @@ import enum
 from typing import Optional
 
 from goodserve.kv_transfer.params import KVTransferParams
+from goodserve.request_options import DEFAULT_OPTIONS, RequestOptions
 from goodserve.sampling_params import SamplingParams
 
 
@@ -47,35 +48,27 @@ class Request:
         prompt_token_ids: The prompt, ``[num_prompt_tokens]`` token ids (at least one).
         sampling_params: Sampling and stopping parameters.
         arrival_time: Seconds (monotonic clock) when it arrived.
-        priority: Lower runs first under the ``priority`` policy.
         eos_token_ids: Token ids that end generation unless ``ignore_eos``.
         max_tokens: Resolved output limit in tokens (``sampling_params.max_tokens`` or what the context
             leaves).
-        cache_salt: Isolates prefix-cache entries: only requests with the same salt share KV blocks.
-        slo_ttft: TTFT SLO in seconds (``None``: none); the ``slo`` policy schedules by it.
-        slo_tpot: TPOT SLO in seconds (``None``: none); the ``slo`` policy schedules by it.
-        kv_transfer_params: Its part in a disaggregated hand-off (``None``: an ordinary request).
+        options: Its priority, prefix-cache salt, SLOs and hand-off (:class:`RequestOptions`), as built where
+            it entered; read through the properties below.
 
     Raises:
-        ValueError: on an empty prompt or an SLO that is not a positive finite number.
+        ValueError: on an empty prompt.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 arrival_time: float, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
-                 max_tokens: Optional[int] = None, cache_salt: Optional[str] = None,
-                 slo_ttft: Optional[float] = None, slo_tpot: Optional[float] = None,
-                 kv_transfer_params: Optional[KVTransferParams] = None) -> None:
+                 arrival_time: float, eos_token_ids: tuple[int, ...] = (), max_tokens: Optional[int] = None,
+                 options: RequestOptions = DEFAULT_OPTIONS) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt must contain at least one token")
-        for name, value in (("slo_ttft", slo_ttft), ("slo_tpot", slo_tpot)):
-            if value is not None and not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.options = options
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.priority = priority
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING
@@ -85,13 +78,34 @@ class Request:
         self.arrival_time = arrival_time  # seconds, monotonic: orders the waiting queue
         self.first_scheduled_time: Optional[float] = None  # when a step first scheduled it
         self.first_token_time: Optional[float] = None  # when its first output token was sampled
-        self.slo_ttft = slo_ttft
-        self.slo_tpot = slo_tpot
         self.slo_late = False  # ``slo`` policy: its TTFT SLO can no longer be met (queued behind the others)
         self.stop_reason: Optional[int] = None  # the stop token id that ended it
-        self.cache_salt = cache_salt  # mixed into every block hash (kv_cache.hashing)
-        self.kv_transfer_params = kv_transfer_params
         self.kv_transfer: Optional[tuple[int, float]] = None  # (bytes, seconds) of its pull, once done
+
+    @property
+    def priority(self) -> int:
+        """Lower runs first under the ``priority`` policy."""
+        return self.options.priority
+
+    @property
+    def cache_salt(self) -> Optional[str]:
+        """Mixed into every block hash (:mod:`goodserve.kv_cache.hashing`)."""
+        return self.options.cache_salt
+
+    @property
+    def slo_ttft(self) -> Optional[float]:
+        """TTFT SLO in seconds, or ``None``."""
+        return self.options.slo_ttft
+
+    @property
+    def slo_tpot(self) -> Optional[float]:
+        """TPOT SLO in seconds, or ``None``."""
+        return self.options.slo_tpot
+
+    @property
+    def kv_transfer_params(self) -> Optional[KVTransferParams]:
+        """Its part in a disaggregated hand-off, or ``None``."""
+        return self.options.kv_transfer_params
 
     @property
     def num_tokens(self) -> int:

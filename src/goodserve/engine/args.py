@@ -8,7 +8,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from goodserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, SCHEDULING_MODES, SCHEDULING_POLICIES
+from goodserve.config import (ATTENTION_BACKENDS, QUANTIZATIONS, SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig,
+                              SchedulerConfig)
+from goodserve.config_flags import add_scheduler_flags
 from goodserve.kv_transfer.config import KV_ROLES, KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -84,21 +86,23 @@ class EngineArgs:
     batch_invariant: Optional[bool] = None
     serving: bool = False
     fused_decode_step: bool = True
-    block_size: int = 16
+    # The scheduler's and the KV pool's knobs: defaults from their config dataclasses (and so are their flags,
+    # goodserve.config_flags).
+    block_size: int = CacheConfig.block_size
     num_blocks: Optional[int] = None
     kv_cache_memory: Optional[int] = None
-    max_num_batched_tokens: int = 1024
-    max_num_seqs: int = 128
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_model_len: Optional[int] = None
-    scheduling_policy: str = "fcfs"
-    scheduler: str = "chunked"
-    enable_prefix_caching: bool = True
+    scheduling_policy: str = SchedulerConfig.policy
+    scheduler: str = SchedulerConfig.mode
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     seed: int = 0
     num_threads: Optional[int] = None
     log_stats_interval: float = 10.0
     slo_ttft: Optional[float] = None
     slo_tpot: Optional[float] = None
-    shed_load: bool = False
+    shed_load: bool = SchedulerConfig.shed_load
     step_time_profile: Optional[str] = None
     kv_role: Optional[str] = None
     kv_transfer_config: Optional[str] = None
@@ -164,28 +168,14 @@ class EngineArgs:
                             "CPU only)")
         g.add_argument("--no-fused-decode-step", dest="fused_decode_step", action="store_false",
                        help="run decode-only steps layer by layer instead of in one native call (A/B comparisons)")
-        g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-        g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+        add_scheduler_flags(g)
         g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
-        g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
-        g.add_argument("--max-num-seqs", type=int, default=128, help="most running requests")
-        g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
-                       help="waiting order: fcfs, priority, or slo (goodput first: order, step size, admission "
-                            "and preemption from predicted step times and each request's SLOs)")
         g.add_argument("--slo-ttft", type=float, default=None,
                        help="default TTFT SLO of a request, seconds (requests may set slo_ttft_ms)")
         g.add_argument("--slo-tpot", type=float, default=None,
                        help="default TPOT SLO of a request, seconds (requests may set slo_tpot_ms)")
-        g.add_argument("--shed-load", action="store_true",
-                       help="with --scheduling-policy slo: refuse (429) requests whose TTFT SLO can no longer be met")
         g.add_argument("--step-time-profile", default=None,
                        help="goodserve profile JSON seeding the online step-time model")
-        g.add_argument("--scheduler", default="chunked", choices=list(SCHEDULING_MODES),
-                       help="batching mode: chunked (default: continuous, chunked prefill); baselines: static "
-                            "(request-level), reserve (reserve max length), prefill-first (vLLM v0: unchunked, "
-                            "prompts before decodes)")
-        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--num-threads", type=int, default=None,
                        help="CPU threads for torch ops (default: one per core)")

@@ -33,6 +33,7 @@ from goodserve.engine.engine import Engine, PromptType
 from goodserve.engine.engine_thread import EngineThread
 from goodserve.models.quant import make_dense_copies
 from goodserve.outputs import RequestOutput
+from goodserve.request_options import RequestOptions
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SchedulerStats
 
@@ -66,8 +67,7 @@ class AsyncEngine:
         chat_template: The model's chat template (or ``None``: the tokenizer's).
         max_model_len: Longest prompt + output in tokens.
         model_path: Where the model came from.
-        slo_ttft: The engine's default TTFT SLO in seconds (``None``: none).
-        slo_tpot: The engine's default TPOT SLO in seconds (``None``: none).
+        config: The engine's resolved config (its ``request_options`` builds a request's options).
         (With ``build``, these are ``None`` until the engine is built.)
 
     Raises:
@@ -86,8 +86,7 @@ class AsyncEngine:
         self.chat_template: Optional[str] = None
         self.max_model_len: Optional[int] = None
         self.model_path: Optional[str] = None
-        self.slo_ttft: Optional[float] = None
-        self.slo_tpot: Optional[float] = None
+        self.config: Any = None
         self.vocab_size: Optional[int] = None
         if engine is not None:
             self._adopt(engine)
@@ -101,7 +100,7 @@ class AsyncEngine:
         self.chat_template = engine.chat_template
         self.max_model_len = engine.max_model_len
         self.model_path = engine.config.model_path
-        self.slo_ttft, self.slo_tpot = engine.slo_ttft, engine.slo_tpot
+        self.config = engine.config
         model = getattr(engine.config, "model", None)
         self.vocab_size = model.vocab_size if model is not None else len(engine.tokenizer)
 
@@ -181,21 +180,16 @@ class AsyncEngine:
         return self._engine_thread.num_waiting_total()
 
     async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                          request_id: Optional[str] = None, priority: int = 0,
-                          cache_salt: Optional[str] = None, slo_ttft: Optional[float] = None,
-                          slo_tpot: Optional[float] = None,
-                          kv_transfer_params: Optional[dict] = None) -> RequestStream:
+                          request_id: Optional[str] = None,
+                          options: Optional[RequestOptions] = None) -> RequestStream:
         """Queue a request and wait (without blocking the loop) until the engine has accepted it.
 
         Args:
             prompt: Text or token ids.
             params: Sampling parameters.
             request_id: Unique id; a random one when ``None``.
-            priority: Lower runs first under the ``priority`` policy.
-            cache_salt: Prefix-cache isolation key (see :meth:`Engine.add_request`).
-            slo_ttft: TTFT SLO in seconds; ``None``: the engine's default.
-            slo_tpot: TPOT SLO in seconds; ``None``: the engine's default.
-            kv_transfer_params: Disaggregated serving (see :meth:`Engine.add_request`).
+            options: Its :class:`RequestOptions` (see :meth:`Engine.add_request`); ``None``: the engine's
+                defaults.
 
         Returns:
             The request's output stream (iterating it raises :class:`SLOUnattainableError` if the ``slo``
@@ -214,9 +208,8 @@ class AsyncEngine:
         ids = await asyncio.to_thread(self.engine.tokenize, prompt) if isinstance(prompt, str) else None
         stream = RequestStream(request_id, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._engine_thread.submit(AddCommand(prompt, ids, params or SamplingParams(), request_id, priority,
-                                              cache_salt, arrival, stream, future, slo_ttft, slo_tpot,
-                                              kv_transfer_params))
+        self._engine_thread.submit(AddCommand(prompt, ids, params or SamplingParams(), request_id, arrival, stream,
+                                              future, options))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller went away while the engine was accepting it
@@ -225,8 +218,8 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, priority: int = 0,
-                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None,
+                       options: Optional[RequestOptions] = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (deltas unless ``params.output_kind`` says otherwise) until it finishes;
         aborts it if the consumer stops early.
 
@@ -235,7 +228,7 @@ class AsyncEngine:
         Raises:
             ValueError: as :meth:`add_request`.
         """
-        stream = await self.add_request(prompt, params, request_id, priority, cache_salt)
+        stream = await self.add_request(prompt, params, request_id, options)
         try:
             async for out in stream:
                 yield out

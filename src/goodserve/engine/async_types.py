@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from goodserve.outputs import RequestOutput
+from goodserve.request_options import RequestOptions
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.slo import SLOUnattainableError
 
@@ -85,14 +86,10 @@ class AddCommand:
     prompt_token_ids: Optional[list[int]]  # the text prompt, already tokenised off the engine thread
     params: SamplingParams
     request_id: str
-    priority: int
-    cache_salt: Optional[str]
     arrival_time: float
     stream: RequestStream
     future: concurrent.futures.Future
-    slo_ttft: Optional[float] = None  # seconds; None: the engine's default
-    slo_tpot: Optional[float] = None
-    kv_transfer_params: Optional[dict] = None  # disaggregated serving (see Engine.add_request)
+    options: Optional[RequestOptions] = None  # None: the engine's defaults
 
 
 @dataclass

@@ -10,6 +10,7 @@ strings and the server stay on the other side, in :class:`goodserve.engine.engin
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
@@ -23,6 +24,20 @@ from goodserve.runner.model_runner import ModelRunner
 from goodserve.scheduler.output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.step_time import StepTimeModel
+
+
+@dataclass
+class CoreStep:
+    """What one :meth:`EngineCore.step` did.
+
+    Attributes:
+        outputs: A result for every request that sampled a token or finished (shed ones included).
+        schedule: The step the model computed, or ``None`` if nothing was scheduled (only KV pulls or
+            finished requests to report).
+    """
+
+    outputs: list[EngineCoreOutput]
+    schedule: Optional[SchedulerOutput]
 
 
 class EngineCore:
@@ -45,7 +60,6 @@ class EngineCore:
             kv_scheduler, self.kv_connector = create_kv_connector(config.kv_transfer, config.cache.block_size,
                                                                   self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_connector=kv_scheduler)
-        self.last_schedule: Optional[SchedulerOutput] = None  # what the latest non-empty step computed
         self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
         self._cold = True  # no step has run yet: the first one pays for cold caches and lazily built kernels
 
@@ -60,7 +74,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> CoreStep:
         """Schedule, execute and update once.
 
         Each step's time goes to the scheduler's step-time model one step late: when the loop went straight
@@ -71,7 +85,7 @@ class EngineCore:
         and a model that learned it would predict every prefill ten times too long.
 
         Returns:
-            A result for every request that sampled a token or finished (shed ones included).
+            What it did: the results, and the step computed (``None`` if none).
 
         Raises:
             RuntimeError: if requests are pending but nothing could be scheduled (a broken invariant).
@@ -92,20 +106,18 @@ class EngineCore:
         sampled = self.runner.execute(sched)  # also when empty: the runner drops finished requests' state
         kv_output = self.kv_connector.poll() if self.kv_connector is not None else None
         if sched.is_empty:
-            self.last_schedule = None
             transfers = self.scheduler.has_pending_kv_transfers()  # a pull that ends here is scheduled next
             # Shed requests, pulls that ended.
             outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic(), kv_output)
             if self.scheduler.has_unfinished_requests() and not transfers:
                 raise RuntimeError("requests are pending but the scheduler scheduled nothing")
-            return outputs
-        self.last_schedule = sched
+            return CoreStep(outputs, None)
         outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic(), kv_output)
         if self._cold:
             self._cold = False
         else:
             self._last_step = (sched, start, time.monotonic())
-        return outputs
+        return CoreStep(outputs, sched)
 
     def close(self) -> None:
         """Close the KV connector, if any."""

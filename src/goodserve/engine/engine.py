@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -28,6 +29,7 @@ from goodserve.models.config_support import resolve_max_model_len
 from goodserve.models.loader import default_model_path, load_model
 from goodserve.outputs import RequestOutput
 from goodserve.request import Request, RequestStatus
+from goodserve.request_options import RequestOptions
 from goodserve.runner.model_runner import DTYPES
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SchedulerOutput, SchedulerStats
@@ -37,6 +39,15 @@ from goodserve.validation import ParamError, check_text
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, Sequence[int]]
+
+
+@dataclass
+class EngineStep:
+    """What one :meth:`Engine.run_step` did: the outputs handed out, and the step the model computed (``None``
+    if nothing was scheduled)."""
+
+    outputs: list[RequestOutput]
+    schedule: Optional[SchedulerOutput]
 
 
 def resolve_pool(args: EngineArgs, model: ModelConfig, device: str) -> tuple[int, int]:
@@ -120,12 +131,12 @@ class Engine:
             batch_invariant=resolve_batch_invariant(args.batch_invariant, device, args.dtype, args.quantization,
                                                     args.serving),
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
-            log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer())
+            log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer(), slo_ttft=args.slo_ttft,
+            slo_tpot=args.slo_tpot)
         logger.info("batch-invariant numerics %s", "on: a request's tokens depend on its prompt and seed only"
                     if self.config.batch_invariant else "off (--batch-invariant turns them on)")
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
-        self.slo_ttft, self.slo_tpot = args.slo_ttft, args.slo_tpot
         seed = StepCoefficients.load(args.step_time_profile) if args.step_time_profile else DEFAULT_SEED
         self.structured_output = _structured_output_compiler(loaded.tokenizer, loaded.config)
         self.core = EngineCore(self.config, loaded.weights, structured_output=self.structured_output,
@@ -138,11 +149,6 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
-
-    @property
-    def last_schedule(self) -> Optional[SchedulerOutput]:
-        """What the latest non-empty step computed (``None`` after an empty one)."""
-        return self.core.last_schedule
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         """Token ids of a text prompt (with the tokenizer's special tokens) or validated ids as given.
@@ -170,9 +176,7 @@ class Engine:
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, arrival_time: Optional[float] = None,
-                    priority: int = 0, cache_salt: Optional[str] = None,
-                    prompt_token_ids: Optional[list[int]] = None, slo_ttft: Optional[float] = None,
-                    slo_tpot: Optional[float] = None, kv_transfer_params: Optional[dict] = None) -> str:
+                    options: Optional[RequestOptions] = None, prompt_token_ids: Optional[list[int]] = None) -> str:
         """Queue a request.
 
         Args:
@@ -180,14 +184,9 @@ class Engine:
             params: Sampling parameters (validated here); ``output_kind`` says what its outputs hold.
             request_id: Unique id; generated when ``None``.
             arrival_time: Monotonic seconds; now when ``None``.
-            priority: Lower runs first under the ``priority`` policy.
-            cache_salt: Prefix-cache isolation key: only requests with the same salt share KV blocks.
+            options: Its priority, prefix-cache salt, SLOs and part in disaggregated serving, built where it
+                entered (:meth:`EngineConfig.request_options`); ``None``: the engine's defaults.
             prompt_token_ids: A text prompt's ids from :meth:`tokenize`, when the caller tokenised it already.
-            slo_ttft: This request's TTFT SLO in seconds; ``None``: the engine's ``slo_ttft``.
-            slo_tpot: This request's TPOT SLO in seconds; ``None``: the engine's ``slo_tpot``.
-            kv_transfer_params: Its part in disaggregated serving, as a request body gives it (see
-                :class:`goodserve.kv_transfer.KVTransferParams`): ``{"do_remote_decode": true}`` on a producer,
-                the producer's handle on a consumer.
 
         Returns:
             The request id.
@@ -202,7 +201,6 @@ class Engine:
         params = params or SamplingParams()
         params.validate()
         self.check_params(params)
-        kv_params = None if kv_transfer_params is None else KVTransferParams.from_dict(kv_transfer_params)
         ids = prompt_token_ids if prompt_token_ids is not None and isinstance(prompt, str) else self.tokenize(prompt)
         if request_id is None:
             request_id = f"req-{self._counter}"
@@ -217,10 +215,8 @@ class Engine:
             max_tokens = params.max_tokens
         eos = () if params.ignore_eos else self.config.model.eos_token_ids
         arrival_time = arrival_time or time.monotonic()
-        request = Request(request_id, ids, params, arrival_time, priority=priority, eos_token_ids=eos,
-                          max_tokens=max_tokens, cache_salt=cache_salt,
-                          slo_ttft=self.slo_ttft if slo_ttft is None else slo_ttft,
-                          slo_tpot=self.slo_tpot if slo_tpot is None else slo_tpot, kv_transfer_params=kv_params)
+        request = Request(request_id, ids, params, arrival_time, eos_token_ids=eos, max_tokens=max_tokens,
+                          options=self.config.request_options() if options is None else options)
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
                                           arrival_time)
         try:
@@ -290,7 +286,7 @@ class Engine:
         self.core.close()
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, execute, postprocess.
+        """Run one iteration: schedule, execute, postprocess (:meth:`run_step`).
 
         Returns:
             An output for every request with something new to hand out (by its ``output_kind``).
@@ -299,14 +295,23 @@ class Engine:
             RuntimeError: if requests are pending but nothing could be scheduled (a broken invariant).
             Exception: whatever the forward pass raises (a fault of the engine, not of one request).
         """
+        return self.run_step().outputs
+
+    def run_step(self) -> EngineStep:
+        """Run one iteration and say what it did: the outputs, and the step the model computed (``None`` if
+        nothing was scheduled), for the serving loop's trace and the benchmarks.
+
+        Raises:
+            RuntimeError, Exception: as :meth:`step`.
+        """
         t0 = time.monotonic()
-        core_outputs = self.core.step()
-        processed = self.output_processor.process_outputs(core_outputs)
+        core = self.core.step()
+        processed = self.output_processor.process_outputs(core.outputs)
         self.core.finish_requests(processed.stopped, RequestStatus.FINISHED_STOPPED)
         self.core.finish_requests(processed.failed, RequestStatus.FINISHED_ERROR)
-        if self.core.last_schedule is not None:
-            self.stats.record_step(self.core.last_schedule, time.monotonic() - t0, self.make_stats)
-        return processed.request_outputs
+        if core.schedule is not None:
+            self.stats.record_step(core.schedule, time.monotonic() - t0, self.make_stats)
+        return EngineStep(processed.request_outputs, core.schedule)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state: running, waiting, tokens waiting, KV usage, preemptions, prefix cache."""

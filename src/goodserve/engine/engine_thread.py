@@ -221,18 +221,18 @@ class EngineThread:
                 if num_steps == self._inject_step_fault:
                     raise InjectedStepFault(f"fault injected into engine step {num_steps}")
                 step_start = time.perf_counter()
-                outputs = engine.step()
+                step = engine.run_step()
                 step_s = time.perf_counter() - step_start
                 self._refresh_stats()  # before the outputs, so a client never sees older state
-                self._dispatch(outputs)
-                if engine.last_schedule is None and not outputs:  # only KV pulls in flight: do not spin
+                self._dispatch(step.outputs)
+                if step.schedule is None and not step.outputs:  # only KV pulls in flight: do not spin
                     with self._cond:
                         if not self._commands and not self._stopped:
                             self._cond.wait(KV_POLL_INTERVAL)
                 cycle_end = time.perf_counter()
-                if self._trace is not None and engine.last_schedule is not None:
+                if self._trace is not None and step.schedule is not None:
                     self._write_trace(TracedStep(cycle_start - trace_start, cycle_end - cycle_start, step_s,
-                                                 idle, StepShape.of(engine.last_schedule)))
+                                                 idle, StepShape.of(step.schedule)))
             else:
                 cycle_end = time.perf_counter()
 
@@ -298,10 +298,8 @@ class EngineThread:
             return  # the caller gave up before the engine saw it
         try:
             self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
-                                    arrival_time=command.arrival_time, priority=command.priority,
-                                    cache_salt=command.cache_salt, prompt_token_ids=command.prompt_token_ids,
-                                    slo_ttft=command.slo_ttft, slo_tpot=command.slo_tpot,
-                                    kv_transfer_params=command.kv_transfer_params)
+                                    arrival_time=command.arrival_time, options=command.options,
+                                    prompt_token_ids=command.prompt_token_ids)
         except Exception as e:  # noqa: BLE001 - this request alone fails (C19)
             if not isinstance(e, (ValueError, SLOUnattainableError)):
                 logger.exception("adding request %s failed", command.request_id)

@@ -103,8 +103,7 @@ async def completions(body: P.CompletionRequest, request: Request) -> Response:
     prompt_logprobs = body.logprobs if body.echo else None
     params = [body.build_params(body.max_tokens, body.logprobs, j, prompt_logprobs) for j in range(body.n)]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    choices = await s.start(prompts, params, rid, body.priority, body.cache_salt, s.slo_of(body),
-                            body.kv_transfer_params)
+    choices = await s.start(prompts, params, rid, s.options_of(body))
     if body.echo:
         echo = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
         for c in choices:
@@ -136,8 +135,7 @@ async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> R
     conv = body.conversation()
     prompt_ids = await asyncio.to_thread(s.chat_prompt, conv)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = await s.start([prompt_ids], params, rid, body.priority, body.cache_salt, s.slo_of(body),
-                            body.kv_transfer_params)
+    choices = await s.start([prompt_ids], params, rid, s.options_of(body))
     tb = s.token_bytes if body.logprobs else None
     shapes = Shapes(P.ChatCompletionResponse, P.ChatCompletionChunk, full=lambda c: P.ChatChoice(
         index=c.index, message=P.ChatMessage(content=c.text), logprobs=chat_logprobs(tb, c),

@@ -44,6 +44,7 @@ from prometheus_client.registry import Collector
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.workload.slo import meets_slo
 from goodserve.outputs import RequestOutput
+from goodserve.request_options import RequestOptions
 from goodserve.server.slo_classes import SLOTarget
 
 PREFIX = "goodserve:"
@@ -137,7 +138,6 @@ class ServerMetrics:
 
     def __init__(self, engine: AsyncEngine, slo_classes: Optional[dict[str, SLOTarget]] = None) -> None:
         self.registry = CollectorRegistry()
-        self.default_slo = SLOTarget(engine.slo_ttft, engine.slo_tpot)
         r = self.registry
         r.register(_EngineCollector(engine))
 
@@ -213,17 +213,17 @@ class ServerMetrics:
             self.api_failed.labels(endpoint=endpoint, status_code=str(status), reason=reason).inc()
         self.outcomes[outcome] += 1
 
-    def tracker(self, slo: Optional[SLOTarget] = None) -> "RequestTracker":
-        """A tracker for one new engine request with these SLOs (the engine's defaults when ``None``)."""
-        return RequestTracker(self, slo or self.default_slo)
+    def tracker(self, options: RequestOptions) -> "RequestTracker":
+        """A tracker for one new engine request with these options (its SLOs and their class)."""
+        return RequestTracker(self, options)
 
 
 class RequestTracker:
     """Feeds one request's outputs into the metrics (event loop thread)."""
 
-    def __init__(self, metrics: ServerMetrics, slo: SLOTarget) -> None:
+    def __init__(self, metrics: ServerMetrics, options: RequestOptions) -> None:
         self.m = metrics
-        self.slo = slo
+        self.options = options
         self.num_tokens = 0
         self.last_token_time: Optional[float] = None
         self.prompt_counted = False
@@ -263,10 +263,10 @@ class RequestTracker:
                 m.kv_transfer_seconds.observe(met.kv_transfer_seconds)
             m.req_prompt_tokens.observe(len(out.prompt_token_ids))
             m.req_generation_tokens.observe(self.num_tokens)
-            slo = self.slo
-            if out.finish_reason in ("stop", "length") and slo.is_set:
-                met_slo = meets_slo(met.ttft, met.tpot, slo.ttft, slo.tpot)
-                (m.slo_attained if met_slo else m.slo_missed).labels(slo_class=slo.name).inc()
+            o = self.options
+            if out.finish_reason in ("stop", "length") and o.has_slo:
+                met_slo = meets_slo(met.ttft, met.tpot, o.slo_ttft, o.slo_tpot)
+                (m.slo_attained if met_slo else m.slo_missed).labels(slo_class=o.slo_class).inc()
 
     def ended(self, reason: str) -> None:
         """The request ended without a finished output: ``"abort"`` (client gone) or ``"error"`` (failed)."""

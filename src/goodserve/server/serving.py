@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.async_types import RequestStream
 from goodserve.engine.chat import render_chat
+from goodserve.request_options import RequestOptions
 from goodserve.sampling_params import SamplingParams
 from goodserve.server import protocol as P
 from goodserve.server.choices import Choice, iterate_choices, usage
@@ -62,7 +63,6 @@ class OpenAIServing:
         self.engine, self.metrics, self.model_name = engine, metrics, model_name
         self.max_waiting_requests = max_waiting_requests
         self.slo_classes = dict(slo_classes or {})
-        self.default_slo = SLOTarget(engine.slo_ttft, engine.slo_tpot)
         self.tokenizer = engine.tokenizer
         self._token_bytes: Optional[TokenBytes] = None
 
@@ -89,9 +89,16 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def slo_of(self, body: P.SamplingRequest) -> SLOTarget:
-        """The request's SLOs (raises ``ValueError`` naming ``slo_class`` for an unknown class)."""
-        return resolve_slo(body.slo_class, body.slo_ttft_ms, body.slo_tpot_ms, self.slo_classes, self.default_slo)
+    def options_of(self, body: P.SamplingRequest) -> RequestOptions:
+        """The request's :class:`RequestOptions`, built once from its body: priority, prefix-cache salt, SLOs
+        (its own, its class's, else the engine's) and part in disaggregated serving.
+
+        Raises:
+            ValueError: naming ``slo_class`` for an unknown class, or a malformed ``kv_transfer_params``.
+        """
+        slo = resolve_slo(body.slo_class, body.slo_ttft_ms, body.slo_tpot_ms, self.slo_classes)
+        return self.engine.config.request_options(body.priority, body.cache_salt, slo.ttft, slo.tpot, slo.name,
+                                                  body.kv_transfer_params)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt token ids of a conversation (see :func:`render_chat`)."""
@@ -111,20 +118,17 @@ class OpenAIServing:
         return response
 
     async def start(self, prompts: list[Union[str, list[int]]], params: list[SamplingParams], request_id: str,
-                    priority: int, cache_salt: Optional[str] = None,
-                    slo: Optional[SLOTarget] = None, kv_transfer_params: Optional[dict] = None) -> list[Choice]:
+                    options: RequestOptions) -> list[Choice]:
         """Add ``len(prompts) * len(params)`` engine requests; all accepted, or none (error raised).
 
         Args:
-            slo: The requests' SLOs (the engine's defaults when ``None``).
-            kv_transfer_params: The request's part in disaggregated serving (one prompt, one choice).
+            options: The requests' options (:meth:`options_of`), the same for every prompt and choice.
 
         Raises:
             APIError: 429 while ``max_waiting_requests`` wait.
             SLOUnattainableError: when load shedding refuses one (answered 429).
             ValueError, EngineDeadError, Exception: as :meth:`AsyncEngine.add_request` (nothing is left queued).
         """
-        slo = slo or self.default_slo
         await self.check_params(params)
         limit = self.max_waiting_requests
         if limit is not None and self.engine.num_waiting_total() >= limit:
@@ -134,15 +138,14 @@ class OpenAIServing:
         for p, prompt in enumerate(prompts):
             for j, sp in enumerate(params):
                 rid = f"{request_id}-{p * len(params) + j}"
-                jobs.append((p, j, self.engine.add_request(prompt, sp, rid, priority, cache_salt, slo.ttft,
-                                                           slo.tpot, kv_transfer_params)))
+                jobs.append((p, j, self.engine.add_request(prompt, sp, rid, options)))
         results = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             self.engine.abort([s.request_id for s in streams])
             raise failure
-        return [Choice(index=i, stream=s, tracker=self.metrics.tracker(slo), prompt_index=p, first_of_prompt=j == 0,
+        return [Choice(index=i, stream=s, tracker=self.metrics.tracker(options), prompt_index=p, first_of_prompt=j == 0,
                        skip_special_tokens=params[j].skip_special_tokens)
                 for i, ((p, j, _), s) in enumerate(zip(jobs, streams))]
 

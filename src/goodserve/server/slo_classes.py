@@ -2,7 +2,8 @@
 
 A request's SLOs, in order of precedence: ``slo_ttft_ms`` / ``slo_tpot_ms`` in its body, then the
 ``slo_class`` it names (one of the server's ``--slo-class NAME:TTFT_MS:TPOT_MS``), then the engine's
-``--slo-ttft`` / ``--slo-tpot``. The engine schedules by them under ``--scheduling-policy slo``, and
+``--slo-ttft`` / ``--slo-tpot`` (applied by :meth:`goodserve.config.EngineConfig.request_options`, the one
+place the engine's defaults are read). The engine schedules by them under ``--scheduling-policy slo``, and
 ``/metrics`` counts attainment per class: the class name, ``default`` for the engine's SLOs, ``custom`` for
 SLOs given in milliseconds without a class (class names are the operator's, so the label set stays bounded).
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+from goodserve.request_options import UNSET
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
 
@@ -21,18 +24,15 @@ class SLOTarget:
     """One request's SLOs.
 
     Attributes:
-        ttft: TTFT limit in seconds, or ``None``.
-        tpot: TPOT limit in seconds, or ``None``.
+        ttft: TTFT limit in seconds, ``None`` (no limit) or :data:`~goodserve.request_options.UNSET` (the
+            engine's default).
+        tpot: TPOT limit, the same way.
         name: The class label on ``/metrics``.
     """
 
-    ttft: Optional[float]
-    tpot: Optional[float]
+    ttft: Any = UNSET
+    tpot: Any = UNSET
     name: str = "default"
-
-    @property
-    def is_set(self) -> bool:
-        return self.ttft is not None or self.tpot is not None
 
 
 def parse_slo_classes(items: Optional[Sequence[str]]) -> dict[str, SLOTarget]:
@@ -67,13 +67,14 @@ def parse_slo_classes(items: Optional[Sequence[str]]) -> dict[str, SLOTarget]:
 
 
 def resolve_slo(slo_class: Optional[str], slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float],
-                classes: dict[str, SLOTarget], default: SLOTarget) -> SLOTarget:
-    """The SLOs of one request (see the module docstring for the precedence).
+                classes: dict[str, SLOTarget]) -> SLOTarget:
+    """The SLOs one request asks for (see the module docstring for the precedence); a limit it leaves to the
+    engine is :data:`~goodserve.request_options.UNSET`.
 
     Raises:
         ValueError: ``slo_class must be ...`` when it names no configured class.
     """
-    base = default
+    base = SLOTarget()
     if slo_class is not None:
         if slo_class not in classes:
             known = ", ".join(sorted(classes)) or "none are configured (--slo-class)"

@@ -71,8 +71,8 @@ def _measure(engine, batch: int, context: int, decode_steps: int, rng: random.Ra
     samples = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        engine.step()
-        samples.append((StepShape.of(engine.last_schedule), time.perf_counter() - t0))
+        step = engine.run_step()
+        samples.append((StepShape.of(step.schedule), time.perf_counter() - t0))
     return samples
 
 

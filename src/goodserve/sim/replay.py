@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-from goodserve.sim.simulator import SimRequest
+from goodserve.sim.spec import SimRequest
 from goodserve.workload.report import rate_str
 
 # (summary key, statistic): the figures compared, latencies first; the first four are the fidelity target.

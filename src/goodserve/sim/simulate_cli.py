@@ -18,13 +18,15 @@ import time
 from typing import Any, Optional, TextIO
 
 from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from goodserve.config_flags import add_scheduler_flags, split_choices
 from goodserve.sim.cost_model import CostModel, LinearCostModel, NoisyCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
 from goodserve.sim.model_size import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, parse_dtype
 from goodserve.sim.planner import plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
-from goodserve.sim.simulator import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest, Simulator
+from goodserve.sim.simulator import Simulator
+from goodserve.sim.spec import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest
 from goodserve.workload.arrivals import poisson_arrivals
 from goodserve.workload.datasets import (AZURE_FILES, MOONCAKE_BLOCK, clip_specs, load_azure, load_mooncake,
                                          random_lengths, synthesise_shared_prompts)
@@ -90,21 +92,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--slo-class", action="append", default=None, metavar="NAME:TTFT_MS:TPOT_MS:SHARE",
                    help="mixed SLO classes (repeatable; shares sum to 1): each request is drawn into one (seeded) "
                         "and carries its SLOs; attainment and goodput are also reported per class")
-    s = p.add_argument_group("engine (as in serve)")
-    s.add_argument("--scheduler", default="chunked",
-                   help=f"batching mode, or several comma-separated to compare: {', '.join(SCHEDULING_MODES)}")
-    s.add_argument("--scheduling-policy", default="fcfs",
-                   help=f"waiting-queue policy, or several comma-separated to compare: {', '.join(SCHEDULING_POLICIES)}")
-    s.add_argument("--shed-load", action="store_true",
-                   help="with the slo policy: refuse requests whose TTFT SLO can no longer be met")
-    s.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
-    s.add_argument("--max-num-seqs", type=int, default=128, help="most running requests per instance")
-    s.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-blocks", type=int, default=None,
-                   help="KV pool per instance in blocks (default: the planner's pool for the hardware)")
+    s = p.add_argument_group("engine (the flags of serve; --num-blocks default: the planner's pool for the "
+                             "hardware)")
+    add_scheduler_flags(s, compare=True)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1, help="colocated instances behind the router")
     c.add_argument("--routing", default="least-outstanding-tokens", choices=list(ROUTING_POLICIES),
@@ -311,14 +302,8 @@ def run_simulate(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
 def _run_simulate(args: argparse.Namespace, out: TextIO) -> int:
     try:
         arch = load_arch(args.model)
-        modes = [m.strip() for m in args.scheduler.split(",")]
-        bad = [m for m in modes if m not in SCHEDULING_MODES]
-        if bad:
-            raise ValueError(f"unknown scheduler mode(s) {bad}; choose from {SCHEDULING_MODES}")
-        policies = [p.strip() for p in args.scheduling_policy.split(",")]
-        bad = [p for p in policies if p not in SCHEDULING_POLICIES]
-        if bad:
-            raise ValueError(f"unknown scheduling policy(ies) {bad}; choose from {SCHEDULING_POLICIES}")
+        modes = split_choices(args.scheduler, "--scheduler", SCHEDULING_MODES)
+        policies = split_choices(args.scheduling_policy, "--scheduling-policy", SCHEDULING_POLICIES)
         if args.shed_load and "slo" not in policies:
             raise ValueError("--shed-load needs --scheduling-policy slo")
         variants = [(m, p, m if len(policies) == 1 else (p if len(modes) == 1 else f"{m}/{p}"))

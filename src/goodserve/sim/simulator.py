@@ -12,25 +12,16 @@ and then by the order they were queued, so a run is deterministic. Once every ev
 applied, each idle instance with unfinished requests starts its next step.
 
 Disaggregation (DistServe, Zhong et al., OSDI 2024) runs the engine's own KV hand-off
-(:mod:`goodserve.kv_transfer`), with the router's two hops: a request goes to a prefill instance (a
-producer) with ``do_remote_decode`` and ``max_tokens=1``; when it finishes there, its scheduler holds its
-blocks and hands back a handle, and the request goes with that handle and its whole ``max_tokens`` to a
-decode instance (a consumer). The consumer's scheduler admits it into ``WAITING_FOR_REMOTE_KVS`` and asks
-for a pull of the prompt but its last token (less what its own prefix cache holds); the pull crosses the
-producer's link, one transfer at a time, taking ``tokens · KV bytes per token / link bandwidth``. When it
-lands, the consumer's scheduler is told (``finished_recving``) and computes the last prompt token, which
-samples the first output token (the producer's token is discarded, as the router does), and the producer's
-(``finished_sending``) frees the held blocks. The producer's blocks are thus held during the transfer, as
-in the engine.
+(:mod:`goodserve.kv_transfer`) with the router's two hops: a prefill instance (a producer) prefills with
+``do_remote_decode`` and holds the blocks; the request goes with the handle to a decode instance (a
+consumer), whose scheduler waits for the pull of the prompt but its last token. The pull crosses the
+producer's link one transfer at a time (``tokens · KV bytes per token / link bandwidth``); when it lands
+the consumer computes the last prompt token and the producer frees its blocks.
 
-Routing: the HTTP router's own policies (:mod:`goodserve.router.policies`) choose the instance, from one
-:class:`~goodserve.router.policies.BackendState` per instance. Colocated replicas use ``ClusterConfig.routing``
-(round-robin, least-outstanding-tokens, or prefix-affinity over the prompt's token ids); a prefill pool
-uses least queued prefill tokens and a decode pool least KV usage, as the router does. The counters the
-router keeps (outstanding requests and tokens, queued prefill tokens) follow the simulation's events: a
-request counts in when routed, its prefill counts out at its first sampled token there, and it counts out
-when it finishes there. KV usage is read from the instance's scheduler (the simulator knows it exactly);
-a decode instance's outstanding requests are its unfinished requests plus those whose KV is on its way.
+Routing: the HTTP router's own policies (:mod:`goodserve.router.policies`) choose the instance from one
+:class:`~goodserve.router.policies.BackendState` per instance, kept by the simulation's events as the router
+keeps it (colocated replicas by ``ClusterConfig.routing``, a prefill pool by queued prefill tokens, a decode
+pool by KV usage, read exactly from its scheduler).
 """
 
 from __future__ import annotations
@@ -42,10 +33,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransferParams
 from goodserve.kv_transfer.factory import create_connector_scheduler
 from goodserve.request import Request
+from goodserve.request_options import RequestOptions
 from goodserve.router.policies import BackendState, LeastLoaded, RouteRequest, RoutingPolicy, make_policy
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import EngineCoreOutput, SampledToken, SchedulerOutput
@@ -54,119 +45,13 @@ from goodserve.scheduler.slo import SLOUnattainableError
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.sim.cost_model import CostModel
 from goodserve.sim.events import Event, KVTransferDone, RequestArrival, StepEnd
+from goodserve.sim.spec import ROUTING_ALIASES, ClusterConfig, SimRequest
 from goodserve.workload.metrics import RequestRecord, Summary, record_from_timeline, summarize
 
 logger = logging.getLogger(__name__)
 
-# The router's policies (goodserve.router.policies); "least-loaded" is the old name of least-outstanding-tokens.
-ROUTING_POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "least-loaded")
-ROUTING_ALIASES = {"least-loaded": "least-outstanding-tokens"}
 SIM_TOKEN = 7  # what the simulated model samples ...
 SIM_EOS = 2  # ... until a request's last token, which is EOS
-
-
-@dataclass(frozen=True)
-class SimRequest:
-    """One request of the simulated workload.
-
-    Attributes:
-        request_id: Unique id.
-        arrival: When the client sends it, seconds from the start.
-        prompt_len: Prompt tokens.
-        output_len: Output tokens it generates: the simulated model samples EOS as token ``output_len``.
-        max_tokens: The cap the client asks for (``None``: exactly ``output_len``). Only a scheduler that
-            reserves memory by it (``reserve``) behaves differently with a larger cap.
-        slo_ttft: Its own TTFT SLO in seconds (``None``: the simulation's ``ttft`` SLO, if any).
-        slo_tpot: Its own TPOT SLO in seconds (``None``: the simulation's ``tpot`` SLO, if any).
-        prompt_token_ids: The prompt's token ids (``prompt_len`` of them, each >= 256), e.g. a trace's shared
-            prefixes synthesised by :func:`goodserve.workload.datasets.synthesise_shared_prompts`; ``None``:
-            ids private to the request, so no two prompts share a prefix.
-    """
-
-    request_id: str
-    arrival: float
-    prompt_len: int
-    output_len: int
-    max_tokens: Optional[int] = None
-    slo_ttft: Optional[float] = None
-    slo_tpot: Optional[float] = None
-    prompt_token_ids: Optional[tuple[int, ...]] = None
-
-    def __post_init__(self) -> None:
-        if self.prompt_len < 1 or self.output_len < 1:
-            raise ValueError(f"{self.request_id}: prompt and output need >= 1 token")
-        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
-            raise ValueError(f"{self.request_id}: {len(self.prompt_token_ids)} prompt_token_ids for prompt_len "
-                             f"{self.prompt_len}")
-        if self.max_tokens is not None and self.max_tokens < self.output_len:
-            raise ValueError(f"{self.request_id}: max_tokens {self.max_tokens} < output_len {self.output_len}")
-
-    @property
-    def cap(self) -> int:
-        """``max_tokens`` as resolved: ``output_len`` when not given."""
-        return self.output_len if self.max_tokens is None else self.max_tokens
-
-
-@dataclass(frozen=True)
-class Disaggregation:
-    """Separate prefill and decode instances joined by a link.
-
-    Attributes:
-        num_prefill: Prefill instances.
-        num_decode: Decode instances.
-        link_bandwidth: Bytes per second of each prefill instance's outgoing link.
-        kv_bytes_per_token: KV bytes one prompt token occupies (all layers).
-    """
-
-    num_prefill: int
-    num_decode: int
-    link_bandwidth: float
-    kv_bytes_per_token: int
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError(f"disaggregation needs >= 1 prefill and >= 1 decode instance, got "
-                             f"{self.num_prefill}:{self.num_decode}")
-        if self.link_bandwidth <= 0:
-            raise ValueError(f"link bandwidth must be > 0, got {self.link_bandwidth}")
-
-    def transfer_time(self, num_tokens: int) -> float:
-        """Seconds to move ``num_tokens`` tokens of KV over one link."""
-        return num_tokens * self.kv_bytes_per_token / self.link_bandwidth
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """What is simulated: the instances, their scheduler and KV pool, and the routing.
-
-    Attributes:
-        scheduler: Every instance's scheduler limits and mode.
-        cache: Every instance's KV pool (``num_blocks`` resolved).
-        enable_prefix_caching: Prefix caching on colocated and prefill instances.
-        num_replicas: Independent colocated instances (ignored when disaggregated).
-        routing: The replicas' policy, a :data:`goodserve.router.policies.POLICIES` name: ``"round-robin"``,
-            ``"least-outstanding-tokens"`` (also ``"least-loaded"``) or ``"prefix-affinity"`` (default block
-            size 16 tokens).
-        disaggregation: Prefill/decode split, or ``None`` for colocated replicas.
-    """
-
-    scheduler: SchedulerConfig
-    cache: CacheConfig
-    enable_prefix_caching: bool = True
-    num_replicas: int = 1
-    routing: str = "least-outstanding-tokens"
-    disaggregation: Optional[Disaggregation] = None
-
-    def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.num_replicas}")
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
-
-    @property
-    def num_instances(self) -> int:
-        d = self.disaggregation
-        return d.num_prefill + d.num_decode if d else self.num_replicas
 
 
 class Instance:
@@ -494,7 +379,6 @@ class Simulator:
             prefix_cache_hit_rate=_hit_rate(self.front),
         )
 
-
     def _make_request(self, spec: SimRequest, prompt_token_ids: list[int], max_tokens: int,
                       kv_transfer_params: Optional[KVTransferParams] = None) -> Request:
         """The scheduler's request for ``spec`` arriving now, with its SLOs (or the simulation's)."""
@@ -504,8 +388,9 @@ class Simulator:
         # one that asks for more stops at an EOS the scheduler cannot foresee.
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=spec.cap == spec.output_len)
         return Request(spec.request_id, prompt_token_ids, params, arrival_time=self.now,
-                       eos_token_ids=(SIM_EOS,), max_tokens=max_tokens, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
-                       kv_transfer_params=kv_transfer_params)
+                       eos_token_ids=(SIM_EOS,), max_tokens=max_tokens,
+                       options=RequestOptions(slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+                                              kv_transfer_params=kv_transfer_params))
 
 
 def _hit_rate(instances: list[Instance]) -> float:
