@@ -24,7 +24,6 @@ READ has ended.
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import os
 import threading

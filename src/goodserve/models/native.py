@@ -294,7 +294,6 @@ def block_gemv(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Te
         raise ValueError(f"x must be [rows, {scales.shape[1] * 32}] float32 or bfloat16 with contiguous rows, "
                          f"got {x.dtype} {tuple(x.shape)}")
     return ops.block_gemv(x, BLOCK_KINDS[kind], codes, scales, mins, offset, out_dtype)
-    return out
 
 
 class DecodeLayers:
