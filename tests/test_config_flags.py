@@ -4,18 +4,26 @@ scheduler's and the KV pool's flags once, from :class:`SchedulerConfig` and :cla
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
 
 from goodserve.cli import build_parser
 from goodserve.config import CacheConfig, SchedulerConfig
-from goodserve.config_flags import parser_defaults, scheduler_flag_dests, split_choices
+from goodserve.config_flags import add_scheduler_flags, scheduler_flag_dests, split_choices
 from goodserve.engine.args import EngineArgs
 
 
 def _parse(*argv: str):
     return build_parser().parse_args(list(argv))
+
+
+def parser_defaults() -> dict:
+    """The flags' own defaults by destination."""
+    p = argparse.ArgumentParser()
+    add_scheduler_flags(p)
+    return {d: p.get_default(d) for d in scheduler_flag_dests()}
 
 
 def test_serve_and_simulate_share_the_scheduler_flags_and_their_defaults():

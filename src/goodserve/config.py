@@ -358,7 +358,7 @@ class EngineConfig:
                         slo_tpot: Any = UNSET, slo_class: Optional[str] = None,
                         kv_transfer_params: Any = None) -> RequestOptions:
         """A request's :class:`RequestOptions`, built where it enters, with this engine's defaults applied
-        (here only).
+        (the one place they are read).
 
         Args:
             priority: Lower runs first under the ``priority`` policy.

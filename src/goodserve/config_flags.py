@@ -7,7 +7,6 @@ config dataclasses the same way). Torch-free: the simulator uses it.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -63,9 +62,3 @@ def split_choices(value: str, flag: str, choices: tuple[str, ...]) -> list[str]:
         raise ValueError(f"{flag}: {', '.join(bad) or 'nothing'} is not one of {', '.join(choices)}")
     return items
 
-
-def parser_defaults() -> dict[str, Any]:
-    """The flags' defaults by destination (what a command gets when none is given)."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_scheduler_flags(p)
-    return {d: p.get_default(d) for d in scheduler_flag_dests()}

@@ -1,16 +1,17 @@
 """A request's options beyond sampling, as one value.
 
 Like :class:`~goodserve.sampling_params.SamplingParams` (and vLLM's ``EngineCoreRequest``), a
-:class:`RequestOptions` is built once where a request enters (the server from its body, ``LLM`` from its
-arguments, the simulator from its workload) by :meth:`goodserve.config.EngineConfig.request_options`, which
-applies the engine's defaults, and is carried unopened to the scheduler's
-:class:`~goodserve.request.Request`; each field is read only by its consumer (the policy, the prefix cache,
-the KV connector, the server's metrics).
+:class:`RequestOptions` is built once where a request enters: the server from its body and ``LLM`` from its
+arguments, by :meth:`goodserve.config.EngineConfig.request_options`, which applies the engine's defaults (the
+simulator, which has no engine, from its workload and its own SLOs). It is carried unopened to the
+scheduler's :class:`~goodserve.request.Request`; each field is read only by its consumer (the policy, the
+prefix cache, the KV connector, the server's metrics).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,15 +45,18 @@ class RequestOptions:
     kv_transfer_params: Optional[KVTransferParams] = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+        if isinstance(self.priority, bool) or not isinstance(self.priority, numbers.Integral):
             raise ParamError(f"priority must be an integer, got {self.priority!r}", param="priority")
+        object.__setattr__(self, "priority", int(self.priority))  # e.g. a numpy integer
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ParamError(f"cache_salt must be a string, got {self.cache_salt!r}", param="cache_salt")
         for name in ("slo_ttft", "slo_tpot"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                                       or not 0 < value < math.inf):
                 raise ParamError(f"{name} must be a positive number of seconds, got {value!r}", param=name)
+            if value is not None:
+                object.__setattr__(self, name, float(value))
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, KVTransferParams):
             raise ParamError("kv_transfer_params must be parsed with KVTransferParams.from_dict",
                              param="kv_transfer_params")

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Union
 from goodserve.outputs import RequestOutput
 from goodserve.request_options import RequestOptions
 from goodserve.sampling_params import SamplingParams
-from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.policy import SLOUnattainableError
 
 
 class EngineDeadError(RuntimeError):

@@ -25,7 +25,7 @@ from goodserve.engine.engine import Engine
 from goodserve.engine.step_trace import StepTraceWriter, TracedStep
 from goodserve.outputs import RequestOutput
 from goodserve.scheduler.output import SchedulerStats, StepShape
-from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.policy import SLOUnattainableError
 
 logger = logging.getLogger(__name__)
 

@@ -13,14 +13,20 @@ is the scheduler's own flow.
 
 from __future__ import annotations
 
+from goodserve.config import SchedulerConfig
 from goodserve.request import Request
 from goodserve.scheduler.output import SchedulerOutput
 from goodserve.scheduler.policy import NO_TRIAGE
+from goodserve.scheduler.queue import RequestQueue
 
 
 class BaselineModesMixin:
-    """The baseline modes' admission rules (needs the scheduler's ``waiting``, ``running``,
-    ``scheduler_config``, ``_begin_step``, ``_admit`` and ``_schedule_running``)."""
+    """The baseline modes' admission rules (and the scheduler's ``_begin_step``, ``_admit`` and
+    ``_schedule_running``)."""
+
+    scheduler_config: SchedulerConfig
+    waiting: RequestQueue
+    running: list[Request]
 
     def _schedule_prefill_first(self, out: SchedulerOutput, now: float) -> None:
         """``prefill-first``: admit whole prompts; only a step that admitted none runs the decodes.

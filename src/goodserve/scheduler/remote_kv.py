@@ -13,17 +13,22 @@ from __future__ import annotations
 
 from typing import Optional
 
-from goodserve.kv_transfer.base import no_connector_error
+from goodserve.kv_cache.manager import KVCacheManager
+from goodserve.kv_transfer.base import KVConnectorScheduler, no_connector_error
 from goodserve.kv_transfer.messages import KVConnectorStats, KVConnectorUpdate
 from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.request import Request, RequestStatus
 from goodserve.scheduler.output import EngineCoreOutput, SchedulerOutput
+from goodserve.scheduler.queue import RequestQueue
 from goodserve.validation import ParamError
 
 
 class RemoteKVMixin:
-    """KV connector hooks of the scheduler (needs its ``kv_connector``, ``kv_cache_manager``, ``waiting`` and
-    ``_finish``)."""
+    """KV connector hooks of the scheduler (and its ``_finish``)."""
+
+    kv_connector: Optional[KVConnectorScheduler]
+    kv_cache_manager: KVCacheManager
+    waiting: RequestQueue
 
     def has_pending_kv_transfers(self) -> bool:
         """Whether blocks are held for a consumer's pull or a pull is in flight: the engine must keep

@@ -127,8 +127,8 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
             now: Current time in seconds (engine's monotonic clock).
 
         Returns:
-            The step; ``total_num_scheduled_tokens <= max_num_batched_tokens`` (in ``paged`` mode a step's
-            single prompt may exceed it). It is never empty while requests are unfinished.
+            The step; ``total_num_scheduled_tokens <= max_num_batched_tokens`` (in ``prefill-first`` mode a
+            step's single prompt may exceed it). It is never empty while requests are unfinished.
             ``num_computed_tokens`` is not advanced here (see :meth:`update_from_output`).
         """
         out = SchedulerOutput(finished_req_ids=self._runner.take_finished())

@@ -35,14 +35,10 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from goodserve.request import Request
-from goodserve.scheduler.policy import (NO_TRIAGE, SLOUnattainableError, StepPlan, StepPolicy, StepTally, Triage,
-                                        chunk_pairs)
+from goodserve.scheduler.policy import NO_TRIAGE, SLOUnattainableError, StepPlan, StepPolicy, StepTally, Triage
 from goodserve.scheduler.queue import RequestQueue, SortedQueue
 from goodserve.scheduler.slo_pace import INF, SLOPredictor, StepFigures, tpot_of
 from goodserve.scheduler.step_time import StepTimeModel
-
-__all__ = ["SLOPlan", "SLOPolicy", "SLOUnattainableError", "chunk_pairs"]
-
 
 @dataclass(frozen=True)
 class SLOPlan(StepPlan):

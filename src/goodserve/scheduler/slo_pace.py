@@ -246,13 +246,16 @@ class SLOPredictor:
         return math.ceil(fixed / c.per_token_s)
 
     # ---------------------------------------------------------------------------------------- paces
+    def _pace_inputs(self, running: Sequence[Request]) -> tuple[StepTally, float, Optional[StepFigures]]:
+        """The decodes of ``running``, their tightest TPOT SLO a step can meet, and :meth:`pace_figures`."""
+        acc = self.decodes(running)
+        limit = self.protectable(min(map(tpot_of, running), default=INF))
+        return acc, limit, (self.figures(acc) if acc.tokens and limit != INF else None)
+
     def pace_figures(self, running: Sequence[Request]) -> Optional[StepFigures]:
         """The figures the paces beside ``running`` are priced with; ``None`` if no running decode has a
         TPOT SLO a step can meet (prompts then get the whole budget every step, and no decode is deferred)."""
-        acc = self.decodes(running)
-        if not acc.tokens or self.protectable(min(map(tpot_of, running), default=INF)) == INF:
-            return None
-        return self.figures(acc)
+        return self._pace_inputs(running)[2]
 
     def prefill_pace(self, running: Sequence[Request], now: float, borrow: bool = False) -> Pace:
         """The plain pace, or with ``borrow`` the borrowed one (see :meth:`prefill_paces`)."""
@@ -272,12 +275,10 @@ class SLOPredictor:
 
         Returns:
             ``(plain, borrowed)``, both from one set of step figures."""
-        acc = self.decodes(running)
+        acc, limit, fig = self._pace_inputs(running)
         n = max(1, self.max_num_batched_tokens - acc.tokens)
-        fig = self.pace_figures(running)
         if fig is None:
             return Pace(acc, n), Pace(acc, n)
-        limit = self.protectable(min(map(tpot_of, running), default=INF))
         steady = max(min(n, self.block_size), self.max_chunk(acc, 0, n, True, limit))
         bank, borrow = self.limits(running, fig, now)
         # Plain: rule 3 holds back a chunk smaller than the efficient one, and decode-only steps (stretched by

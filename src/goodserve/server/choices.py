@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 from goodserve.engine.async_types import RequestFailedError, RequestStream
 from goodserve.outputs import RequestMetrics, RequestOutput
-from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.policy import SLOUnattainableError
 from goodserve.server import protocol as P
 from goodserve.server.metrics import RequestTracker
 from goodserve.server.token_bytes import TextOffsets, TokenBytes

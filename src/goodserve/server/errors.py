@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from goodserve.engine.async_types import EngineDeadError, EngineShutdownError, RequestFailedError
-from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.policy import SLOUnattainableError
 from goodserve.server import protocol as P
 from goodserve.validation import ParamError, safe_text
 

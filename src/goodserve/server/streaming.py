@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from goodserve.engine.async_types import EngineDeadError, RequestFailedError
-from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.policy import SLOUnattainableError
 from goodserve.server.errors import APIError, internal_error, to_api_error
 
 logger = logging.getLogger(__name__)

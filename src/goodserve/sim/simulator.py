@@ -41,7 +41,7 @@ from goodserve.router.policies import BackendState, LeastLoaded, RouteRequest, R
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import EngineCoreOutput, SampledToken, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
-from goodserve.scheduler.slo import SLOUnattainableError
+from goodserve.scheduler.policy import SLOUnattainableError
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.sim.cost_model import CostModel
 from goodserve.sim.events import Event, KVTransferDone, RequestArrival, StepEnd
