@@ -15,6 +15,7 @@ from typing import Any, Optional
 from goodserve.kv_transfer.config import KVTransferConfig
 from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.request_options import UNSET, RequestOptions
+from goodserve.spec.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 # How batches form: "chunked" is continuous batching with chunked prefill (Sarathi-Serve); "static" is
@@ -336,6 +337,7 @@ class EngineConfig:
         kv_transfer: The instance's part in disaggregated serving (``None``: none).
         slo_ttft: A request's TTFT SLO in seconds when it gives none (``None``: none).
         slo_tpot: A request's TPOT SLO in seconds when it gives none (``None``: none).
+        speculative: Speculative decoding (``None``: none; :class:`goodserve.spec.config.SpeculativeConfig`).
     """
 
     model_path: str
@@ -353,6 +355,7 @@ class EngineConfig:
     kv_transfer: Optional[KVTransferConfig] = None
     slo_ttft: Optional[float] = None
     slo_tpot: Optional[float] = None
+    speculative: Optional[SpeculativeConfig] = None
 
     def request_options(self, priority: int = 0, cache_salt: Optional[str] = None, slo_ttft: Any = UNSET,
                         slo_tpot: Any = UNSET, slo_class: Optional[str] = None,

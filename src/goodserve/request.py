@@ -81,6 +81,7 @@ class Request:
         self.slo_late = False  # ``slo`` policy: its TTFT SLO can no longer be met (queued behind the others)
         self.stop_reason: Optional[int] = None  # the stop token id that ended it
         self.kv_transfer: Optional[tuple[int, float]] = None  # (bytes, seconds) of its pull, once done
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculation)
 
     @property
     def priority(self) -> int:

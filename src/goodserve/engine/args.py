@@ -12,6 +12,7 @@ from goodserve.config import (ATTENTION_BACKENDS, QUANTIZATIONS, SCHEDULING_MODE
                               SchedulerConfig)
 from goodserve.config_flags import add_scheduler_flags
 from goodserve.kv_transfer.config import KV_ROLES, KVTransferConfig
+from goodserve.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ class EngineArgs:
         kv_transfer_config: JSON object of the connector's settings (see
             :meth:`goodserve.kv_transfer.KVTransferConfig.from_cli`).
         kv_transfer_timeout: Seconds a producer holds blocks for a pull and a consumer waits for one.
+        speculative_config: JSON of speculative decoding in vLLM's shape, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 4}`` (:class:`goodserve.spec.config.SpeculativeConfig`); ``None``: none.
+        speculative_length: ``"auto"`` (the length chosen for goodput each step) or a fixed number of draft
+            tokens; overrides the JSON's ``length``.
 
     Raises:
         ValueError: on an unknown dtype, device, policy or mode, a size below 1, a negative interval, an SLO
@@ -107,6 +112,8 @@ class EngineArgs:
     kv_role: Optional[str] = None
     kv_transfer_config: Optional[str] = None
     kv_transfer_timeout: Optional[float] = None
+    speculative_config: Optional[str] = None
+    speculative_length: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -138,6 +145,12 @@ class EngineArgs:
         if self.kv_role is None and (self.kv_transfer_config or self.kv_transfer_timeout is not None):
             raise ValueError("--kv-transfer-config and --kv-transfer-timeout need --kv-role")
         self.kv_transfer()  # raises on a bad role or config
+        self.speculative()  # raises on a bad speculative config
+
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """The speculative config, or ``None`` without ``speculative_config`` (``ValueError`` on a bad one)."""
+        length = None if self.speculative_length is None else str(self.speculative_length)
+        return SpeculativeConfig.from_cli(self.speculative_config, length)
 
     def kv_transfer(self) -> Optional[KVTransferConfig]:
         """The connector's settings, or ``None`` without ``kv_role`` (``ValueError`` on bad ones)."""
@@ -185,6 +198,13 @@ class EngineArgs:
                             "decode) or both; default: colocated only")
         g.add_argument("--kv-transfer-config", default=None,
                        help='JSON settings of the KV connector, e.g. \'{"host": "127.0.0.1", "port": 0}\'')
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding, vLLM\'s JSON shape: \'{"method": "ngram", "num_speculative_tokens": '
+                            '4}\' (prompt lookup; also prompt_lookup_min/max) or \'{"method": "draft_model", "model": '
+                            'PATH, "num_speculative_tokens": 4}\'')
+        g.add_argument("--speculative-length", default=None,
+                       help="auto (default: per step, the number of draft tokens that maximises expected tokens/s, "
+                            "0 under load) or a fixed number")
         g.add_argument("--kv-transfer-timeout", type=float, default=None,
                        help="seconds a producer holds KV blocks for a pull, and a consumer waits for one (30)")
 

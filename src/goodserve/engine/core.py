@@ -59,7 +59,8 @@ class EngineCore:
         if config.kv_transfer is not None:
             kv_scheduler, self.kv_connector = create_kv_connector(config.kv_transfer, config.cache.block_size,
                                                                   self.runner.kv_caches)
-        self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_connector=kv_scheduler)
+        self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_connector=kv_scheduler,
+                                   speculative=config.speculative)
         self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
         self._cold = True  # no step has run yet: the first one pays for cold caches and lazily built kernels
 

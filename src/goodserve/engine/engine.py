@@ -132,7 +132,7 @@ class Engine:
                                                     args.serving),
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer(), slo_ttft=args.slo_ttft,
-            slo_tpot=args.slo_tpot)
+            slo_tpot=args.slo_tpot, speculative=args.speculative())
         logger.info("batch-invariant numerics %s", "on: a request's tokens depend on its prompt and seed only"
                     if self.config.batch_invariant else "off (--batch-invariant turns them on)")
         self.tokenizer = loaded.tokenizer

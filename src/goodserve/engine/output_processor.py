@@ -79,6 +79,8 @@ class RequestState:
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None, *out.prompt_logprobs]
         for i, token in enumerate(out.new_token_ids):
+            if self.finished:  # a stop string ended it at an earlier token of this step (speculation)
+                break
             if m.first_token_time is None:
                 m.first_token_time = out.timestamp
             m.last_token_time = out.timestamp

@@ -183,6 +183,25 @@ class KVCacheManager:
             self.block_pool.cache_full_block(table[i], hashes[i])
         self._num_registered[rid] = num_full_blocks
 
+    def trim(self, request: Request, num_tokens: int) -> Optional[int]:
+        """Free the request's blocks past those its first ``num_tokens`` slots need: the slots of draft
+        tokens that verification rejected. They never held a full block of known tokens, so none is in the
+        prefix cache; they join the free queue without a hash.
+
+        Returns:
+            The number of blocks it keeps, if any was freed; else ``None``.
+        """
+        rid = request.request_id
+        table = self._req_blocks.get(rid)
+        keep = _cdiv(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return None
+        tail = table[keep:]
+        del table[keep:]
+        self._num_registered[rid] = min(self._num_registered[rid], keep)
+        self.block_pool.free_blocks(reversed(tail))
+        return keep
+
     def free(self, request: Request, num_valid_tokens: Optional[int] = None) -> None:
         """Release the request's blocks (ref - 1 each).
 

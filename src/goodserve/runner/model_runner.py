@@ -24,6 +24,7 @@ from goodserve.models.llama import LlamaForCausalLM
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from goodserve.runner.sampler import Sampler, SamplerOutput
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
+from goodserve.runner.speculative import expand_rows, make_proposer, verify
 from goodserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from goodserve.scheduler.output import SampledToken, ScheduledRequest, SchedulerOutput
 
@@ -113,6 +114,7 @@ class ModelRunner:
         self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
                           for _ in range(m.num_hidden_layers)]
         self.sampler = Sampler(seed=config.seed)
+        self.proposer = make_proposer(config.speculative, target=self)
         self.requests: dict[str, CachedRequestState] = {}
 
     @property
@@ -143,6 +145,8 @@ class ModelRunner:
             if s.resumed_from_preemption:
                 state.block_ids = list(s.new_block_ids)
             else:
+                if s.num_kept_blocks is not None:  # the slots of rejected drafts were freed
+                    del state.block_ids[s.num_kept_blocks:]
                 state.block_ids.extend(s.new_block_ids)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -158,8 +162,9 @@ class ModelRunner:
             scheduler_output: The step to compute.
 
         Returns:
-            The sampled token of every request whose ``sample`` flag is set, by request id. A request whose
-            own sampling raised gets a ``SampledToken`` with ``error`` set instead (see :meth:`_sample`).
+            The sampled token of every request whose ``sample`` flag is set, by request id (with the drafts it
+            accepted, and those proposed for its next step, under speculation). A request whose own sampling
+            raised gets a ``SampledToken`` with ``error`` set instead (see :meth:`_sample`).
 
         Raises:
             Exception: whatever the forward pass raises (a fault of the engine, not of one request).
@@ -172,27 +177,31 @@ class ModelRunner:
             hidden = self.model.decode_in_one_call(input_ids, positions, self.kv_caches, meta, self.attn)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn)  # [num_tokens, hidden]
-        sampling, last_index, offset = [], [], 0
+        sampling, logit_index, offset = [], [], 0
         for s in ordered:
             if self.requests[s.request_id].sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(s, hidden[offset:offset + s.num_new_tokens])
             offset += s.num_new_tokens
-            if s.sample:
-                sampling.append(s.request_id)
-                last_index.append(offset - 1)
+            if s.sample:  # the last position, or each position that verifies a draft and the one after
+                sampling.append(s)
+                logit_index.extend(range(offset - 1 - len(s.spec_token_ids), offset))
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])  # [sampled, V]
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_index, device=self.device)])  # [rows, V]
         result = self._sample(logits, sampling)
-        for rid, token in result.items():
+        for s in sampling:
+            rid, token = s.request_id, result[s.request_id]
             state = self.requests[rid]
             if token.error is None and state.grammar is not None and not state.grammar.accept(token.token_id):
                 result[rid] = SampledToken(token_id=-1, error=f"the grammar rejected the sampled token {token.token_id}")
                 continue
             if token.error is None:
-                state.output_token_ids.append(token.token_id)
+                state.output_token_ids.extend(t.token_id for t in [*token.accepted, token])
                 if state.prompt_logprobs is not None and len(state.output_token_ids) == 1:
                     token.prompt_logprobs = state.prompt_logprobs
+                if s.num_lookahead and self.proposer is not None:
+                    token.spec_token_ids = self.proposer.propose(state.prompt_token_ids + state.output_token_ids,
+                                                                 s.num_lookahead)
         return result
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> None:
@@ -245,10 +254,10 @@ class ModelRunner:
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         pos_parts = [torch.tensor(positions, dtype=torch.long)]
         chunks = []
-        for s in prefills:
+        for s in prefills:  # prompt chunks, and decode rows that verify drafts (their last token, then the drafts)
             state = self.requests[s.request_id]
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            token_ids.extend(state.token_ids(start, end))
+            token_ids.extend(state.token_ids(start, end - len(s.spec_token_ids)) + s.spec_token_ids)
             pos_parts.append(torch.arange(start, end))
             slot_parts.append(self._slots(state.block_ids, start, end))
             chunks.append((s.num_computed_tokens, s.num_new_tokens, state.block_ids))
@@ -266,42 +275,54 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos_parts).to(dev), meta, decodes + prefills
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, SampledToken]:
-        """Sample every row in one batch; if that raises, sample row by row so that only the rows that raise
-        fail (one request's processing must never fail its batch neighbours, case C19).
+    def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> dict[str, SampledToken]:
+        """Sample every row in one batch; if that raises, sample request by request so that only the requests
+        whose rows raise fail (one request's processing must never fail its batch neighbours, case C19). A
+        request that verifies drafts has a row per position (:func:`expand_rows`) and its result is
+        :func:`verify`'s.
 
         Args:
-            logits: ``[num_sampled, vocab_size]``.
-            request_ids: The request of each row.
+            logits: ``[num_rows, vocab_size]``, the requests' rows in order.
+            scheduled: The requests that sample, in order.
 
         Returns:
-            A ``SampledToken`` per request; those whose row raised have ``error`` set.
+            A ``SampledToken`` per request; those whose rows raised have ``error`` set.
         """
-        rows = []
-        for rid in request_ids:
-            st = self.requests[rid]
-            rows.append(SamplingRow(params=st.sampling_params, prompt_token_ids=st.prompt_token_ids,
-                                    output_token_ids=st.output_token_ids, eos_token_ids=st.eos_token_ids,
-                                    grammar=st.grammar))
+        groups = []
+        for s in scheduled:
+            st = self.requests[s.request_id]
+            row = SamplingRow(params=st.sampling_params, prompt_token_ids=st.prompt_token_ids,
+                              output_token_ids=st.output_token_ids, eos_token_ids=st.eos_token_ids, grammar=st.grammar)
+            groups.append(expand_rows(row, s.spec_token_ids))
         vocab, dev = logits.shape[-1], logits.device
         try:
-            return self._tokens(self.sampler(logits, SamplingMetadata.from_requests(rows, vocab, dev)), request_ids)
-        except Exception:  # noqa: BLE001 - find the rows at fault below
-            logger.exception("sampling a batch of %d rows failed; sampling them one by one", len(rows))
-        result = {}
-        for i, (row, rid) in enumerate(zip(rows, request_ids)):
+            rows = [r for g in groups for r in g]
+            return self._results(self.sampler(logits, SamplingMetadata.from_requests(rows, vocab, dev)), scheduled,
+                                 groups)
+        except Exception:  # noqa: BLE001 - find the requests at fault below
+            logger.exception("sampling a batch of %d rows failed; sampling request by request", logits.shape[0])
+        result, start = {}, 0
+        for s, group in zip(scheduled, groups):
+            part = logits[start:start + len(group)]
+            start += len(group)
             try:
-                out = self.sampler(logits[i:i + 1], SamplingMetadata.from_requests([row], vocab, dev))
+                out = self.sampler(part, SamplingMetadata.from_requests(group, vocab, dev))
             except Exception as e:  # noqa: BLE001 - this request alone fails
-                logger.exception("sampling request %s failed", rid)
-                result[rid] = SampledToken(token_id=-1, error=f"sampling failed: {type(e).__name__}: {e}")
+                logger.exception("sampling request %s failed", s.request_id)
+                result[s.request_id] = SampledToken(token_id=-1, error=f"sampling failed: {type(e).__name__}: {e}")
                 continue
-            result.update(self._tokens(out, [rid]))
+            result.update(self._results(out, [s], [group]))
         return result
 
     @staticmethod
-    def _tokens(out: SamplerOutput, request_ids: list[str]) -> dict[str, SampledToken]:
-        return {rid: SampledToken(token_id=out.token_ids[i],
-                                  logprob=out.logprobs[i] if out.logprobs is not None else None,
-                                  top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None)
-                for i, rid in enumerate(request_ids)}
+    def _results(out: SamplerOutput, scheduled: list[ScheduledRequest], groups: list[list[SamplingRow]]
+                 ) -> dict[str, SampledToken]:
+        """Each request's result from the sampler's rows (in order, ``len(group)`` rows per request)."""
+        tokens = [SampledToken(token_id=out.token_ids[i], logprob=out.logprobs[i] if out.logprobs is not None else None,
+                               top_logprobs=out.top_logprobs[i] if out.top_logprobs is not None else None)
+                  for i in range(len(out.token_ids))]
+        result, start = {}, 0
+        for s, group in zip(scheduled, groups):
+            result[s.request_id] = verify(tokens[start:start + len(group)], s.spec_token_ids)
+            start += len(group)
+        return result

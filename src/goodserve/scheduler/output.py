@@ -57,6 +57,11 @@ class ScheduledRequest:
             for the first time or resumed after preemption, its whole table.
         resumed_from_preemption: The request was preempted (its blocks freed) since it was last scheduled:
             ``new_block_ids`` replaces the table instead of extending it.
+        spec_token_ids: Speculation: draft tokens verified after the request's last token; the step computes
+            ``num_new_tokens = 1 + len(spec_token_ids)`` positions and samples at each of them.
+        num_lookahead: Speculation: draft tokens the runner proposes for the request after this step.
+        num_kept_blocks: The runner's table keeps only its first this many entries before ``new_block_ids``
+            extend it (the slots of rejected draft tokens were freed); ``None``: all of them.
     """
 
     request_id: str
@@ -65,6 +70,9 @@ class ScheduledRequest:
     sample: bool
     new_block_ids: list[int] = field(default_factory=list)
     resumed_from_preemption: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_lookahead: int = 0
+    num_kept_blocks: Optional[int] = None
 
     @property
     def is_decode(self) -> bool:
@@ -129,6 +137,9 @@ class SampledToken:
         error: Why this request's row could not be sampled (its own processing raised), else ``None``.
         prompt_logprobs: With its first sampled token, when asked for: per prompt token from the second
             on, ``(logprob, [(token_id, logprob), ...])``.
+        accepted: Speculation: the verified draft tokens accepted before ``token_id``, in order (each with its
+            logprobs), so the step's tokens are ``accepted + [this]``.
+        spec_token_ids: Speculation: draft tokens proposed for the request's next step.
     """
 
     token_id: int
@@ -136,6 +147,8 @@ class SampledToken:
     top_logprobs: Optional[list[tuple[int, float]]] = None
     error: Optional[str] = None
     prompt_logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+    accepted: list["SampledToken"] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -181,18 +194,18 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
     @classmethod
-    def of(cls, req: "Request", new_token_ids: list[int], now: float, token: Optional["SampledToken"] = None,
-           error: Optional[str] = None, kv_transfer_params: Optional[dict] = None) -> "EngineCoreOutput":
-        """``req``'s result as it stands after a step that sampled ``token`` (``None``: it only finished)."""
-        with_logprobs = token is not None and req.sampling_params.logprobs is not None
-        return cls(req.request_id, new_token_ids, now, first_scheduled_time=req.first_scheduled_time,
+    def of(cls, req: "Request", tokens: list["SampledToken"], now: float, error: Optional[str] = None,
+           kv_transfer_params: Optional[dict] = None) -> "EngineCoreOutput":
+        """``req``'s result as it stands after a step that appended ``tokens`` (``[]``: it only finished)."""
+        with_logprobs = bool(tokens) and req.sampling_params.logprobs is not None
+        return cls(req.request_id, [t.token_id for t in tokens], now, first_scheduled_time=req.first_scheduled_time,
                    finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                   logprobs=[token.logprob] if with_logprobs else None,
-                   top_logprobs=[token.top_logprobs or []] if with_logprobs else None,
+                   logprobs=[t.logprob for t in tokens] if with_logprobs else None,
+                   top_logprobs=[t.top_logprobs or [] for t in tokens] if with_logprobs else None,
                    num_cached_tokens=req.num_cached_tokens, num_preemptions=req.num_preemptions, error=error,
-                   prompt_logprobs=token.prompt_logprobs if token is not None else None,
+                   prompt_logprobs=tokens[0].prompt_logprobs if tokens else None,
                    kv_transfer_params=kv_transfer_params,
-                   kv_transfer=req.kv_transfer if new_token_ids and req.num_output_tokens == 1 else None)
+                   kv_transfer=req.kv_transfer if tokens and req.num_output_tokens == len(tokens) else None)
 
 
 @dataclass(frozen=True)
@@ -228,6 +241,12 @@ class SchedulerStats:
             on either hop), ``failed`` (the consumer could not read) and ``expired`` (the timeouts above)
             (producer).
         num_kv_transfer_failures_total: Pulls that failed (consumer; the request failed with them).
+        num_spec_drafts_total: Speculation: decode rows that verified at least one draft token.
+        num_spec_draft_tokens_total: Draft tokens verified.
+        num_spec_accepted_tokens_total: Draft tokens accepted.
+        spec_accepted_per_pos: Draft tokens accepted at each position ``1..k_max`` (the acceptance rate per
+            position is each over ``num_spec_drafts_total`` reaching it; vLLM's ``..._per_pos``).
+        spec_length: Draft tokens per row chosen for the latest step (``auto`` falls to 0 under load).
     """
 
     num_running: int
@@ -250,6 +269,11 @@ class SchedulerStats:
     num_kv_transfer_timeouts_total: int = 0
     num_kv_transfer_failures_total: int = 0
     num_kv_holds_ended_total: dict[str, int] = field(default_factory=dict)
+    num_spec_drafts_total: int = 0
+    num_spec_draft_tokens_total: int = 0
+    num_spec_accepted_tokens_total: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    spec_length: int = 0
 
     @classmethod
     def idle(cls) -> "SchedulerStats":

@@ -23,6 +23,7 @@ are here; ``slo`` is :mod:`goodserve.scheduler.slo`. A new policy is one new fil
 
 from __future__ import annotations
 
+import math
 from abc import ABC
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -98,6 +99,11 @@ class StepPlan:
     def deferred(self) -> frozenset[str]:
         """Ids of the decodes that sit this step out."""
         return self.triage.deferred
+
+    @property
+    def max_step_s(self) -> float:
+        """The longest step this plan allows, seconds (infinite: no limit); speculation stays within it."""
+        return math.inf
 
     def tally(self) -> StepTally:
         """A fresh tally of this step, holding its decodes."""

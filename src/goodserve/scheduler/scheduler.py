@@ -14,16 +14,16 @@ which returns an :class:`EngineCoreOutput` per request that sampled or finished.
 writer of a :class:`Request`; what it decides leaves it only as those plain messages and as
 :meth:`make_stats`.
 
-Two seams, called at named points only: the scheduling policy (:mod:`goodserve.scheduler.policy`: queue
-order, arrival check, triage, the step's plan, chunk size, admission) and the KV connector's scheduler half
-(:mod:`goodserve.scheduler.remote_kv`). The batching baselines are :mod:`goodserve.scheduler.baselines`.
-Every step's measured time feeds the online step-time model (:meth:`Scheduler.observe_step_time`).
+Seams, called at named points only: the scheduling policy (:mod:`goodserve.scheduler.policy`; its triage
+applied in :mod:`goodserve.scheduler.triage`), the KV connector's scheduler half
+(:mod:`goodserve.scheduler.remote_kv`) and speculative decoding (:mod:`goodserve.scheduler.spec_decode`); the
+batching baselines are :mod:`goodserve.scheduler.baselines`. Every step's measured time feeds the online
+step-time model (:meth:`Scheduler.observe_step_time`).
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 from typing import Iterable, Optional
 
@@ -38,13 +38,16 @@ from goodserve.scheduler.policy import SLOUnattainableError, StepPlan, StepPolic
 from goodserve.scheduler.queue import RequestQueue
 from goodserve.scheduler.remote_kv import RemoteKVMixin
 from goodserve.scheduler.runner_diffs import RunnerDiffs
+from goodserve.scheduler.spec_decode import SpecDecodeMixin, make_speculator
 from goodserve.scheduler.step_time import StepTimeModel
-from goodserve.scheduler.stop import check_fits, check_stop
+from goodserve.scheduler.triage import TriageMixin
+from goodserve.scheduler.stop import append_tokens, check_fits
+from goodserve.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(RemoteKVMixin, BaselineModesMixin):
+class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin):
     """Continuous batching with chunked prefill, prefix caching and recompute preemption.
 
     Args:
@@ -54,11 +57,14 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
         step_model: The online step-time model (a fresh :class:`StepTimeModel` when ``None``).
         kv_connector: This instance's part in disaggregated serving, the KV connector's scheduler half
             (:func:`goodserve.kv_transfer.factory.create_connector_scheduler`; ``None``: none).
+        speculative: Speculative decoding (``None``: none): decode rows verify the runner's draft tokens
+            (:mod:`goodserve.spec.speculator`).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  step_model: Optional[StepTimeModel] = None,
-                 kv_connector: Optional[KVConnectorScheduler] = None) -> None:
+                 kv_connector: Optional[KVConnectorScheduler] = None,
+                 speculative: Optional[SpeculativeConfig] = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -84,6 +90,7 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
         self._runner = RunnerDiffs()  # what the model runner knows of each request
         self._shed_outputs: list[EngineCoreOutput] = []  # shed while queued; handed out by the next update
         self.kv_connector = kv_connector
+        self.speculator = make_speculator(speculative, self.step_model)
 
     # ------------------------------------------------------------------------------------------- state
     def has_unfinished_requests(self) -> bool:
@@ -121,10 +128,8 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
 
     # ---------------------------------------------------------------------------------------- schedule
     def schedule(self, now: float) -> SchedulerOutput:
-        """Decide the next step: running requests first, then admissions if nothing was preempted.
-
-        Args:
-            now: Current time in seconds (engine's monotonic clock).
+        """Decide the next step at ``now`` (seconds, the engine's monotonic clock): running requests first,
+        then admissions if nothing was preempted.
 
         Returns:
             The step; ``total_num_scheduled_tokens <= max_num_batched_tokens`` (in ``prefill-first`` mode a
@@ -171,22 +176,8 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
         if rank is not None:
             self.running.sort(key=lambda r: rank[r.request_id])
         self._tally = self.plan.tally()
-
-    def _end_deferral(self, out: SchedulerOutput, budget: int) -> None:
-        """Count the decodes that sat out this step, or, if no prompt got a chunk after all (no free blocks,
-        the admission stop, ``max_num_seqs``), schedule them in this step."""
-        deferred = [r for r in self.running if r.request_id in self.plan.deferred]
-        if self._tally.prefill_scheduled:
-            self.num_deferred_decodes_total += len(deferred)
-            return
-        self.plan = dataclasses.replace(self.plan, triage=dataclasses.replace(self.plan.triage, deferred=frozenset()))
-        for req in deferred:
-            if budget <= 0 or self.kv_cache_manager.allocate_slots(req, 1) is None:
-                break
-            self._runner.record(out, req, self.kv_cache_manager, req.num_computed_tokens, 1)
-            budget -= 1
-        if not out.scheduled:  # not even a decode's block: the running pass, preempting as it does
-            self._schedule_running(out, self.scheduler_config.max_num_batched_tokens)
+        if self.speculator is not None:
+            self.speculator.begin_step(self.running, self.plan.max_step_s)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens in order, preempting from the tail when blocks run out.
@@ -207,9 +198,11 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
             if remaining == 1 and req.request_id in deferred:  # it sits this step out for a prompt
                 i += 1
                 continue
+            spec: list[int] = []
             if remaining == 1:
                 decodes_left -= 1
-                n = 1
+                spec = self._drafts(req, budget - decodes_left - 1)  # budget the decodes behind it leave
+                n = 1 + len(spec)
             else:
                 n = min(remaining, budget - decodes_left)
                 if n > 0:
@@ -219,6 +212,9 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
                 i += 1
                 continue
             while self.kv_cache_manager.allocate_slots(req, n) is None:
+                if spec:  # no blocks for the drafts: verify none rather than preempt for them
+                    spec, n = [], 1
+                    continue
                 victim = self.running[-1]
                 if victim is not req and victim.num_tokens - victim.num_computed_tokens == 1:
                     decodes_left -= 1
@@ -227,7 +223,9 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
                     return budget
             if remaining != 1:
                 self._tally.add_chunk(n, req.num_computed_tokens, n == remaining)
-            self._runner.record(out, req, self.kv_cache_manager, req.num_computed_tokens, n)
+            elif spec:
+                self._tally.add(len(spec), req.num_computed_tokens + 1, False)
+            self._record(out, req, req.num_computed_tokens, n, spec)
             budget -= n
             i += 1
         return budget
@@ -288,24 +286,8 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
             self.running.append(req)
         if n:
             self._tally.add_chunk(n, num_hit, num_hit + n == req.num_tokens)
-            self._runner.record(out, req, self.kv_cache_manager, num_hit, n)
+            self._record(out, req, num_hit, n)
         return n
-
-    def _apply_triage(self, triage: Triage, now: float) -> None:
-        """The policy's late requests: shed under ``shed_load`` (their outputs go out with the next
-        :meth:`update_from_output`), else put behind the others (waiting ones to the back of the queue,
-        running ones still prefilling to the back of the chunk order)."""
-        for req, reason in triage.late:
-            if self.scheduler_config.shed_load:
-                self._finish(req, RequestStatus.FINISHED_SHED)
-                self.num_shed_total += 1
-                self._shed_outputs.append(EngineCoreOutput.of(req, [], now, error=reason))
-            elif req.status == RequestStatus.RUNNING:
-                req.slo_late = True
-            else:
-                self.waiting.remove(req)
-                req.slo_late = True
-                self.waiting.add(req)
 
     def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """Tell the step-time model how long a step took (wall seconds, as the requests saw it)."""
@@ -320,17 +302,17 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
         lost = req.num_computed_tokens
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend(req)
         out.preempted_req_ids.append(req.request_id)
         self._runner.preempted(req.request_id)
-        logger.warning(
-            "KV cache full: preempted request %s (priority %d, %d computed tokens will be recomputed, "
-            "preempted %d time(s)); %d running, %d waiting, %d/%d blocks free, %d preemptions so far. "
-            "More KV blocks or a lower max_num_seqs would avoid this.",
-            req.request_id, req.priority, lost, req.num_preemptions, len(self.running), len(self.waiting),
-            kv.num_free_blocks, kv.num_blocks, self.num_preemptions_total)
+        logger.warning("KV cache full: preempted request %s (priority %d, %d computed tokens will be recomputed, "
+                       "preempted %d time(s)); %d running, %d waiting, %d/%d blocks free, %d preemptions so far. "
+                       "More KV blocks or a lower max_num_seqs would avoid this.", req.request_id, req.priority,
+                       lost, req.num_preemptions, len(self.running), len(self.waiting), kv.num_free_blocks,
+                       kv.num_blocks, self.num_preemptions_total)
 
     # ------------------------------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, SampledToken],
@@ -339,8 +321,8 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
 
         Args:
             scheduler_output: The step returned by :meth:`schedule`.
-            sampled: The runner's result for every scheduled request with ``sample=True``; one whose ``error``
-                is set fails (``FINISHED_ERROR``) and frees its blocks.
+            sampled: The runner's result for every scheduled request with ``sample=True`` (one whose ``error``
+                is set fails and frees its blocks); under speculation, with the drafts it accepted.
             now: Current time in seconds.
             kv_output: The KV connector's news (pulls done or failed, holds released), if it has one.
 
@@ -360,7 +342,8 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
             req = self._requests.get(sched.request_id)
             if req is None:
                 continue  # aborted or stopped between schedule() and now
-            req.num_computed_tokens += sched.num_new_tokens
+            num_spec = len(sched.spec_token_ids)
+            req.num_computed_tokens += sched.num_new_tokens - num_spec  # accepted drafts are added below
             if not sched.sample:
                 continue
             token = sampled.get(req.request_id)
@@ -370,14 +353,13 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput.of(req, [], now, error=token.error))
                 continue
-            req.append_output_token(token.token_id)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            status = check_stop(req, token.token_id, self.scheduler_config.max_model_len)
-            handle = None
-            if status is not None:
-                handle = self._finish(req, status, now)
-            outputs.append(EngineCoreOutput.of(req, [token.token_id], now, token, kv_transfer_params=handle))
+            if num_spec:
+                req.num_computed_tokens += len(token.accepted)
+            emitted, status = append_tokens(req, [*token.accepted, token], now, self.scheduler_config.max_model_len)
+            handle = self._finish(req, status, now) if status is not None else None
+            if self.speculator is not None:
+                self._verified(req, num_spec, token)
+            outputs.append(EngineCoreOutput.of(req, emitted, now, kv_transfer_params=handle))
         return outputs
 
     def make_stats(self) -> SchedulerStats:
@@ -395,7 +377,8 @@ class Scheduler(RemoteKVMixin, BaselineModesMixin):
                               num_steps_observed=m.num_observed, step_time_predicted_s_total=m.predicted_s_total,
                               step_time_actual_s_total=m.actual_s_total,
                               step_time_abs_error_s_total=m.abs_error_s_total, step_time_margin=m.margin,
-                              **self._kv_transfer_stats())
+                              **self._kv_transfer_stats(),
+                              **(self.speculator.stats_fields() if self.speculator is not None else {}))
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
         """Finish waiting or running requests from outside (abort, stop string found downstream, a failure

@@ -57,6 +57,11 @@ class SLOPlan(StepPlan):
     borrow_limit: float = INF
     tpot_min: float = INF
 
+    @property
+    def max_step_s(self) -> float:
+        """Rule 3's limit over the model's margin (what a chunk is cut to)."""
+        return self.tpot_limit / self.figures.margin
+
 
 class SLOPolicy(StepPolicy):
     """The ``slo`` policy for one scheduler (see the module docstring).

@@ -4,7 +4,7 @@ processor)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from goodserve.request import Request, RequestStatus
 from goodserve.validation import ParamError
@@ -56,3 +56,25 @@ def check_stop(req: Request, token: int, max_model_len: int) -> Optional[Request
     if req.num_output_tokens >= req.max_tokens or req.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def append_tokens(req: Request, tokens: list[Any], now: float, max_model_len: int
+                  ) -> tuple[list[Any], Optional[RequestStatus]]:
+    """Append a step's tokens to ``req`` in order (one, or under speculation the accepted drafts and the
+    token after them), stopping at the first that ends it (:func:`check_stop`); the first token of a request
+    sets its ``first_token_time``.
+
+    Args:
+        tokens: :class:`~goodserve.scheduler.output.SampledToken` s.
+
+    Returns:
+        The tokens appended, and the status that ends the request (``None``: it goes on).
+    """
+    for i, token in enumerate(tokens):
+        req.append_output_token(token.token_id)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        status = check_stop(req, token.token_id, max_model_len)
+        if status is not None:
+            return tokens[:i + 1], status
+    return tokens, None

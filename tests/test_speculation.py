@@ -1,0 +1,255 @@
+"""Speculative decoding (issue 33): n-gram proposals, verification in the normal step, the length chosen for
+goodput. With speculation a request's tokens are exactly those it gets without (greedy, and seeded sampling
+too, since each position is sampled with the noise sequential decoding would use), unseeded sampling keeps
+the target's distribution (chi-square against the exact distribution of a tiny-vocabulary model), and the
+slots of rejected drafts are freed (exact block counts, ``check_integrity()`` after every step)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from factories import create_requests
+from goodserve import LLM, SamplingParams
+from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.scheduler.output import SampledToken
+from goodserve.scheduler.scheduler import Scheduler
+from goodserve.scheduler.step_time import StepCoefficients, StepTimeModel
+from goodserve.spec.config import SpeculativeConfig
+from goodserve.spec.length import AcceptanceStats, choose_length
+from goodserve.spec.ngram import NgramProposer
+from tiny_models import make_tiny_hf_model
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+# ------------------------------------------------------------------------------------------ proposals
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_suffix():
+    p = NgramProposer(1, 3)
+    assert p.propose([1, 2, 3, 4, 1, 2, 3], 3) == [4, 1, 2]  # suffix [1, 2, 3] at 0
+    assert p.propose([9, 1, 2, 9, 1, 2, 3, 9, 1, 2], 2) == [3, 9]  # the latest of two occurrences
+    assert p.propose([5, 1, 7, 7, 1], 2) == [7, 7]  # no 3- or 2-token match: the 1-token one
+    assert p.propose([7, 7, 7, 7, 7], 3) == [7, 7]  # the latest followed by 3 tokens does not exist: earliest
+    assert p.propose([5, 6, 7, 8, 9], 2) == [] and p.propose([1, 2, 1], 0) == []
+    assert NgramProposer(2, 3).propose([4, 1, 5, 1], 2) == []  # a 1-token match is below min_n
+
+
+@pytest.mark.parametrize("text, length, error", [
+    ('{"method": "medusa", "num_speculative_tokens": 2}', None, "method must be one of"),
+    ('{"method": "ngram"}', None, "needs 'method' and 'num_speculative_tokens'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', None, "unknown key"),
+    ('{"method": "ngram", "num_speculative_tokens": 2}', "3", "integer in \\[0, num_speculative_tokens=2\\]"),
+    ('{"method": "ngram", "num_speculative_tokens": 2}', "long", "'auto' or an integer"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', None, "needs a 'model'"),
+    ('[1]', None, "JSON object"), ('{"method": ', None, "not valid JSON"),
+    (None, "3", "needs --speculative-config"),
+])
+def test_speculative_config_refuses_what_it_cannot_run(text, length, error):
+    with pytest.raises(ValueError, match=error):
+        SpeculativeConfig.from_cli(text, length)
+
+
+# ------------------------------------------------------------------------------------------ length
+def test_acceptance_rates_are_conditional_per_position():
+    stats = AcceptanceStats(3)
+    assert stats.rates() == [0.5, 0.5, 0.5]  # the prior
+    stats.record(3, 3)
+    stats.record(3, 1)
+    stats.record(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 8, 4)
+    assert stats.accepted_per_pos == [2, 1, 1]
+    # Reached: position 1 by all three rows, position 2 by the two that accepted draft 1, position 3 by one;
+    # each record first decays the counts by d.
+    d = 0.998
+    assert stats.rates() == pytest.approx([(d * d + d + 1) / (d * d + d + 3), (d * d + 1) / (d * d + d + 2),
+                                           (d * d + 1) / (d * d + 2)])
+    assert AcceptanceStats.expected_tokens([0.5, 0.5], 2) == 1.75 and AcceptanceStats.expected_tokens([], 0) == 1
+
+
+def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
+    """A step costs ``10 ms + 1 ms`` per token, and each draft is accepted with probability 0.8. At batch 1,
+    4 drafts (a 15-ms step) emit ``1 + .8 + .64 + .512 + .41 = 3.36`` tokens: 0.224 tokens/ms against 0.091
+    without, and more than 3 drafts give (0.211), so ``k = 4``. With 64 rows a plain step takes 74 ms (0.865
+    tokens/ms) and one draft each 138 ms for 1.8 tokens a row (0.835): ``k = 0``. Within a 13.5-ms budget at
+    batch 1, 3 drafts (14 ms) are out and 2 (13 ms, 0.188) beat 1 (12 ms, 0.150)."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = AcceptanceStats(4)
+    for _ in range(2000):
+        stats.record(4, 4)
+    stats._accepted = [0.8 * r for r in stats._reached]  # acceptance 0.8 at every position
+    assert stats.rates() == pytest.approx([0.8] * 4, abs=2e-3)  # the prior weighs ~2 of ~500 rows
+    assert choose_length(model, stats, [100], 4) == 4
+    assert choose_length(model, stats, [100] * 64, 4) == 0
+    assert choose_length(model, stats, [100], 4, limit=0.0135) == 2
+    assert choose_length(model, stats, [], 4) == 0
+
+
+# ------------------------------------------------------------------------------- scheduler: blocks
+def test_rejected_drafts_free_their_slots_and_the_runner_is_told():
+    """Block size 4. R (6 prompt tokens) decodes; with 3 drafts waiting its step computes 4 tokens at
+    positions 6..9: 3 blocks. One draft accepted: 8 tokens, the third block (positions 8..11) stays for the
+    next token; none accepted: 7 tokens, the third block is freed, and the next step's share of R tells the
+    runner to keep 2 blocks."""
+    spec = SpeculativeConfig("ngram", 3, length=3)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), CacheConfig(num_blocks=16, block_size=4),
+                      StepTimeModel(adapt=False), speculative=spec)
+    (r,) = create_requests(1, prompt_len=6, max_tokens=20)
+    sched.add_request(r)
+    kv = sched.kv_cache_manager
+    out = sched.schedule(0.0)
+    assert out.scheduled[0].num_lookahead == 3  # the runner proposes after the prompt's step
+    sched.update_from_output(out, {"r0": SampledToken(7, spec_token_ids=[8, 9, 10])}, 0.1)
+    assert r.spec_token_ids == [8, 9, 10] and kv.get_block_ids("r0") == [0, 1]
+    out = sched.schedule(0.1)
+    s = out.scheduled[0]
+    assert (s.num_computed_tokens, s.num_new_tokens, s.spec_token_ids, s.sample) == (6, 4, [8, 9, 10], True)
+    assert kv.get_block_ids("r0") == [0, 1, 2] and s.new_block_ids == [2]
+    sched.update_from_output(out, {"r0": SampledToken(11, accepted=[SampledToken(8)], spec_token_ids=[1])}, 0.2)
+    assert r.output_token_ids == [7, 8, 11] and r.num_computed_tokens == 8 and kv.get_block_ids("r0") == [0, 1, 2]
+    kv.check_integrity()
+    out = sched.schedule(0.2)
+    s = out.scheduled[0]
+    assert (s.num_computed_tokens, s.num_new_tokens, s.spec_token_ids, s.num_kept_blocks) == (8, 2, [1], None)
+    sched.update_from_output(out, {"r0": SampledToken(12)}, 0.3)  # the draft (1) rejected
+    assert r.num_computed_tokens == 9 and r.num_tokens == 10 and kv.get_block_ids("r0") == [0, 1, 2]
+    r.spec_token_ids = [3, 4, 5]
+    out = sched.schedule(0.3)
+    assert out.scheduled[0].num_new_tokens == 4 and kv.get_block_ids("r0") == [0, 1, 2, 3]  # positions 9..12
+    sched.update_from_output(out, {"r0": SampledToken(13)}, 0.4)  # all three rejected: 11 tokens need 3 blocks
+    assert r.num_computed_tokens == 10 and kv.get_block_ids("r0") == [0, 1, 2]
+    kv.check_integrity()
+    assert kv.num_free_blocks == 13
+    out = sched.schedule(0.4)
+    assert out.scheduled[0].num_kept_blocks == 3 and out.scheduled[0].num_new_tokens == 1
+    stats = sched.make_stats()
+    assert (stats.num_spec_drafts_total, stats.num_spec_draft_tokens_total, stats.num_spec_accepted_tokens_total,
+            stats.spec_accepted_per_pos) == (3, 7, 1, (1, 0, 0))
+
+
+# ---------------------------------------------------------------------------------- engine: tokens
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("spec"), "llama")
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    """32 token ids: sampled outputs often repeat their context, so n-gram drafts come and are often rejected."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("spec32"), "llama", overrides={"vocab_size": 32,
+                                                                                     "eos_token_id": 31})
+
+
+BASE = [100 + (7 * i) % 50 for i in range(30)]
+PROMPTS = [BASE * 2, BASE[:20] * 3, [5, 6, 7, 8] * 10, list(range(200, 240)), BASE + [3, 4]]
+
+
+def _run(model: str, params, spec: bool, **kw):
+    """Outputs of ``PROMPTS`` stepped by hand with ``check_integrity()`` after every step."""
+    llm = LLM(model, dtype="float32", block_size=4, log_stats_interval=0, **kw,
+              **({"speculative_config": NGRAM, "speculative_length": "3"} if spec else {}))
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    reasons = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # delta outputs
+            tokens[out.request_id] += out.token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        engine.core.scheduler.kv_cache_manager.check_integrity()
+    assert engine.core.scheduler.kv_cache_manager.usage == 0
+    return [(tokens[i], reasons[i]) for i in ids], engine.make_stats()
+
+
+@pytest.mark.parametrize("case, kw", [("plain", dict(num_blocks=256)),
+                                      ("chunked", dict(num_blocks=256, max_num_batched_tokens=7)),
+                                      ("preempted", dict(num_blocks=36)),
+                                      ("prefix hit", dict(num_blocks=256))])
+def test_greedy_tokens_are_the_same_with_speculation(tiny_model, case, kw):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[131])
+    ref, _ = _run(tiny_model, params, False, **kw)
+    if case == "prefix hit":  # the same prompts again: their prefixes now come from the cache
+        llm = LLM(tiny_model, dtype="float32", block_size=4, log_stats_interval=0, speculative_config=NGRAM, **kw)
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert all(o.metrics.num_cached_tokens > 0 for o in outs)
+        assert [o.token_ids for o in outs] == [t for t, _ in ref]
+        return
+    outs, stats = _run(tiny_model, params, True, **kw)
+    assert outs == ref  # tokens and finish reasons
+    assert stats.num_spec_accepted_tokens_total > 0
+    assert stats.num_spec_draft_tokens_total > stats.num_spec_accepted_tokens_total  # some were rejected
+    if case == "preempted":
+        assert stats.num_preemptions_total > 0
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_seeded_sampling_gives_the_same_tokens_and_logprobs_with_speculation(small_vocab_model, invariant):
+    """Each position is sampled with the noise sequential decoding would draw (seeded by the output's length),
+    over the output as it would be (penalties, min_tokens before EOS): the same tokens. A verified position
+    runs the prefill-chunk kernels where sequential decoding runs the decode ones, so its logprobs agree to
+    float32 rounding, and bit for bit in batch-invariant mode (every token attended alone, issue 34)."""
+    prompts = [[(7 * i + j) % 31 for j in range(12)] * 2 for i in range(6)]
+    params = [SamplingParams(temperature=0.3, top_p=0.95, max_tokens=32, seed=i, frequency_penalty=0.1,
+                             min_tokens=6, logprobs=2) for i in range(len(prompts))]
+    kw = dict(dtype="float32", block_size=4, num_blocks=256, log_stats_interval=0, batch_invariant=invariant)
+    ref = LLM(small_vocab_model, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(small_vocab_model, **kw, speculative_config=NGRAM, speculative_length="4")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    got, want = [o.outputs[0].logprobs for o in outs], [o.outputs[0].logprobs for o in ref]
+    if invariant:
+        assert got == want
+        assert [o.outputs[0].top_logprobs for o in outs] == [o.outputs[0].top_logprobs for o in ref]
+    else:
+        assert [pytest.approx(w, rel=1e-5) for w in want] == got
+    stats = llm.engine.make_stats()
+    assert 0 < stats.num_spec_accepted_tokens_total < stats.num_spec_draft_tokens_total
+
+
+def _chi_square_critical(df: int, z: float = 3.0902) -> float:
+    """The chi-square quantile for ``df`` degrees of freedom at the normal quantile ``z`` (0.999 here), by
+    Wilson and Hilferty's cube-root approximation (accurate to well under 1% for ``df >= 10``)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
+    """A random model over 8 tokens: the joint distribution of the first 3 output tokens after a prompt
+    whose tokens repeat (so drafts are proposed and often rejected), sampled 20,000 times with speculation,
+    against the exact distribution computed with transformers; chi-square at the 0.999 level over the
+    outcomes expected at least 5 times (the rest pooled)."""
+    import transformers
+
+    model_dir = make_tiny_hf_model(tmp_path, "llama", overrides={"vocab_size": 8, "eos_token_id": 7})
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    exact = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(8), repeat=2):
+            ctx = torch.tensor([prompt + list(seq)])
+            logp = hf(ctx).logits[0].log_softmax(-1)  # [len, 8]
+            p12 = logp[len(prompt) - 1, seq[0]] + logp[len(prompt), seq[1]]
+            for t3 in range(8):
+                exact[seq + (t3,)] = float((p12 + logp[len(prompt) + 1, t3]).exp())
+    n = 20000
+    llm = LLM(model_dir, dtype="float32", block_size=4, num_blocks=4096, max_num_seqs=256, log_stats_interval=0,
+              speculative_config='{"method": "ngram", "num_speculative_tokens": 2}', speculative_length="2")
+    outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)
+    counts: dict[tuple, int] = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    stats = llm.engine.make_stats()
+    assert stats.num_spec_draft_tokens_total > n // 2 and 0 < stats.num_spec_accepted_tokens_total \
+        < stats.num_spec_draft_tokens_total
+    big = [k for k, p in exact.items() if p * n >= 5]
+    chi2 = sum((counts.get(k, 0) - exact[k] * n) ** 2 / (exact[k] * n) for k in big)
+    rest_p = 1 - sum(exact[k] for k in big)
+    rest = n - sum(counts.get(k, 0) for k in big)
+    if rest_p * n >= 5:
+        chi2 += (rest - rest_p * n) ** 2 / (rest_p * n)
+    df = len(big) - (rest_p * n < 5)
+    assert chi2 < _chi_square_critical(df), (chi2, df)
