@@ -94,8 +94,8 @@ def test_rejected_drafts_free_their_slots_and_the_runner_is_told():
     next token; none accepted: 7 tokens, the third block is freed, and the next step's share of R tells the
     runner to keep 2 blocks."""
     spec = SpeculativeConfig("ngram", 3, length=3)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), CacheConfig(num_blocks=16, block_size=4),
-                      StepTimeModel(adapt=False), speculative=spec)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
+                      CacheConfig(num_blocks=16, block_size=4), StepTimeModel(adapt=False), speculative=spec)
     (r,) = create_requests(1, prompt_len=6, max_tokens=20)
     sched.add_request(r)
     kv = sched.kv_cache_manager
@@ -253,3 +253,48 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
         chi2 += (rest - rest_p * n) ** 2 / (rest_p * n)
     df = len(big) - (rest_p * n < 5)
     assert chi2 < _chi_square_critical(df), (chi2, df)
+
+
+# --------------------------------------------------------------------------------------------- simulator
+def test_the_simulator_speculates_with_the_given_acceptance():
+    """One request, 10 prompt tokens and 13 output tokens, 3 drafts a step. Every draft accepted: the prompt's
+    step gives the first token and asks for drafts, then each step emits 4 tokens (13 = 1 + 3 x 4): 4 steps.
+    None accepted: a token a step, 13 steps. Under ``auto`` with 64 requests on a compute-bound cost model
+    the length falls to 0: no draft verified, 14 steps (the 640 prompt tokens take two of 512)."""
+    from goodserve.sim.cost_model import LinearCostModel
+    from goodserve.sim.simulator import Simulator
+    from goodserve.sim.spec import ClusterConfig, SimRequest
+
+    def run(acceptance, length="3", n=1, cost=StepCoefficients(0.01, 1e-4, 0.0, 0.0)):
+        config = ClusterConfig(SchedulerConfig(max_num_batched_tokens=512, max_model_len=256),
+                               CacheConfig(num_blocks=4096, block_size=4),
+                               speculative=SpeculativeConfig("ngram", 3, length if length == "auto" else int(length)),
+                               spec_acceptance=acceptance)
+        sim = Simulator(config, LinearCostModel(cost), [SimRequest(f"r{i}", 0.0, 10, 13) for i in range(n)])
+        result = sim.run()
+        assert all(len(r.itls) == 12 for r in result.records)  # 13 tokens each, whatever was accepted
+        return sim.instances[0]
+
+    assert run((1.0,)).num_steps == 4
+    assert run((0.0,)).num_steps == 13
+    inst = run((0.9,), "auto", n=64, cost=StepCoefficients(0.001, 0.01, 0.0, 0.0))
+    assert inst.scheduler.make_stats().num_spec_draft_tokens_total == 0 and inst.num_steps == 14
+    assert run((0.9,), "auto").scheduler.make_stats().num_spec_accepted_tokens_total > 0
+
+
+def test_auto_explores_one_draft_after_sixteen_steps_at_zero():
+    """A model that prices every token at 1 s makes ``auto`` choose 0; after 16 such steps a step verifies one
+    draft per row (drafts asked for on the step before), so the model can learn what a longer step costs."""
+    from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
+
+    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0),
+                                                                   adapt=False))
+    (r,) = create_requests(1, prompt_len=8)
+    r.num_computed_tokens = r.num_tokens - 1  # decoding
+    lengths, lookaheads = [], []
+    for _ in range(2 * (EXPLORE_EVERY + 1)):
+        spec.begin_step([r])
+        lengths.append(spec.length)
+        lookaheads.append(spec.lookahead(r))
+    assert lengths == ([0] * EXPLORE_EVERY + [1]) * 2
+    assert lookaheads == ([0] * (EXPLORE_EVERY - 1) + [1, 2]) * 2

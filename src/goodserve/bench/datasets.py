@@ -13,6 +13,8 @@ Datasets:
   context; prompts reproduce the trace's prefix sharing (the same hash id gives the same token block).
 * ``sharegpt-file`` — a ShareGPT JSON file: the first human turn is the prompt, the first gpt turn's token
   length is the output length.
+* ``code-copy`` — input-grounded (:mod:`goodserve.bench.grounded`): a real source file in the prompt and
+  an output that reproduces it, with ``azure-code``'s lengths; the workload of speculation by prompt lookup.
 * ``jsonl`` — one JSON object per line: ``prompt`` (text or token ids, optional), ``prompt_len`` (optional
   when ``prompt`` is given), ``output_len``, and optionally ``arrival`` (seconds) or ``timestamp`` (ms).
 
@@ -31,7 +33,7 @@ from goodserve.workload.datasets import (AZURE_FILES, MOONCAKE_BLOCK, SPECIAL_ID
                                         load_mooncake, random_lengths, synthesise_prompts,
                                         synthesise_shared_prompts)
 
-DATASETS = ("random", *sorted(AZURE_FILES), "mooncake", "sharegpt-file", "jsonl")
+DATASETS = ("random", *sorted(AZURE_FILES), "mooncake", "code-copy", "sharegpt-file", "jsonl")
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,12 @@ def build_workload(dataset: str, num_prompts: int, *, tokenizer: Any, vocab_size
         if dataset == "sharegpt-file":
             return load_sharegpt(dataset_path, num_prompts, tokenizer, max_model_len, max_input_len, max_output_len)
         return load_jsonl(dataset_path, num_prompts, tokenizer, vocab_size, seed)
+    if dataset == "code-copy":
+        from goodserve.bench.grounded import build_code_copy
+
+        rows = build_code_copy(num_prompts, tokenizer, max_model_len, max_input_len or 1024, max_output_len or 256,
+                               seed)
+        return [BenchRequest(prompt, n_in, n_out) for prompt, n_in, n_out in rows]
     if dataset == "mooncake":
         rows = load_mooncake(num_prompts, length_scale, start, dataset_path)
         clipped = clip_specs([s for s, _ in rows], max_model_len, max_input_len, max_output_len)

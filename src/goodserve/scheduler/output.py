@@ -292,7 +292,8 @@ class StepShape:
 
     Attributes:
         num_tokens: Tokens computed (prefill chunks + decodes).
-        num_sampled: Requests that sample a token (LM head rows).
+        num_sampled: LM head rows: one per request that samples, and under speculation one more per draft it
+            verifies (each position's logits are sampled).
         attention_pairs: Causal query-key pairs, summed over requests:
             ``sum(n · c + n · (n + 1) / 2)`` for ``n`` new tokens after ``c`` cached ones.
         kv_tokens_read: Context tokens whose K/V attention reads: ``sum(c + n)``.
@@ -312,7 +313,7 @@ class StepShape:
         for s in out.scheduled:
             n, c = s.num_new_tokens, s.num_computed_tokens
             tokens += n
-            sampled += s.sample
+            sampled += s.sample + len(s.spec_token_ids)
             pairs += n * c + n * (n + 1) // 2
             kv += c + n
         return cls(tokens, sampled, pairs, kv, len(out.scheduled))

@@ -45,6 +45,7 @@ from goodserve.engine.async_engine import AsyncEngine
 from goodserve.workload.slo import meets_slo
 from goodserve.outputs import RequestOutput
 from goodserve.request_options import RequestOptions
+from goodserve.scheduler.output import SchedulerStats
 from goodserve.server.slo_classes import SLOTarget
 
 PREFIX = "goodserve:"
@@ -126,6 +127,27 @@ class _EngineCollector(Collector):
         for reason, n in s.num_kv_holds_ended_total.items():
             released.add_metric([reason], n)
         yield released
+        yield from _spec_metrics(s)
+
+
+def _spec_metrics(s: SchedulerStats) -> Iterable[Metric]:
+    """Speculative decoding, under vLLM's ``spec_decode`` names: rows that verified drafts, draft tokens,
+    accepted tokens, accepted tokens per position (the acceptance rate at position ``i`` is its count over
+    the drafts that reached it), and the length the last step chose."""
+    yield CounterMetricFamily(PREFIX + "spec_decode_num_drafts", "Decode rows that verified at least one draft token.",
+                              value=s.num_spec_drafts_total)
+    yield CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                              value=s.num_spec_draft_tokens_total)
+    yield CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                              value=s.num_spec_accepted_tokens_total)
+    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each position (0 = the first draft).", labels=["position"])
+    for i, n in enumerate(s.spec_accepted_per_pos):
+        per_pos.add_metric([str(i)], n)
+    yield per_pos
+    yield GaugeMetricFamily(PREFIX + "spec_decode_length",
+                            "Draft tokens per decode row chosen for the latest step (auto: 0 under load).",
+                            value=s.spec_length)
 
 
 class ServerMetrics:

@@ -19,6 +19,7 @@ from typing import Any, Optional, TextIO
 
 from goodserve.config import SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 from goodserve.config_flags import add_scheduler_flags, split_choices
+from goodserve.spec.config import SpeculativeConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, NoisyCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
 from goodserve.sim.model_size import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, parse_dtype
@@ -96,6 +97,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "hardware)")
     add_scheduler_flags(s, compare=True)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as on serve, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    s.add_argument("--speculative-length", default=None, help="auto (default) or a fixed number of draft tokens")
+    s.add_argument("--spec-acceptance", default="0.7", metavar="RATE[,RATE...]",
+                   help="each draft's acceptance rate by position (the last repeats), e.g. measured on a server's "
+                        "/metrics (spec_decode_num_accepted_tokens_per_pos); default 0.7")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1, help="colocated instances behind the router")
     c.add_argument("--routing", default="least-outstanding-tokens", choices=list(ROUTING_POLICIES),
@@ -126,6 +133,18 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------------------- building
+def parse_acceptance(text: str) -> tuple[float, ...]:
+    """``"0.8,0.6"`` -> ``(0.8, 0.6)``.
+
+    Raises:
+        ValueError: naming ``--spec-acceptance`` on anything else.
+    """
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--spec-acceptance: expected comma-separated rates, got {text!r}") from None
+
+
 def parse_disaggregate(text: str) -> tuple[int, int]:
     """``"2:1"`` -> ``(2, 1)``.
 
@@ -254,7 +273,9 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str, policy: s
                                   policy=policy, mode=mode, shed_load=args.shed_load and policy == "slo"),
         cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size),
         enable_prefix_caching=args.enable_prefix_caching, num_replicas=args.replicas, routing=args.routing,
-        disaggregation=disagg)
+        disaggregation=disagg,
+        speculative=SpeculativeConfig.from_cli(args.speculative_config, args.speculative_length),
+        spec_acceptance=parse_acceptance(args.spec_acceptance))
 
 
 def simulate_once(args: argparse.Namespace, arch: ArchSpec, mode: str, rate: float,

@@ -30,6 +30,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import random
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -39,7 +40,7 @@ from goodserve.request import Request
 from goodserve.request_options import RequestOptions
 from goodserve.router.policies import BackendState, LeastLoaded, RouteRequest, RoutingPolicy, make_policy
 from goodserve.sampling_params import SamplingParams
-from goodserve.scheduler.output import EngineCoreOutput, SampledToken, SchedulerOutput
+from goodserve.scheduler.output import EngineCoreOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.policy import SLOUnattainableError
 from goodserve.scheduler.step_time import StepTimeModel
@@ -186,6 +187,7 @@ class Simulator:
             "decode": LeastLoaded("kv_usage")}
         self.backend_states = {inst.name: BackendState(inst.name) for inst in self.instances}
         self._routed: dict[str, dict[str, tuple[RouteRequest, bool]]] = {inst.name: {} for inst in self.instances}
+        self._spec_rng = random.Random(0)  # draws which drafts are accepted
 
     def _instance(self, name: str, role: str, prefix_caching: bool, cost_model: CostModel) -> Instance:
         cache = dataclasses.replace(self.config.cache, enable_prefix_caching=prefix_caching)
@@ -195,7 +197,9 @@ class Simulator:
         # bound here: the handle's port only has to be a valid one.
         kv = create_connector_scheduler(KVTransferConfig(kv_role, engine_id=name, port=1, timeout=float("inf")),
                                         cache.block_size) if kv_role else None
-        return Instance(name, role, Scheduler(self.config.scheduler, cache, step_model, kv), cost_model)
+        speculative = self.config.speculative if role != "prefill" else None  # a producer samples one token
+        return Instance(name, role, Scheduler(self.config.scheduler, cache, step_model, kv, speculative),
+                        cost_model)
 
     # ------------------------------------------------------------------------------------------ loop
     def push(self, event: Event) -> None:
@@ -268,12 +272,12 @@ class Simulator:
     def on_step_end(self, ev: StepEnd) -> None:
         inst, out = ev.instance, ev.output
         inst.busy = False
-        sampled = {s.request_id: SampledToken(self._next_token(s.request_id)) for s in out.sampling()}
+        sampled = {s.request_id: self._sample(s) for s in out.sampling()}
         inst.scheduler.observe_step_time(out, self.now - ev.start)
         results = inst.scheduler.update_from_output(out, sampled, self.now, inst.take_kv_news())
         if inst.role != "prefill":  # a producer's token is not the client's (the router drops it)
-            for rid in sampled:
-                self._progress[rid].token_times.append(self.now)
+            for rid, token in sampled.items():
+                self._progress[rid].token_times.extend([self.now] * (1 + len(token.accepted)))
         self._count_out(inst, sampled, results)
         self._finish_results(inst, results)
 
@@ -303,9 +307,20 @@ class Simulator:
             else:
                 prog.finished = self.now
 
-    def _next_token(self, request_id: str) -> int:
-        prog = self._progress[request_id]
-        return SIM_EOS if len(prog.token_times) + 1 >= prog.spec.output_len else SIM_TOKEN
+    def _sample(self, s: ScheduledRequest) -> SampledToken:
+        """The simulated model's tokens for one row: :data:`SIM_TOKEN` until the request's last, which is
+        :data:`SIM_EOS`; under speculation each draft (always :data:`SIM_TOKEN`) is accepted with its
+        position's rate, never past the request's end, and the next drafts are proposed."""
+        prog = self._progress[s.request_id]
+        left = prog.spec.output_len - len(prog.token_times)  # tokens still to come, this step's included
+        rates = self.config.spec_acceptance
+        accepted = 0
+        while accepted < len(s.spec_token_ids) and accepted + 1 < left and \
+                self._spec_rng.random() < rates[min(accepted, len(rates) - 1)]:
+            accepted += 1
+        final = SIM_EOS if accepted + 1 >= left else SIM_TOKEN
+        return SampledToken(final, accepted=[SampledToken(SIM_TOKEN) for _ in range(accepted)],
+                            spec_token_ids=[SIM_TOKEN] * s.num_lookahead)
 
     def _second_hop(self, producer: Instance, prog: _Progress, handle: dict) -> None:
         """The router's second hop: the request, with the producer's handle, to a decode instance."""

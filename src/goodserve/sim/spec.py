@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.spec.config import SpeculativeConfig
 
 # The router's policies (goodserve.router.policies); "least-loaded" is the old name of least-outstanding-tokens.
 ROUTING_POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "least-loaded")
@@ -97,6 +98,11 @@ class ClusterConfig:
             ``"least-outstanding-tokens"`` (also ``"least-loaded"``) or ``"prefix-affinity"`` (default block
             size 16 tokens).
         disaggregation: Prefill/decode split, or ``None`` for colocated replicas.
+        speculative: Speculative decoding on every instance that decodes (``None``: none); the simulated
+            proposer always has drafts, each accepted with ``spec_acceptance``.
+        spec_acceptance: The conditional acceptance rate of a draft at each position (the last one repeats),
+            e.g. measured on a real server: ``spec_decode_num_accepted_tokens_per_pos`` over the drafts that
+            reached each position.
     """
 
     scheduler: SchedulerConfig
@@ -105,12 +111,16 @@ class ClusterConfig:
     num_replicas: int = 1
     routing: str = "least-outstanding-tokens"
     disaggregation: Optional[Disaggregation] = None
+    speculative: Optional[SpeculativeConfig] = None
+    spec_acceptance: tuple[float, ...] = (0.7,)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.num_replicas}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if not self.spec_acceptance or not all(0.0 <= a <= 1.0 for a in self.spec_acceptance):
+            raise ValueError(f"spec_acceptance must be rates in [0, 1], got {self.spec_acceptance!r}")
 
     @property
     def num_instances(self) -> int:

@@ -78,8 +78,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     """The number of drafts per decode row that maximises expected tokens per second this step.
 
     Args:
-        model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes
-            ``B (k + 1)`` tokens, samples ``B`` rows and attends ``Σ chunk_pairs(k + 1, c)`` pairs).
+        model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes and samples
+            ``B (k + 1)`` positions and attends ``Σ chunk_pairs(k + 1, c)`` pairs).
         stats: The measured acceptance rates.
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
@@ -95,7 +95,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     best_k, best = 0, -1.0
     for k in range(k_max + 1):
         pairs = sum(chunk_pairs(k + 1, c) for c in contexts)
-        seconds = model.predict(rows * (k + 1), rows, pairs)
+        seconds = model.predict(rows * (k + 1), rows * (k + 1), pairs)
         if k > 0 and seconds > limit:
             break
         rate = rows * stats.expected_tokens(rates, k) / max(seconds, 1e-9)

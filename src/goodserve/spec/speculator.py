@@ -18,6 +18,10 @@ from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.spec.length import AcceptanceStats, choose_length
 
+#: Steps ``auto`` chooses no drafts for before one step verifies a draft per row, so the step-time model sees
+#: what a longer step costs (a 1-in-17 probe: at most ~6% more tokens under load).
+EXPLORE_EVERY = 16
+
 
 class Speculator:
     """Speculation length and statistics for one scheduler.
@@ -33,6 +37,7 @@ class Speculator:
         self.k_max = config.num_speculative_tokens
         self.stats = AcceptanceStats(self.k_max)
         self.length = 0  # drafts per row chosen for the step being built
+        self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -50,6 +55,13 @@ class Speculator:
         contexts = [r.num_computed_tokens for r in running
                     if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
         self.length = choose_length(self.model, self.stats, contexts, self.k_max, limit)
+        # Explore: the step-time model learns what a longer step costs only from steps it saw, and a machine
+        # on which auto never verified a draft cannot learn that drafts are cheap (a lone decode is
+        # bandwidth-bound). So after EXPLORE_EVERY steps at 0, a step verifies one draft per row (drafts are
+        # asked for the step before).
+        self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
+        if self._steps_at_zero > EXPLORE_EVERY:
+            self.length, self._steps_at_zero = 1, 0
 
     def drafts(self, req: Request, room: int) -> list[int]:
         """The drafts ``req`` verifies this step: at most the step's length and ``room`` tokens of budget."""
@@ -59,9 +71,12 @@ class Speculator:
 
     def lookahead(self, req: Request) -> int:
         """Drafts the runner should propose for ``req`` after this step: one more than this step verifies
-        (so ``auto`` can lengthen), at most ``k_max``; none while speculation does not pay."""
-        if not self.eligible(req) or self.length == 0:
+        (so ``auto`` can lengthen), at most ``k_max``; none while speculation does not pay, but for the step
+        before an exploring one."""
+        if not self.eligible(req):
             return 0
+        if self.length == 0:
+            return 1 if self.config.length == "auto" and self._steps_at_zero == EXPLORE_EVERY else 0
         return min(self.k_max, self.length + (self.config.length == "auto"))
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
