@@ -15,12 +15,13 @@ import torch
 from factories import create_requests
 from goodserve import LLM, SamplingParams
 from goodserve.config import CacheConfig, SchedulerConfig
-from goodserve.scheduler.output import SampledToken
+from goodserve.scheduler.output import SampledToken, ScheduledRequest, SchedulerOutput, StepShape
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.step_time import StepCoefficients, StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import AcceptanceStats, choose_length
+from goodserve.spec.length import COST_DECAY, AcceptanceStats, DraftCost, choose_length
 from goodserve.spec.ngram import NgramProposer
+from goodserve.spec.speculator import Speculator
 from tiny_models import make_tiny_hf_model
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -63,9 +64,16 @@ def test_acceptance_rates_are_conditional_per_position():
     assert stats.accepted_per_pos == [2, 1, 1]
     # Reached: position 1 by all three rows, position 2 by the two that accepted draft 1, position 3 by one;
     # each record first decays the counts by d.
+    # Each position is shrunk toward the position before it with two pseudo-rows.
     d = 0.998
-    assert stats.rates() == pytest.approx([(d * d + d + 1) / (d * d + d + 3), (d * d + 1) / (d * d + d + 2),
-                                           (d * d + 1) / (d * d + 2)])
+    a1 = (d * d + d + 1) / (d * d + d + 3)
+    a2 = (d * d + 2 * a1) / (d * d + d + 2)
+    a3 = (d * d + 2 * a2) / (d * d + 2)
+    assert stats.rates() == pytest.approx([a1, a2, a3])
+    fresh = AcceptanceStats(3)
+    for _ in range(100):
+        fresh.record(1, 1)  # only the first position measured: the others are priced like it
+    assert fresh.rates()[2] == fresh.rates()[1] == fresh.rates()[0] > 0.95
     assert AcceptanceStats.expected_tokens([0.5, 0.5], 2) == 1.75 and AcceptanceStats.expected_tokens([], 0) == 1
 
 
@@ -85,6 +93,37 @@ def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
     assert choose_length(model, stats, [100] * 64, 4) == 0
     assert choose_length(model, stats, [100], 4, limit=0.0135) == 2
     assert choose_length(model, stats, [], 4) == 0
+    # Drafts priced at 0.5 ms each (not the model's 1 ms a row): with 64 rows, k drafts make a 74 + 32 k ms
+    # step emitting 64 E[k] tokens: 0.865, 1.087, 1.132, 1.111, 1.065 tokens/ms for k = 0..4.
+    assert choose_length(model, stats, [100] * 64, 4, per_draft=0.0005) == 2
+
+
+def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
+    """Two steps verified 8 and 24 drafts and took 4 and 10 ms more than predicted without them: 14 ms over
+    32 drafts (the second step weighing 1, the first COST_DECAY). Under auto, the step-time model learns
+    from the steps without drafts and the draft cost from the others."""
+    cost = DraftCost()
+    assert cost.per_draft() is None
+    cost.observe(0.020, 0.024, 8)
+    cost.observe(0.030, 0.040, 24)
+    d = COST_DECAY
+    assert cost.per_draft() == pytest.approx((d * 0.004 + 0.010) / (d * 8 + 24))
+    cost.observe(0.050, 0.040, 0)  # a step without drafts teaches nothing
+    assert cost.num_steps == 2
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
+                      model)
+    out = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 3, sample=True, spec_token_ids=[5, 6]),
+                                     ScheduledRequest("b", 20, 1, sample=True)])
+    assert spec.observe(out, 0.019) is None  # predicted without drafts: 10 + 2 · 1 = 12 ms
+    assert spec.cost.per_draft() == pytest.approx(0.0035)
+    plain = SchedulerOutput(scheduled=[ScheduledRequest("b", 20, 1, sample=True)])
+    shape, seconds = spec.observe(plain, 0.011)  # the step-time model learns from steps without drafts
+    assert (shape.num_tokens, shape.num_sampled, shape.attention_pairs, seconds) == (1, 1, 21, 0.011)
+    assert StepShape.of(out, drafts=False) == StepShape(2, 2, 11 + 21, 10 + 1 + 20 + 1, 2)
+    fixed = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', "2"),
+                       model)
+    assert fixed.observe(out, 0.019) == (StepShape.of(out), 0.019)  # a fixed length: every step as it ran
 
 
 # ------------------------------------------------------------------------------- scheduler: blocks
@@ -298,3 +337,90 @@ def test_auto_explores_one_draft_after_sixteen_steps_at_zero():
         lookaheads.append(spec.lookahead(r))
     assert lengths == ([0] * EXPLORE_EVERY + [1]) * 2
     assert lookaheads == ([0] * (EXPLORE_EVERY - 1) + [1, 2]) * 2
+
+
+def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():
+    """Free tokens make ``auto`` choose all 4 drafts; after 16 such steps one step verifies none, so the
+    step-time model keeps measuring the decodes alone, and asks for the drafts of the step after it."""
+    from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
+
+    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 0.0, 0.0, 0.0),
+                                                                   adapt=False))
+    (r,) = create_requests(1, prompt_len=8)
+    r.num_computed_tokens = r.num_tokens - 1
+    lengths, lookaheads = [], []
+    for _ in range(2 * (EXPLORE_EVERY + 1)):
+        spec.begin_step([r])
+        lengths.append(spec.length)
+        lookaheads.append(spec.lookahead(r))
+    assert lengths == ([4] * EXPLORE_EVERY + [0]) * 2
+    assert lookaheads == [4] * (2 * (EXPLORE_EVERY + 1))
+
+
+def test_a_draft_model_must_share_the_targets_vocabulary(tiny_model, small_vocab_model):
+    with pytest.raises(ValueError, match="vocabulary \\(32 ids\\) is not the target's \\(49152\\)"):
+        LLM(tiny_model, dtype="float32", num_blocks=64, log_stats_interval=0,
+            speculative_config=f'{{"method": "draft_model", "model": "{small_vocab_model}", "num_speculative_tokens": 4}}')
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1])
+def test_greedy_tokens_are_the_same_with_a_draft_model(tmp_path, tiny_model, draft_seed):
+    """The target as its own draft proposes exactly its greedy tokens: every draft is accepted (its cache
+    bookkeeping is right, or they would not be). Another random model of the same shape is mostly wrong: the
+    tokens are the target's all the same. The pool holds both models' K/V: with the same KV budget, a draft
+    as large as the target halves the blocks."""
+    draft = tiny_model if draft_seed == 0 else make_tiny_hf_model(tmp_path, "llama", seed=draft_seed)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref, _ = _run(tiny_model, params, False, kv_cache_memory=1 << 20)
+    spec = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 4}}'
+    llm = LLM(tiny_model, dtype="float32", block_size=4, log_stats_interval=0, kv_cache_memory=1 << 20,
+              speculative_config=spec, speculative_length="3")
+    plain = LLM(tiny_model, dtype="float32", block_size=4, log_stats_interval=0, kv_cache_memory=1 << 20)
+    assert llm.engine.config.cache.num_blocks == plain.engine.config.cache.num_blocks // 2
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [t for t, _ in ref]
+    stats = llm.engine.make_stats()
+    assert stats.num_spec_draft_tokens_total > 0
+    if draft_seed == 0:
+        assert stats.num_spec_accepted_tokens_total == stats.num_spec_draft_tokens_total
+    else:
+        assert stats.num_spec_accepted_tokens_total < stats.num_spec_draft_tokens_total
+    llm.engine.core.scheduler.kv_cache_manager.check_integrity()
+    llm.engine.step()  # finished requests reach the runner (and the draft's cache) with the next step
+    proposer = llm.engine.core.runner.proposer
+    proposer.kv.check_integrity()
+    assert proposer.kv.usage == 0 and not proposer._states  # every finished request's draft blocks freed
+
+
+def test_a_pd_consumer_speculates_and_answers_the_colocated_greedy_text(tiny_model):
+    """Prefill on a producer (a ``goodserve serve`` subprocess), decode on a consumer that speculates: the
+    answer is the greedy text of a colocated engine without speculation, and the consumer verified drafts."""
+    import httpx
+
+    from goodserve.engine.args import EngineArgs
+    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.engine import Engine
+    from goodserve.server.app import build_app
+    from server_fixtures import ServeProcess, ServerThread, wait_idle
+
+    prompt = "one two three four one two three four one two three four one two three"
+    ref = LLM(tiny_model, dtype="float32", num_blocks=256, block_size=4, log_stats_interval=0).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    producer = ServeProcess(tiny_model, "--kv-role", "producer", "--num-blocks", "256")
+    consumer = AsyncEngine(Engine(EngineArgs(model=tiny_model, dtype="float32", num_blocks=256, block_size=4,
+                                             log_stats_interval=0, kv_role="consumer", speculative_config=NGRAM)))
+    try:
+        body = {"model": "tiny", "prompt": prompt, "temperature": 0, "ignore_eos": True}
+        with ServerThread(build_app(consumer, served_model_name="tiny")) as srv:
+            first = httpx.post(producer.base_url + "/v1/completions", timeout=60,
+                               json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+            assert first.status_code == 200, first.text
+            r = httpx.post(srv.base_url + "/v1/completions", timeout=60,
+                           json={**body, "max_tokens": 24, "kv_transfer_params": first.json()["kv_transfer_params"]})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref.outputs[0].text
+            wait_idle(consumer)
+            assert consumer.stats.num_spec_draft_tokens_total > 0
+    finally:
+        consumer.shutdown()
+        producer.close()

@@ -49,11 +49,13 @@ class EngineCore:
         structured_output: Compiles the grammars of requests with structured outputs (``None``: such
             requests fail).
         step_model: The scheduler's online step-time model (a fresh one when ``None``).
+        draft: The loaded draft model of ``draft_model`` speculation (``None``: none).
     """
 
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor],
-                 structured_output: Optional[Any] = None, step_model: Optional[StepTimeModel] = None) -> None:
-        self.runner = ModelRunner(config, weights, structured_output=structured_output)
+                 structured_output: Optional[Any] = None, step_model: Optional[StepTimeModel] = None,
+                 draft: Optional[Any] = None) -> None:
+        self.runner = ModelRunner(config, weights, structured_output=structured_output, draft=draft)
         self.kv_connector: Optional[KVConnectorWorker] = None  # the connector's worker half
         kv_scheduler = None
         if config.kv_transfer is not None:

@@ -30,6 +30,7 @@ from goodserve.models.loader import default_model_path, load_model
 from goodserve.outputs import RequestOutput
 from goodserve.request import Request, RequestStatus
 from goodserve.request_options import RequestOptions
+from goodserve.runner.draft_model import check_draft
 from goodserve.runner.model_runner import DTYPES
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SchedulerOutput, SchedulerStats
@@ -50,8 +51,10 @@ class EngineStep:
     schedule: Optional[SchedulerOutput]
 
 
-def resolve_pool(args: EngineArgs, model: ModelConfig, device: str) -> tuple[int, int]:
-    """Pick the pool size in blocks and the effective ``max_model_len``.
+def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
+                 draft: Optional[ModelConfig] = None) -> tuple[int, int]:
+    """Pick the pool size in blocks and the effective ``max_model_len``. With a draft model (speculation) a
+    block holds both models' K/V, so the same KV budget holds fewer blocks.
 
     Returns:
         ``(num_blocks, max_model_len)``. ``max_model_len`` never exceeds what the pool can hold, so a
@@ -62,8 +65,9 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str) -> tuple[int
         ValueError: if the pool cannot hold a single block, or ``max_model_len`` asks for more tokens than
             the model's sliding window.
     """
-    bytes_per_block = model.kv_bytes_per_token(torch.tensor([], dtype=DTYPES[args.dtype]).element_size()) \
-        * args.block_size
+    dtype_bytes = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
+    bytes_per_token = model.kv_bytes_per_token(dtype_bytes) + (draft.kv_bytes_per_token(dtype_bytes) if draft else 0)
+    bytes_per_block = bytes_per_token * args.block_size
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
     else:
@@ -117,7 +121,14 @@ class Engine:
         # The file's blocks run on CPU kernels: elsewhere every weight is dequantized at load.
         loaded = load_model(path, DTYPES[args.dtype], keep_quantized=args.quantization != "none" and device == "cpu")
         logger.info("loaded %s (%s) in %.1f s", path, loaded.config.architecture, time.perf_counter() - t0)
-        num_blocks, max_model_len = resolve_pool(args, loaded.config, device)
+        speculative = args.speculative()
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = load_model(speculative.model, DTYPES[args.dtype], keep_quantized=args.quantization != "none"
+                               and device == "cpu")
+            check_draft(draft.config, loaded.config)
+            logger.info("draft model %s (%s) for speculation", speculative.model, draft.config.architecture)
+        num_blocks, max_model_len = resolve_pool(args, loaded.config, device, draft.config if draft else None)
         self.config = EngineConfig(
             model_path=path,
             model=loaded.config,
@@ -132,7 +143,7 @@ class Engine:
                                                     args.serving),
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer(), slo_ttft=args.slo_ttft,
-            slo_tpot=args.slo_tpot, speculative=args.speculative())
+            slo_tpot=args.slo_tpot, speculative=speculative)
         logger.info("batch-invariant numerics %s", "on: a request's tokens depend on its prompt and seed only"
                     if self.config.batch_invariant else "off (--batch-invariant turns them on)")
         self.tokenizer = loaded.tokenizer
@@ -140,8 +151,8 @@ class Engine:
         seed = StepCoefficients.load(args.step_time_profile) if args.step_time_profile else DEFAULT_SEED
         self.structured_output = _structured_output_compiler(loaded.tokenizer, loaded.config)
         self.core = EngineCore(self.config, loaded.weights, structured_output=self.structured_output,
-                               step_model=StepTimeModel(seed))
-        del loaded
+                               step_model=StepTimeModel(seed), draft=draft)
+        del loaded, draft
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.stats = EngineStats(args.log_stats_interval)
         self._counter = 0

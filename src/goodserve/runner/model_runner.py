@@ -92,10 +92,12 @@ class ModelRunner:
         attn_backend: Paged attention implementation; default: the one ``config.attention_backend`` names.
         structured_output: A :class:`~goodserve.runner.structured_output.StructuredOutputCompiler` for the
             requests whose output is constrained (``None``: such requests fail).
+        draft: The loaded draft model of ``draft_model`` speculation (``None``: none).
     """
 
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor],
-                 attn_backend: Optional[AttentionBackend] = None, structured_output: Optional[Any] = None) -> None:
+                 attn_backend: Optional[AttentionBackend] = None, structured_output: Optional[Any] = None,
+                 draft: Optional[Any] = None) -> None:
         self.structured_output = structured_output
         self.config = config
         self.device = torch.device(config.device)
@@ -114,7 +116,7 @@ class ModelRunner:
         self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
                           for _ in range(m.num_hidden_layers)]
         self.sampler = Sampler(seed=config.seed)
-        self.proposer = make_proposer(config.speculative, target=self)
+        self.proposer = make_proposer(config, draft)
         self.requests: dict[str, CachedRequestState] = {}
 
     @property
@@ -130,6 +132,8 @@ class ModelRunner:
         """
         for rid in scheduler_output.finished_req_ids:
             self.requests.pop(rid, None)
+        if self.proposer is not None and scheduler_output.finished_req_ids:
+            self.proposer.finish(scheduler_output.finished_req_ids)
         for new in scheduler_output.new_requests:
             params = new.sampling_params
             state = CachedRequestState(list(new.prompt_token_ids), params, tuple(new.eos_token_ids))
@@ -189,6 +193,7 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_index, device=self.device)])  # [rows, V]
         result = self._sample(logits, sampling)
+        asks = []  # (request, context, k): proposals for the next step
         for s in sampling:
             rid, token = s.request_id, result[s.request_id]
             state = self.requests[rid]
@@ -200,8 +205,10 @@ class ModelRunner:
                 if state.prompt_logprobs is not None and len(state.output_token_ids) == 1:
                     token.prompt_logprobs = state.prompt_logprobs
                 if s.num_lookahead and self.proposer is not None:
-                    token.spec_token_ids = self.proposer.propose(state.prompt_token_ids + state.output_token_ids,
-                                                                 s.num_lookahead)
+                    asks.append((rid, state.prompt_token_ids + state.output_token_ids, s.num_lookahead))
+        if asks:
+            for rid, drafts in self.proposer.propose_batch(asks).items():
+                result[rid].spec_token_ids = drafts
         return result
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> None:

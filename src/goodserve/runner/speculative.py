@@ -20,22 +20,34 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from goodserve.config import EngineConfig
+
 from goodserve.runner.sampling_metadata import SamplingRow
 from goodserve.scheduler.output import SampledToken
-from goodserve.spec.config import SpeculativeConfig
 from goodserve.spec.ngram import NgramProposer
 
 
-def make_proposer(config: Optional[SpeculativeConfig], **kwargs: Any) -> Optional[Any]:
-    """The proposer ``config`` names (``None`` without speculation): an object with
-    ``propose(token_ids, k) -> list[int]``."""
+def make_proposer(engine: EngineConfig, draft: Optional[Any] = None) -> Optional[Any]:
+    """The proposer ``engine.speculative`` names (``None`` without speculation): an object with
+    ``propose_batch([(request_id, context, k), ...]) -> {request_id: drafts}`` and ``finish(request_ids)``.
+
+    Args:
+        engine: The engine's config.
+        draft: The loaded draft model, for ``draft_model``.
+
+    Raises:
+        ValueError: for ``draft_model`` without a loaded draft model, or one whose vocabulary differs.
+    """
+    config = engine.speculative
     if config is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if draft is None:
+        raise ValueError("speculative method 'draft_model' needs the draft model loaded by the engine")
     from goodserve.runner.draft_model import DraftModelProposer
 
-    return DraftModelProposer(config, **kwargs)
+    return DraftModelProposer(draft, engine)
 
 
 def expand_rows(row: SamplingRow, spec_token_ids: Sequence[int]) -> list[SamplingRow]:

@@ -307,13 +307,14 @@ class StepShape:
     num_seqs: int
 
     @classmethod
-    def of(cls, out: SchedulerOutput) -> "StepShape":
-        """The shape of one scheduler decision."""
+    def of(cls, out: SchedulerOutput, drafts: bool = True) -> "StepShape":
+        """The shape of one scheduler decision (``drafts=False``: as if no row verified a draft)."""
         tokens = sampled = pairs = kv = 0
         for s in out.scheduled:
-            n, c = s.num_new_tokens, s.num_computed_tokens
+            k = len(s.spec_token_ids)
+            n, c = s.num_new_tokens - (0 if drafts else k), s.num_computed_tokens
             tokens += n
-            sampled += s.sample + len(s.spec_token_ids)
+            sampled += s.sample + (k if drafts else 0)
             pairs += n * c + n * (n + 1) // 2
             kv += c + n
         return cls(tokens, sampled, pairs, kv, len(out.scheduled))

@@ -290,9 +290,14 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
         return n
 
     def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """Tell the step-time model how long a step took (wall seconds, as the requests saw it)."""
-        if not scheduler_output.is_empty:
-            self.step_model.observe(StepShape.of(scheduler_output), seconds)
+        """Tell the step-time model how long a step took (wall seconds, as the requests saw it); under
+        speculation, through the speculator (which learns what drafts cost from steps that verified some)."""
+        if scheduler_output.is_empty:
+            return
+        seen = (StepShape.of(scheduler_output), seconds) if self.speculator is None \
+            else self.speculator.observe(scheduler_output, seconds)
+        if seen is not None:
+            self.step_model.observe(*seen)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free a running request's blocks and send it back to the waiting queue to be recomputed."""

@@ -12,14 +12,16 @@ online step-time model and the measured acceptance rates: the ``k`` maximising e
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from goodserve.scheduler.policy import chunk_pairs
 from goodserve.scheduler.step_time import StepTimeModel
 
 #: Weight of the past in the acceptance estimate, per verified row (a half-life of ~350 rows).
 DECAY = 0.998
-#: Prior of each position's acceptance rate, as pseudo-counts ``(accepted, verified)``: 0.5 until measured.
+#: Prior of the first position's acceptance rate, as pseudo-counts ``(accepted, verified)``: 0.5 until
+#: measured. Each later position's prior is the estimate of the position before it, with the same weight
+#: (:meth:`AcceptanceStats.rates`).
 PRIOR = (1.0, 2.0)
 
 
@@ -58,9 +60,20 @@ class AcceptanceStats:
                 self.accepted_per_pos[i] += 1
 
     def rates(self) -> list[float]:
-        """``α_i`` for ``i = 1..k_max`` (index 0 is the first draft)."""
-        a0, n0 = PRIOR
-        return [(a + a0) / (r + n0) for a, r in zip(self._accepted, self._reached)]
+        """``α_i`` for ``i = 1..k_max`` (index 0 is the first draft).
+
+        Each position's estimate is shrunk toward the one before it (a prior of ``PRIOR[1]`` pseudo-rows at
+        ``α_{i-1}``; the first toward 0.5): a position no row has verified yet is priced like the last one
+        measured. With a fixed prior instead, ``auto`` never lengthens: a draft at an unmeasured position
+        is priced at 0.5, so it is not verified, so it stays unmeasured (the n-gram drafts' acceptance
+        measured 0.75-0.98 per position on code-copy, BENCHMARKS.md, issue 33).
+        """
+        prior, weight = PRIOR[0] / PRIOR[1], PRIOR[1]
+        out = []
+        for a, r in zip(self._accepted, self._reached):
+            prior = (a + weight * prior) / (r + weight)
+            out.append(prior)
+        return out
 
     @staticmethod
     def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -73,8 +86,43 @@ class AcceptanceStats:
         return total
 
 
+#: Weight of the past in :class:`DraftCost`, per step that verified drafts (a half-life of ~35 steps).
+COST_DECAY = 0.98
+
+
+class DraftCost:
+    """Seconds one verified draft adds to a step, learned from the steps that verified drafts.
+
+    A draft position has the figures of a decode row (a token computed and sampled, attending over its
+    context) but not its cost: it rides in a row that is scheduled, attended and sampled anyway. Measured at
+    the code-copy workload on this machine, a decode step of 8 rows took ~170 ms and the same rows verifying
+    8 drafts each ~310 ms, where a step-time model that prices a draft as a row predicted 565 ms. So under
+    ``auto`` the step-time model is fitted on the steps without drafts, and this estimate holds the rest:
+    the recency-weighted ratio ``Σ (measured − predicted without drafts) / Σ drafts`` (:data:`COST_DECAY`)
+    over the steps with drafts.
+    """
+
+    def __init__(self) -> None:
+        self._excess = 0.0  # decayed: seconds over the prediction without drafts
+        self._drafts = 0.0  # decayed: drafts verified
+        self.num_steps = 0
+
+    def observe(self, predicted_without: float, seconds: float, num_drafts: int) -> None:
+        """A step that verified ``num_drafts`` drafts took ``seconds``; without them it was predicted to take
+        ``predicted_without``."""
+        if num_drafts <= 0:
+            return
+        self._excess = COST_DECAY * self._excess + (seconds - predicted_without)
+        self._drafts = COST_DECAY * self._drafts + num_drafts
+        self.num_steps += 1
+
+    def per_draft(self) -> Optional[float]:
+        """Seconds per verified draft (``None`` before any step verified one)."""
+        return max(0.0, self._excess / self._drafts) if self.num_steps else None
+
+
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
-                  limit: float = math.inf) -> int:
+                  limit: float = math.inf, per_draft: Optional[float] = None) -> int:
     """The number of drafts per decode row that maximises expected tokens per second this step.
 
     Args:
@@ -84,6 +132,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; e.g. a TPOT budget): longer choices are not taken.
+        per_draft: Seconds a verified draft adds (:class:`DraftCost`); given, a step is priced as the model's
+            step of ``B`` plain decodes plus ``B k`` drafts at this cost.
 
     Returns:
         ``k`` in ``[0, k_max]``; 0 without decode rows.
@@ -93,9 +143,13 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         return 0
     rates = stats.rates()
     best_k, best = 0, -1.0
+    base = model.predict(rows, rows, sum(chunk_pairs(1, c) for c in contexts))
     for k in range(k_max + 1):
-        pairs = sum(chunk_pairs(k + 1, c) for c in contexts)
-        seconds = model.predict(rows * (k + 1), rows * (k + 1), pairs)
+        if per_draft is not None:
+            seconds = base + rows * k * per_draft
+        else:
+            pairs = sum(chunk_pairs(k + 1, c) for c in contexts)
+            seconds = model.predict(rows * (k + 1), rows * (k + 1), pairs)
         if k > 0 and seconds > limit:
             break
         rate = rows * stats.expected_tokens(rates, k) / max(seconds, 1e-9)

@@ -24,6 +24,13 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
+    def propose_batch(self, items: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
+        """:meth:`propose` for each ``(request_id, context, k)``."""
+        return {rid: self.propose(tokens, k) for rid, tokens, k in items}
+
+    def finish(self, request_ids: Sequence[str]) -> None:
+        """Nothing to drop: proposals are read off the context each time."""
+
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Draft tokens after ``token_ids`` (prompt + output so far).
 

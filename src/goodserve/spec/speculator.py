@@ -11,15 +11,18 @@ step is back.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from goodserve.request import Request
+from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import AcceptanceStats, choose_length
+from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length
 
-#: Steps ``auto`` chooses no drafts for before one step verifies a draft per row, so the step-time model sees
-#: what a longer step costs (a 1-in-17 probe: at most ~6% more tokens under load).
+#: Steps ``auto`` chooses no drafts for before one step verifies a draft per row, so the cost of a draft is
+#: measured (a 1-in-17 probe: at most ~6% more tokens under load); and steps it chooses drafts for before one
+#: step verifies none, so the step-time model keeps measuring the steps without them (at most ~6% of the
+#: drafts' tokens forgone).
 EXPLORE_EVERY = 16
 
 
@@ -36,8 +39,11 @@ class Speculator:
         self.model = model
         self.k_max = config.num_speculative_tokens
         self.stats = AcceptanceStats(self.k_max)
+        self.cost = DraftCost()
         self.length = 0  # drafts per row chosen for the step being built
         self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
+        self._steps_with = 0  # consecutive steps auto chose drafts for
+        self._chosen = 0  # the length auto chose for this step (before a probe without drafts)
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -54,14 +60,20 @@ class Speculator:
             return
         contexts = [r.num_computed_tokens for r in running
                     if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
-        self.length = choose_length(self.model, self.stats, contexts, self.k_max, limit)
-        # Explore: the step-time model learns what a longer step costs only from steps it saw, and a machine
-        # on which auto never verified a draft cannot learn that drafts are cheap (a lone decode is
-        # bandwidth-bound). So after EXPLORE_EVERY steps at 0, a step verifies one draft per row (drafts are
-        # asked for the step before).
+        self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit,
+                                                   self.cost.per_draft())
+        # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
+        # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
+        # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
+        # step verifies drafts stops measuring what the decodes alone cost. So after EXPLORE_EVERY steps at
+        # 0, a step verifies one draft per row, and after EXPLORE_EVERY steps with drafts, a step verifies
+        # none (drafts are asked for the step before).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
+        self._steps_with = self._steps_with + 1 if self.length > 0 else 0
         if self._steps_at_zero > EXPLORE_EVERY:
             self.length, self._steps_at_zero = 1, 0
+        elif self._steps_with > EXPLORE_EVERY:
+            self.length, self._steps_with = 0, 0
 
     def drafts(self, req: Request, room: int) -> list[int]:
         """The drafts ``req`` verifies this step: at most the step's length and ``room`` tokens of budget."""
@@ -75,9 +87,23 @@ class Speculator:
         before an exploring one."""
         if not self.eligible(req):
             return 0
-        if self.length == 0:
-            return 1 if self.config.length == "auto" and self._steps_at_zero == EXPLORE_EVERY else 0
-        return min(self.k_max, self.length + (self.config.length == "auto"))
+        if self.config.length != "auto":
+            return self.length
+        if self.length == 0:  # drafts for the step after a probe without drafts, or for a probe with one
+            return min(self.k_max, self._chosen + 1) if self._chosen else int(self._steps_at_zero == EXPLORE_EVERY)
+        return min(self.k_max, self.length + 1)
+
+    def observe(self, out: SchedulerOutput, seconds: float) -> Optional[tuple[StepShape, float]]:
+        """A step took ``seconds``: what the step-time model should learn from it, as ``(shape, seconds)``, or
+        ``None``. At a fixed length, every step as it ran. Under ``auto``, a step without drafts as it ran,
+        and a step with drafts teaches the cost of a draft instead
+        (:class:`~goodserve.spec.length.DraftCost`): a draft has a decode row's figures but not its cost, and
+        a model fitted on both would misprice each."""
+        num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
+        if num_drafts == 0 or self.config.length != "auto":
+            return StepShape.of(out), seconds
+        self.cost.observe(self.model.predict_shape(StepShape.of(out, drafts=False)), seconds, num_drafts)
+        return None
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One row verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
