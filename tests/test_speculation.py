@@ -101,7 +101,8 @@ def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
 def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     """Two steps verified 8 and 24 drafts and took 4 and 10 ms more than predicted without them: 14 ms over
     32 drafts (the second step weighing 1, the first COST_DECAY). Under auto, the step-time model learns
-    from the steps without drafts and the draft cost from the others."""
+    from the steps without drafts, the draft cost from steps of decodes with drafts, and a step with drafts
+    and a prompt chunk teaches the model as if without its drafts at that cost."""
     cost = DraftCost()
     assert cost.per_draft() is None
     cost.observe(0.020, 0.024, 8)
@@ -121,6 +122,11 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     shape, seconds = spec.observe(plain, 0.011)  # the step-time model learns from steps without drafts
     assert (shape.num_tokens, shape.num_sampled, shape.attention_pairs, seconds) == (1, 1, 21, 0.011)
     assert StepShape.of(out, drafts=False) == StepShape(2, 2, 11 + 21, 10 + 1 + 20 + 1, 2)
+    mixed = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 3, sample=True, spec_token_ids=[5, 6]),
+                                       ScheduledRequest("c", 0, 8, sample=True)])  # with a prompt chunk
+    shape, seconds = spec.observe(mixed, 0.100)
+    assert (shape.num_tokens, seconds) == (9, pytest.approx(0.100 - 2 * 0.0035))  # its drafts at their cost
+    assert spec.cost.num_steps == 1
     fixed = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', "2"),
                        model)
     assert fixed.observe(out, 0.019) == (StepShape.of(out), 0.019)  # a fixed length: every step as it ran
@@ -276,11 +282,12 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
     n = 20000
     llm = LLM(model_dir, dtype="float32", block_size=4, num_blocks=4096, max_num_seqs=256, log_stats_interval=0,
               speculative_config='{"method": "ngram", "num_speculative_tokens": 2}', speculative_length="2")
-    outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+    # Four tokens: the step after the first verifies two drafts (no draft is verified past max_tokens).
+    outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
                         use_tqdm=False)
     counts: dict[tuple, int] = {}
     for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+        counts[tuple(o.token_ids[:3])] = counts.get(tuple(o.token_ids[:3]), 0) + 1
     stats = llm.engine.make_stats()
     assert stats.num_spec_draft_tokens_total > n // 2 and 0 < stats.num_spec_accepted_tokens_total \
         < stats.num_spec_draft_tokens_total
@@ -328,7 +335,7 @@ def test_auto_explores_one_draft_after_sixteen_steps_at_zero():
 
     spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0),
                                                                    adapt=False))
-    (r,) = create_requests(1, prompt_len=8)
+    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
     r.num_computed_tokens = r.num_tokens - 1  # decoding
     lengths, lookaheads = [], []
     for _ in range(2 * (EXPLORE_EVERY + 1)):
@@ -346,7 +353,7 @@ def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():
 
     spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 0.0, 0.0, 0.0),
                                                                    adapt=False))
-    (r,) = create_requests(1, prompt_len=8)
+    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
     r.num_computed_tokens = r.num_tokens - 1
     lengths, lookaheads = [], []
     for _ in range(2 * (EXPLORE_EVERY + 1)):
@@ -355,6 +362,23 @@ def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():
         lookaheads.append(spec.lookahead(r))
     assert lengths == ([4] * EXPLORE_EVERY + [0]) * 2
     assert lookaheads == [4] * (2 * (EXPLORE_EVERY + 1))
+
+
+def test_drafts_stop_where_the_request_must():
+    """A request that may emit 3 more tokens verifies at most 2 drafts (the third token comes as the bonus),
+    and asks for at most 1 after this step (which emits at least one token): no position past
+    ``max_tokens``, so none past ``max_model_len``."""
+    spec = Speculator(SpeculativeConfig("ngram", 4, length=4), StepTimeModel(adapt=False))
+    (r,) = create_requests(1, prompt_len=8, max_tokens=5)
+    r.append_output_token(7)
+    r.append_output_token(7)
+    r.num_computed_tokens = r.num_tokens - 1
+    r.spec_token_ids = [1, 2, 3, 4]
+    spec.begin_step([r])
+    assert spec.drafts(r, room=100) == [1, 2] and spec.lookahead(r) == 1
+    r.append_output_token(7)
+    r.append_output_token(7)
+    assert spec.drafts(r, room=100) == [] and spec.lookahead(r) == 0
 
 
 def test_a_draft_model_must_share_the_targets_vocabulary(tiny_model, small_vocab_model):

@@ -126,9 +126,10 @@ class Engine:
         if speculative is not None and speculative.method == "draft_model":
             draft = load_model(speculative.model, DTYPES[args.dtype], keep_quantized=args.quantization != "none"
                                and device == "cpu")
-            check_draft(draft.config, loaded.config)
             logger.info("draft model %s (%s) for speculation", speculative.model, draft.config.architecture)
         num_blocks, max_model_len = resolve_pool(args, loaded.config, device, draft.config if draft else None)
+        if draft is not None:
+            check_draft(draft.config, loaded.config, max_model_len)
         self.config = EngineConfig(
             model_path=path,
             model=loaded.config,

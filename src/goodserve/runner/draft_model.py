@@ -29,15 +29,19 @@ logger = logging.getLogger(__name__)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
 
 
-def check_draft(draft: ModelConfig, target: ModelConfig) -> None:
-    """Refuse a draft model whose token ids are not the target's.
+def check_draft(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> None:
+    """Refuse a draft model whose token ids are not the target's, or whose context is shorter than the
+    sequences the engine serves.
 
     Raises:
-        ValueError: naming both vocabulary sizes.
+        ValueError: naming both vocabulary sizes, or both lengths.
     """
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} ids) is not the target's "
                          f"({target.vocab_size}): a draft model must share the target's tokenizer")
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(f"the draft model's context ({draft.max_position_embeddings} tokens) is shorter than "
+                         f"max_model_len ({max_model_len}): pass a smaller --max-model-len")
 
 
 def draft_kv_bytes_per_token(draft: ModelConfig, dtype_bytes: int) -> int:
@@ -64,7 +68,7 @@ class DraftModelProposer:
     def __init__(self, draft: LoadedModel, target: EngineConfig) -> None:
         from goodserve.runner.model_runner import ModelRunner
 
-        check_draft(draft.config, target.model)
+        check_draft(draft.config, target.model, target.scheduler.max_model_len)
         cache = CacheConfig(target.cache.num_blocks, target.cache.block_size, enable_prefix_caching=False)
         config = dataclasses.replace(target, model=draft.config, cache=cache, speculative=None,
                                      scheduler=SchedulerConfig(max_model_len=target.scheduler.max_model_len))
@@ -74,7 +78,7 @@ class DraftModelProposer:
         self._finished: list[str] = []
 
     def finish(self, request_ids: Sequence[str]) -> None:
-        """Drop the draft state (and free the blocks) of requests that ended."""
+        """Drop the draft state (and free the blocks) of requests that ended or were preempted."""
         for rid in request_ids:
             state = self._states.pop(rid, None)
             if state is not None:
@@ -103,12 +107,18 @@ class DraftModelProposer:
         sampled = self.runner.execute(out)
         for step in range(max(ks.values())):
             for rid, token in sampled.items():
-                drafts[rid].append(token.token_id)
+                if token.error is None:
+                    drafts[rid].append(token.token_id)
+                else:  # a draft step that failed proposes no more
+                    ks[rid] = len(drafts[rid])
             live = [rid for rid, k in ks.items() if len(drafts[rid]) < k]
             if not live or step == max(ks.values()) - 1:
                 break
             sampled = self.runner.execute(self._decode_step(live, drafts))
         for rid in ks:
+            if not drafts[rid]:
+                self.finish([rid])  # nothing computed to keep track of: start afresh next time
+                continue
             state = self._states[rid]
             state.request.num_computed_tokens = len(state.computed) + len(drafts[rid]) - 1
             state.computed = state.computed + drafts[rid][:-1]

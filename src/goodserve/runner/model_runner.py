@@ -132,8 +132,8 @@ class ModelRunner:
         """
         for rid in scheduler_output.finished_req_ids:
             self.requests.pop(rid, None)
-        if self.proposer is not None and scheduler_output.finished_req_ids:
-            self.proposer.finish(scheduler_output.finished_req_ids)
+        if self.proposer is not None and (scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids):
+            self.proposer.finish(scheduler_output.finished_req_ids + scheduler_output.preempted_req_ids)
         for new in scheduler_output.new_requests:
             params = new.sampling_params
             state = CachedRequestState(list(new.prompt_token_ids), params, tuple(new.eos_token_ids))

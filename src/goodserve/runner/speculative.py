@@ -29,7 +29,8 @@ from goodserve.spec.ngram import NgramProposer
 
 def make_proposer(engine: EngineConfig, draft: Optional[Any] = None) -> Optional[Any]:
     """The proposer ``engine.speculative`` names (``None`` without speculation): an object with
-    ``propose_batch([(request_id, context, k), ...]) -> {request_id: drafts}`` and ``finish(request_ids)``.
+    ``propose_batch([(request_id, context, k), ...]) -> {request_id: drafts}`` and ``finish(request_ids)``
+    (requests that ended or were preempted).
 
     Args:
         engine: The engine's config.

@@ -158,7 +158,7 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
         if not out.scheduled and out.preempted_req_ids:
             # Prefills that reserved budget for a decode that was then preempted get a second pass, with the
             # policy's plan rebuilt without it (a chunk held back beside that decode is not held now).
-            self._begin_step(now, triage)
+            self._begin_step(now, triage, again=True)
             budget = self._schedule_running(out, budget)
         if self.scheduler_config.mode == "static":
             self._admit_static_batch(out, budget, now)
@@ -168,16 +168,16 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
         if self.plan.deferred:
             self._end_deferral(out, budget)
 
-    def _begin_step(self, now: float, triage: Triage) -> None:
+    def _begin_step(self, now: float, triage: Triage, again: bool = False) -> None:
         """Ask the policy for the step's plan and order the running list by it (the tail is the first
-        preemption victim)."""
+        preemption victim); ``again``: a second pass over the same step."""
         self.plan = self.policy.plan(self.running, now, triage)
         rank = self.plan.rank
         if rank is not None:
             self.running.sort(key=lambda r: rank[r.request_id])
         self._tally = self.plan.tally()
         if self.speculator is not None:
-            self.speculator.begin_step(self.running, self.plan.max_step_s)
+            self.speculator.begin_step(self.running, self.plan.max_step_s, again)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens in order, preempting from the tail when blocks run out.

@@ -99,7 +99,7 @@ class DraftCost:
     8 drafts each ~310 ms, where a step-time model that prices a draft as a row predicted 565 ms. So under
     ``auto`` the step-time model is fitted on the steps without drafts, and this estimate holds the rest:
     the recency-weighted ratio ``Σ (measured − predicted without drafts) / Σ drafts`` (:data:`COST_DECAY`)
-    over the steps with drafts.
+    over the steps of decodes with drafts (:meth:`goodserve.spec.speculator.Speculator.observe`).
     """
 
     def __init__(self) -> None:
@@ -119,6 +119,16 @@ class DraftCost:
     def per_draft(self) -> Optional[float]:
         """Seconds per verified draft (``None`` before any step verified one)."""
         return max(0.0, self._excess / self._drafts) if self.num_steps else None
+
+
+def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, per_draft: Optional[float]) -> float:
+    """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
+    drafts each: the model's step of plain decodes plus ``per_draft`` a draft (:class:`DraftCost`), or
+    without a measured draft cost, the model's step of ``B (k + 1)`` positions."""
+    rows = len(contexts)
+    if per_draft is not None:
+        return model.predict(rows, rows, sum(chunk_pairs(1, c) for c in contexts)) + rows * k * per_draft
+    return model.predict(rows * (k + 1), rows * (k + 1), sum(chunk_pairs(k + 1, c) for c in contexts))
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
@@ -143,13 +153,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         return 0
     rates = stats.rates()
     best_k, best = 0, -1.0
-    base = model.predict(rows, rows, sum(chunk_pairs(1, c) for c in contexts))
     for k in range(k_max + 1):
-        if per_draft is not None:
-            seconds = base + rows * k * per_draft
-        else:
-            pairs = sum(chunk_pairs(k + 1, c) for c in contexts)
-            seconds = model.predict(rows * (k + 1), rows * (k + 1), pairs)
+        seconds = step_seconds(model, contexts, k, per_draft)
         if k > 0 and seconds > limit:
             break
         rate = rows * stats.expected_tokens(rates, k) / max(seconds, 1e-9)

@@ -17,7 +17,7 @@ from goodserve.request import Request
 from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length
+from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, step_seconds
 
 #: Steps ``auto`` chooses no drafts for before one step verifies a draft per row, so the cost of a draft is
 #: measured (a 1-in-17 probe: at most ~6% more tokens under load); and steps it chooses drafts for before one
@@ -44,6 +44,7 @@ class Speculator:
         self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step (before a probe without drafts)
+        self._counted = (0, 0)  # the two counters before this step's first begin_step
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -51,17 +52,22 @@ class Speculator:
         that may be rejected; constrained requests decode a token a step)."""
         return req.sampling_params.structured_outputs is None
 
-    def begin_step(self, running: Sequence[Request], limit: float = math.inf) -> None:
+    def begin_step(self, running: Sequence[Request], limit: float = math.inf, again: bool = False) -> None:
         """Choose the step's length: the fixed one, or under ``auto`` the one maximising expected tokens per
         second over the eligible decode rows (:func:`~goodserve.spec.length.choose_length`), keeping the
-        step within ``limit`` seconds."""
+        step within ``limit`` seconds. ``again``: the same step chooses anew (after a preemption), its
+        probes counted once."""
         if self.config.length != "auto":
             self.length = self.config.length
             return
+        if again:
+            self._steps_at_zero, self._steps_with = self._counted
+        self._counted = (self._steps_at_zero, self._steps_with)
         contexts = [r.num_computed_tokens for r in running
                     if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
+        per_draft = self.cost.per_draft()
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit,
-                                                   self.cost.per_draft())
+                                                   per_draft)
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
@@ -70,21 +76,33 @@ class Speculator:
         # none (drafts are asked for the step before).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
-        if self._steps_at_zero > EXPLORE_EVERY:
+        if self._steps_at_zero > EXPLORE_EVERY and step_seconds(self.model, contexts, 1, per_draft) <= limit:
             self.length, self._steps_at_zero = 1, 0
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
 
+    @staticmethod
+    def _left(req: Request) -> int:
+        """The most drafts worth verifying for ``req``: one fewer than the tokens it may still emit (the last
+        comes as the bonus token). This also keeps a draft's position inside ``max_model_len``, since prompt
+        plus ``max_tokens`` fit it (:func:`goodserve.scheduler.stop.check_fits`)."""
+        return req.max_tokens - req.num_output_tokens - 1
+
     def drafts(self, req: Request, room: int) -> list[int]:
-        """The drafts ``req`` verifies this step: at most the step's length and ``room`` tokens of budget."""
+        """The drafts ``req`` verifies this step: at most the step's length, ``room`` tokens of budget and
+        what the request may still emit."""
+        room = min(room, self._left(req))
         if not self.eligible(req) or room <= 0:
             return []
         return req.spec_token_ids[:min(self.length, room)]
 
     def lookahead(self, req: Request) -> int:
-        """Drafts the runner should propose for ``req`` after this step: one more than this step verifies
-        (so ``auto`` can lengthen), at most ``k_max``; none while speculation does not pay, but for the step
-        before an exploring one."""
+        """Drafts the runner should propose for ``req`` after this step (at most what it may then verify): a
+        fixed length's; under ``auto`` one more than this step verifies (so it can lengthen), at most
+        ``k_max``, and none while speculation does not pay but for the step before a probe."""
+        return max(0, min(self._lookahead(req), self._left(req) - 1))  # after this step's token
+
+    def _lookahead(self, req: Request) -> int:
         if not self.eligible(req):
             return 0
         if self.config.length != "auto":
@@ -95,15 +113,20 @@ class Speculator:
 
     def observe(self, out: SchedulerOutput, seconds: float) -> Optional[tuple[StepShape, float]]:
         """A step took ``seconds``: what the step-time model should learn from it, as ``(shape, seconds)``, or
-        ``None``. At a fixed length, every step as it ran. Under ``auto``, a step without drafts as it ran,
-        and a step with drafts teaches the cost of a draft instead
-        (:class:`~goodserve.spec.length.DraftCost`): a draft has a decode row's figures but not its cost, and
-        a model fitted on both would misprice each."""
+        ``None``. At a fixed length, every step as it ran. Under ``auto`` a draft has a decode row's figures
+        but not its cost, and a model fitted on both would misprice each, so: a step without drafts as it
+        ran; a step of decodes with drafts teaches the cost of a draft instead
+        (:class:`~goodserve.spec.length.DraftCost`); a step with drafts and a prompt chunk, as if without its
+        drafts, at that cost (a prompt chunk's time is too uncertain to learn a draft's from)."""
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if num_drafts == 0 or self.config.length != "auto":
             return StepShape.of(out), seconds
-        self.cost.observe(self.model.predict_shape(StepShape.of(out, drafts=False)), seconds, num_drafts)
-        return None
+        shape = StepShape.of(out, drafts=False)
+        if all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
+            self.cost.observe(self.model.predict_shape(shape), seconds, num_drafts)
+            return None
+        per_draft = self.cost.per_draft()
+        return None if per_draft is None else (shape, max(0.0, seconds - num_drafts * per_draft))
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One row verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
