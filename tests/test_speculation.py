@@ -19,7 +19,7 @@ from goodserve.scheduler.output import SampledToken, ScheduledRequest, Scheduler
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.step_time import StepCoefficients, StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import COST_DECAY, AcceptanceStats, DraftCost, choose_length
+from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length
 from goodserve.spec.ngram import NgramProposer
 from goodserve.spec.speculator import Speculator
 from tiny_models import make_tiny_hf_model
@@ -94,30 +94,36 @@ def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
     assert choose_length(model, stats, [100], 4, limit=0.0135) == 2
     assert choose_length(model, stats, [], 4) == 0
     # Drafts priced at 0.5 ms each (not the model's 1 ms a row): with 64 rows, k drafts make a 74 + 32 k ms
-    # step emitting 64 E[k] tokens: 0.865, 1.087, 1.132, 1.111, 1.065 tokens/ms for k = 0..4.
-    assert choose_length(model, stats, [100] * 64, 4, per_draft=0.0005) == 2
+    # step emitting 64 E[k] tokens: 0.865, 1.087, 1.132, 1.111, 1.065 tokens/ms for k = 0..4. With 0.5 ms
+    # more for each row that verifies any (32 ms a step), 0.835, 0.919, 0.935, 0.919 for k = 1..4: 3. With
+    # 4 ms a row, no k beats 0.865.
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.0005)) == 2
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0005, 0.0005)) == 3
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.004, 0.0005)) == 0
 
 
 def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
-    """Two steps verified 8 and 24 drafts and took 4 and 10 ms more than predicted without them: 14 ms over
-    32 drafts (the second step weighing 1, the first COST_DECAY). Under auto, the step-time model learns
-    from the steps without drafts, the draft cost from steps of decodes with drafts, and a step with drafts
-    and a prompt chunk teaches the model as if without its drafts at that cost."""
+    """Two steps: 4 rows verifying 8 drafts took 4 ms more than predicted without them, 8 rows verifying 24
+    took 10 ms more: 0.5 ms a row and 0.25 ms a draft fit both. Under auto, the step-time model learns from
+    the steps without drafts, the draft costs from steps of decodes with drafts, and a step with drafts and a
+    prompt chunk teaches the model as if without its drafts, at those costs."""
     cost = DraftCost()
-    assert cost.per_draft() is None
-    cost.observe(0.020, 0.024, 8)
-    cost.observe(0.030, 0.040, 24)
-    d = COST_DECAY
-    assert cost.per_draft() == pytest.approx((d * 0.004 + 0.010) / (d * 8 + 24))
-    cost.observe(0.050, 0.040, 0)  # a step without drafts teaches nothing
+    assert cost.costs() is None
+    cost.observe(0.020, 0.024, 4, 8)
+    cost.observe(0.030, 0.040, 8, 24)
+    assert cost.costs() == pytest.approx((0.0005, 0.00025), rel=1e-3)
+    cost.observe(0.050, 0.040, 0, 0)  # a step without drafts teaches nothing
     assert cost.num_steps == 2
+    one = DraftCost()
+    one.observe(0.020, 0.030, 2, 2)  # one kind of step: the two are not told apart, and the excess is kept
+    assert one.excess(2, 2) == pytest.approx(0.010, rel=1e-3) and min(one.costs()) > 0
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
                       model)
     out = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 3, sample=True, spec_token_ids=[5, 6]),
                                      ScheduledRequest("b", 20, 1, sample=True)])
     assert spec.observe(out, 0.019) is None  # predicted without drafts: 10 + 2 · 1 = 12 ms
-    assert spec.cost.per_draft() == pytest.approx(0.0035)
+    assert spec.cost.excess(1, 2) == pytest.approx(0.007, rel=1e-3)
     plain = SchedulerOutput(scheduled=[ScheduledRequest("b", 20, 1, sample=True)])
     shape, seconds = spec.observe(plain, 0.011)  # the step-time model learns from steps without drafts
     assert (shape.num_tokens, shape.num_sampled, shape.attention_pairs, seconds) == (1, 1, 21, 0.011)
@@ -125,7 +131,7 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     mixed = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 3, sample=True, spec_token_ids=[5, 6]),
                                        ScheduledRequest("c", 0, 8, sample=True)])  # with a prompt chunk
     shape, seconds = spec.observe(mixed, 0.100)
-    assert (shape.num_tokens, seconds) == (9, pytest.approx(0.100 - 2 * 0.0035))  # its drafts at their cost
+    assert (shape.num_tokens, seconds) == (9, pytest.approx(0.093, rel=1e-3))  # its drafts at their cost
     assert spec.cost.num_steps == 1
     fixed = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', "2"),
                        model)

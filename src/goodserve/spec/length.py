@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import numpy as np
+
 from goodserve.scheduler.policy import chunk_pairs
 from goodserve.scheduler.step_time import StepTimeModel
 
@@ -91,48 +93,72 @@ COST_DECAY = 0.98
 
 
 class DraftCost:
-    """Seconds one verified draft adds to a step, learned from the steps that verified drafts.
+    """What verifying drafts adds to a step, learned from the steps that verified drafts: seconds per row
+    that verifies any, and per draft.
 
     A draft position has the figures of a decode row (a token computed and sampled, attending over its
-    context) but not its cost: it rides in a row that is scheduled, attended and sampled anyway. Measured at
-    the code-copy workload on this machine, a decode step of 8 rows took ~170 ms and the same rows verifying
-    8 drafts each ~310 ms, where a step-time model that prices a draft as a row predicted 565 ms. So under
-    ``auto`` the step-time model is fitted on the steps without drafts, and this estimate holds the rest:
-    the recency-weighted ratio ``Σ (measured − predicted without drafts) / Σ drafts`` (:data:`COST_DECAY`)
-    over the steps of decodes with drafts (:meth:`goodserve.spec.speculator.Speculator.observe`).
+    context) but not its cost: it rides in a row that is scheduled, attended and sampled anyway. But a row
+    with drafts is computed as a chunk, not as a lone decode token (another kernel path), at a cost of its
+    own. Measured at the code-copy workload on this machine: 13 decode rows took ~230 ms, ~360 ms verifying
+    one draft each (10 ms a draft), and 8 rows ~170 ms alone, ~310 ms verifying 8 drafts each (2.2 ms a
+    draft); a step-time model that prices a draft as a row predicted 565 ms for the latter. So under ``auto``
+    the step-time model is fitted on the steps without drafts, and this model holds the rest:
+    ``measured − predicted without drafts = per_row · rows verifying + per_draft · drafts``, by
+    least squares over the steps of decodes with drafts, recency-weighted (:data:`COST_DECAY`), both
+    coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`).
     """
 
     def __init__(self) -> None:
-        self._excess = 0.0  # decayed: seconds over the prediction without drafts
-        self._drafts = 0.0  # decayed: drafts verified
+        self._xtx = np.zeros((2, 2))  # decayed: Σ x xᵀ over x = (rows verifying, drafts)
+        self._xty = np.zeros(2)  # decayed: Σ x · excess seconds
         self.num_steps = 0
 
-    def observe(self, predicted_without: float, seconds: float, num_drafts: int) -> None:
-        """A step that verified ``num_drafts`` drafts took ``seconds``; without them it was predicted to take
-        ``predicted_without``."""
+    def observe(self, predicted_without: float, seconds: float, num_rows: int, num_drafts: int) -> None:
+        """A step in which ``num_rows`` rows verified ``num_drafts`` drafts took ``seconds``; without them it
+        was predicted to take ``predicted_without``."""
         if num_drafts <= 0:
             return
-        self._excess = COST_DECAY * self._excess + (seconds - predicted_without)
-        self._drafts = COST_DECAY * self._drafts + num_drafts
+        x = np.array([num_rows, num_drafts], dtype=float)
+        self._xtx = COST_DECAY * self._xtx + np.outer(x, x)
+        self._xty = COST_DECAY * self._xty + x * (seconds - predicted_without)
         self.num_steps += 1
 
-    def per_draft(self) -> Optional[float]:
-        """Seconds per verified draft (``None`` before any step verified one)."""
-        return max(0.0, self._excess / self._drafts) if self.num_steps else None
+    def costs(self) -> Optional[tuple[float, float]]:
+        """``(seconds per row verifying, seconds per draft)``, ``None`` before any step verified a draft.
+        Where the steps seen do not tell the two apart (every row verified the same number of drafts), a
+        light ridge splits the excess between them."""
+        if not self.num_steps:
+            return None
+        xtx = self._xtx + 1e-6 * np.trace(self._xtx) * np.eye(2)
+        per_row, per_draft = np.linalg.solve(xtx, self._xty)
+        if per_row < 0:
+            per_row, per_draft = 0.0, self._xty[1] / self._xtx[1, 1]
+        elif per_draft < 0:
+            per_row, per_draft = self._xty[0] / self._xtx[0, 0], 0.0
+        return max(0.0, float(per_row)), max(0.0, float(per_draft))
+
+    def excess(self, num_rows: int, num_drafts: int) -> float:
+        """Seconds ``num_rows`` rows verifying ``num_drafts`` drafts add (0 before any was measured)."""
+        c = self.costs()
+        return 0.0 if c is None or num_drafts <= 0 else c[0] * num_rows + c[1] * num_drafts
 
 
-def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, per_draft: Optional[float]) -> float:
+def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
+                 costs: Optional[tuple[float, float]]) -> float:
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
-    drafts each: the model's step of plain decodes plus ``per_draft`` a draft (:class:`DraftCost`), or
-    without a measured draft cost, the model's step of ``B (k + 1)`` positions."""
+    drafts each: the model's step of ``B (k + 1)`` positions, or if less, the model's step of plain decodes
+    plus what :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts (``costs``). A draft costs at
+    most a decode row: this bounds an estimate drawn from few steps."""
     rows = len(contexts)
-    if per_draft is not None:
-        return model.predict(rows, rows, sum(chunk_pairs(1, c) for c in contexts)) + rows * k * per_draft
-    return model.predict(rows * (k + 1), rows * (k + 1), sum(chunk_pairs(k + 1, c) for c in contexts))
+    as_rows = model.predict(rows * (k + 1), rows * (k + 1), sum(chunk_pairs(k + 1, c) for c in contexts))
+    if costs is None or k == 0:
+        return as_rows
+    base = model.predict(rows, rows, sum(chunk_pairs(1, c) for c in contexts))
+    return min(as_rows, base + rows * costs[0] + rows * k * costs[1])
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
-                  limit: float = math.inf, per_draft: Optional[float] = None) -> int:
+                  limit: float = math.inf, costs: Optional[tuple[float, float]] = None) -> int:
     """The number of drafts per decode row that maximises expected tokens per second this step.
 
     Args:
@@ -142,8 +168,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; e.g. a TPOT budget): longer choices are not taken.
-        per_draft: Seconds a verified draft adds (:class:`DraftCost`); given, a step is priced as the model's
-            step of ``B`` plain decodes plus ``B k`` drafts at this cost.
+        costs: What verifying adds, per row and per draft (:meth:`DraftCost.costs`); given, a step is priced
+            by :func:`step_seconds` with them.
 
     Returns:
         ``k`` in ``[0, k_max]``; 0 without decode rows.
@@ -154,7 +180,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     rates = stats.rates()
     best_k, best = 0, -1.0
     for k in range(k_max + 1):
-        seconds = step_seconds(model, contexts, k, per_draft)
+        seconds = step_seconds(model, contexts, k, costs)
         if k > 0 and seconds > limit:
             break
         rate = rows * stats.expected_tokens(rates, k) / max(seconds, 1e-9)

@@ -65,9 +65,8 @@ class Speculator:
         self._counted = (self._steps_at_zero, self._steps_with)
         contexts = [r.num_computed_tokens for r in running
                     if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
-        per_draft = self.cost.per_draft()
-        self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit,
-                                                   per_draft)
+        costs = self.cost.costs()
+        self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs)
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
@@ -76,7 +75,7 @@ class Speculator:
         # none (drafts are asked for the step before).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
-        if self._steps_at_zero > EXPLORE_EVERY and step_seconds(self.model, contexts, 1, per_draft) <= limit:
+        if self._steps_at_zero > EXPLORE_EVERY and step_seconds(self.model, contexts, 1, costs) <= limit:
             self.length, self._steps_at_zero = 1, 0
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
@@ -122,11 +121,13 @@ class Speculator:
         if num_drafts == 0 or self.config.length != "auto":
             return StepShape.of(out), seconds
         shape = StepShape.of(out, drafts=False)
+        num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
         if all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
-            self.cost.observe(self.model.predict_shape(shape), seconds, num_drafts)
+            self.cost.observe(self.model.predict_shape(shape), seconds, num_rows, num_drafts)
             return None
-        per_draft = self.cost.per_draft()
-        return None if per_draft is None else (shape, max(0.0, seconds - num_drafts * per_draft))
+        if self.cost.costs() is None:
+            return None
+        return shape, max(0.0, seconds - self.cost.excess(num_rows, num_drafts))
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One row verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
