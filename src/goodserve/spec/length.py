@@ -67,8 +67,7 @@ class AcceptanceStats:
         Each position's estimate is shrunk toward the one before it (a prior of ``PRIOR[1]`` pseudo-rows at
         ``α_{i-1}``; the first toward 0.5): a position no row has verified yet is priced like the last one
         measured. With a fixed prior instead, ``auto`` never lengthens: a draft at an unmeasured position
-        is priced at 0.5, so it is not verified, so it stays unmeasured (the n-gram drafts' acceptance
-        measured 0.75-0.98 per position on code-copy, BENCHMARKS.md, issue 33).
+        is priced at 0.5, so it is not verified, so it stays unmeasured (docs/speculation.md).
         """
         prior, weight = PRIOR[0] / PRIOR[1], PRIOR[1]
         out = []
@@ -99,10 +98,9 @@ class DraftCost:
     A draft position has the figures of a decode row (a token computed and sampled, attending over its
     context) but not its cost: it rides in a row that is scheduled, attended and sampled anyway. But a row
     with drafts is computed as a chunk, not as a lone decode token (another kernel path), at a cost of its
-    own. Measured at the code-copy workload on this machine: 13 decode rows took ~230 ms, ~360 ms verifying
-    one draft each (10 ms a draft), and 8 rows ~170 ms alone, ~310 ms verifying 8 drafts each (2.2 ms a
-    draft); a step-time model that prices a draft as a row predicted 565 ms for the latter. So under ``auto``
-    the step-time model is fitted on the steps without drafts, and this model holds the rest:
+    own: the first draft of a row costs more than each further one (docs/speculation.md has the figures).
+    So under ``auto`` the step-time model is fitted on the steps without drafts, and this model holds the
+    rest:
     ``measured − predicted without drafts = per_row · rows verifying + per_draft · drafts``, by
     least squares over the steps of decodes with drafts, recency-weighted (:data:`COST_DECAY`), both
     coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`).
