@@ -2,11 +2,11 @@
 
 The draft model runs on a :class:`~goodserve.runner.model_runner.ModelRunner` of its own, with its own paged
 KV cache and a :class:`~goodserve.kv_cache.manager.KVCacheManager` over it; the engine sizes both pools with
-the same number of blocks out of one KV budget (:func:`draft_kv_bytes_per_token`). For each request it keeps
-what its cache holds: on the next call the K/V of the longest common prefix of that and the request's new
-context is reused (a rejected draft's K/V is not), the rest of the context is computed as one chunk that
-samples the first draft, and each further draft is one decode step, all requests batched. Drafts are greedy,
-so the target's verification (:mod:`goodserve.runner.speculative`) accepts a draft ``d`` with probability
+the same number of blocks out of one KV budget (:func:`goodserve.engine.engine.resolve_pool`). For each
+request it keeps what its cache holds: on the next call the K/V of the longest common prefix of that and the
+request's new context is reused (a rejected draft's K/V is not), the rest of the context is computed as one
+chunk that samples the first draft, and each further draft is one decode step, all requests batched. Drafts
+are greedy, so the target's verification (:mod:`goodserve.runner.speculative`) accepts a draft ``d`` with probability
 ``p(d)``: the rejection-sampling rate for a point-mass proposal.
 """
 
@@ -42,11 +42,6 @@ def check_draft(draft: ModelConfig, target: ModelConfig, max_model_len: int) -> 
     if draft.max_position_embeddings < max_model_len:
         raise ValueError(f"the draft model's context ({draft.max_position_embeddings} tokens) is shorter than "
                          f"max_model_len ({max_model_len}): pass a smaller --max-model-len")
-
-
-def draft_kv_bytes_per_token(draft: ModelConfig, dtype_bytes: int) -> int:
-    """KV bytes a token occupies in the draft model's cache (added to the target's when the pool is sized)."""
-    return draft.kv_bytes_per_token(dtype_bytes)
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from goodserve.config import EngineConfig
-
 from goodserve.runner.sampling_metadata import SamplingRow
 from goodserve.scheduler.output import SampledToken
 from goodserve.spec.ngram import NgramProposer
