@@ -21,7 +21,7 @@ from goodserve.scheduler.step_time import StepCoefficients, StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length
 from goodserve.spec.ngram import NgramProposer
-from goodserve.spec.speculator import Speculator
+from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
 from tiny_models import make_tiny_hf_model
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -334,12 +334,10 @@ def test_the_simulator_speculates_with_the_given_acceptance():
     assert run((0.9,), "auto").scheduler.make_stats().num_spec_accepted_tokens_total > 0
 
 
-def test_auto_explores_one_draft_after_sixteen_steps_at_zero():
-    """A model that prices every token at 1 s makes ``auto`` choose 0; after 16 such steps a step verifies one
-    draft per row (drafts asked for on the step before), so the model can learn what a longer step costs."""
-    from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
-
-    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0),
+def _auto_steps(per_token_s: float) -> tuple[list[int], list[int]]:
+    """The lengths ``auto`` chooses and the lookaheads it asks for over ``2 (EXPLORE_EVERY + 1)`` steps of one
+    decoding request, on a model pricing a step at ``10 ms + per_token_s`` a token."""
+    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, per_token_s, 0.0, 0.0),
                                                                    adapt=False))
     (r,) = create_requests(1, prompt_len=8, max_tokens=100)
     r.num_computed_tokens = r.num_tokens - 1  # decoding
@@ -348,6 +346,13 @@ def test_auto_explores_one_draft_after_sixteen_steps_at_zero():
         spec.begin_step([r])
         lengths.append(spec.length)
         lookaheads.append(spec.lookahead(r))
+    return lengths, lookaheads
+
+
+def test_auto_explores_one_draft_after_sixteen_steps_at_zero():
+    """A model that prices every token at 1 s makes ``auto`` choose 0; after 16 such steps a step verifies one
+    draft per row (drafts asked for on the step before), so the model can learn what a longer step costs."""
+    lengths, lookaheads = _auto_steps(1.0)
     assert lengths == ([0] * EXPLORE_EVERY + [1]) * 2
     assert lookaheads == ([0] * (EXPLORE_EVERY - 1) + [1, 2]) * 2
 
@@ -355,17 +360,7 @@ def test_auto_explores_one_draft_after_sixteen_steps_at_zero():
 def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():
     """Free tokens make ``auto`` choose all 4 drafts; after 16 such steps one step verifies none, so the
     step-time model keeps measuring the decodes alone, and asks for the drafts of the step after it."""
-    from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
-
-    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 0.0, 0.0, 0.0),
-                                                                   adapt=False))
-    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
-    r.num_computed_tokens = r.num_tokens - 1
-    lengths, lookaheads = [], []
-    for _ in range(2 * (EXPLORE_EVERY + 1)):
-        spec.begin_step([r])
-        lengths.append(spec.length)
-        lookaheads.append(spec.lookahead(r))
+    lengths, lookaheads = _auto_steps(0.0)
     assert lengths == ([4] * EXPLORE_EVERY + [0]) * 2
     assert lookaheads == [4] * (2 * (EXPLORE_EVERY + 1))
 
