@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KVTransferConfig
 from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.request_options import UNSET, RequestOptions
@@ -251,6 +252,8 @@ class CacheConfig:
         num_blocks: Blocks in the pool.
         block_size: Tokens per KV block.
         enable_prefix_caching: Register full blocks by content hash and reuse them across requests.
+        enable_kv_events: Record the prefix cache's changes as KV events (:mod:`goodserve.kv_events`; set by
+            ``--kv-events-config``, and by the simulator for ``kv-aware`` routing).
     """
 
     num_blocks: int = field(metadata=_flag("--num-blocks", "KV pool size in blocks (default: sized from the memory "
@@ -258,6 +261,7 @@ class CacheConfig:
     block_size: int = field(default=16, metadata=_flag("--block-size", "tokens per KV block"))
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "--no-prefix-caching", "do not reuse the KV blocks of shared prompt prefixes"))
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -338,6 +342,7 @@ class EngineConfig:
         slo_ttft: A request's TTFT SLO in seconds when it gives none (``None``: none).
         slo_tpot: A request's TPOT SLO in seconds when it gives none (``None``: none).
         speculative: Speculative decoding (``None``: none; :class:`goodserve.spec.config.SpeculativeConfig`).
+        kv_events: Where the prefix cache's KV events are published (``None``: nowhere).
     """
 
     model_path: str
@@ -356,6 +361,7 @@ class EngineConfig:
     slo_ttft: Optional[float] = None
     slo_tpot: Optional[float] = None
     speculative: Optional[SpeculativeConfig] = None
+    kv_events: Optional[KVEventsConfig] = None
 
     def request_options(self, priority: int = 0, cache_salt: Optional[str] = None, slo_ttft: Any = UNSET,
                         slo_tpot: Any = UNSET, slo_class: Optional[str] = None,

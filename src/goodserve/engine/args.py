@@ -11,6 +11,7 @@ from typing import Optional
 from goodserve.config import (ATTENTION_BACKENDS, QUANTIZATIONS, SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig,
                               SchedulerConfig)
 from goodserve.config_flags import add_scheduler_flags
+from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KV_ROLES, KVTransferConfig
 from goodserve.spec.config import SpeculativeConfig
 
@@ -75,6 +76,8 @@ class EngineArgs:
         kv_transfer_timeout: Seconds a producer holds blocks for a pull and a consumer waits for one.
         speculative_config: JSON of speculative decoding in vLLM's shape, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4}`` (:class:`goodserve.spec.config.SpeculativeConfig`); ``None``: none.
+        kv_events_config: JSON of the KV events publisher in vLLM's shape
+            (:class:`goodserve.kv_events.config.KVEventsConfig`); ``None``: none.
         speculative_length: ``"auto"`` (the length chosen for goodput each step) or a fixed number of draft
             tokens; overrides the JSON's ``length``.
 
@@ -114,6 +117,7 @@ class EngineArgs:
     kv_transfer_timeout: Optional[float] = None
     speculative_config: Optional[str] = None
     speculative_length: Optional[str] = None
+    kv_events_config: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -146,6 +150,11 @@ class EngineArgs:
             raise ValueError("--kv-transfer-config and --kv-transfer-timeout need --kv-role")
         self.kv_transfer()  # raises on a bad role or config
         self.speculative()  # raises on a bad speculative config
+        self.kv_events()  # raises on a bad KV events config
+
+    def kv_events(self) -> Optional[KVEventsConfig]:
+        """The KV events config, or ``None`` without ``kv_events_config`` (``ValueError`` on a bad one)."""
+        return KVEventsConfig.from_cli(self.kv_events_config)
 
     def speculative(self) -> Optional[SpeculativeConfig]:
         """The speculative config, or ``None`` without ``speculative_config`` (``ValueError`` on a bad one)."""
@@ -205,6 +214,10 @@ class EngineArgs:
         g.add_argument("--speculative-length", default=None,
                        help="auto (default: per step, the number of draft tokens that maximises expected tokens/s, "
                             "0 under load) or a fixed number")
+        g.add_argument("--kv-events-config", default=None,
+                       help='publish the prefix cache\'s KV events for a KV-aware router (vLLM\'s JSON shape), e.g. '
+                            '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", '
+                            '"replay_endpoint": "tcp://127.0.0.1:5558"}\' (port * binds a free one)')
         g.add_argument("--kv-transfer-timeout", type=float, default=None,
                        help="seconds a producer holds KV blocks for a pull, and a consumer waits for one (30)")
 

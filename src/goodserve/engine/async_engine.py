@@ -87,6 +87,7 @@ class AsyncEngine:
         self.max_model_len: Optional[int] = None
         self.model_path: Optional[str] = None
         self.config: Any = None
+        self.kv_events_info: Optional[dict] = None  # where the KV events go (GET /v1/kv_events), if published
         self.vocab_size: Optional[int] = None
         if engine is not None:
             self._adopt(engine)
@@ -101,6 +102,8 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.model_path = engine.config.model_path
         self.config = engine.config
+        publisher = getattr(getattr(engine, "core", None), "kv_events", None)
+        self.kv_events_info = publisher.info(engine.config.cache.block_size) if publisher is not None else None
         model = getattr(engine.config, "model", None)
         self.vocab_size = model.vocab_size if model is not None else len(engine.tokenizer)
 

@@ -16,6 +16,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 from goodserve.config import EngineConfig
+from goodserve.kv_events.events import InstanceLoad
+from goodserve.kv_events.publisher import ZmqEventPublisher
 from goodserve.kv_transfer.base import KVConnectorWorker
 from goodserve.kv_transfer.factory import create_kv_connector
 from goodserve.kv_transfer.params import KVTransferParams
@@ -63,6 +65,9 @@ class EngineCore:
                                                                   self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_connector=kv_scheduler,
                                    speculative=config.speculative)
+        self.kv_events: Optional[ZmqEventPublisher] = None  # publishes the prefix cache's changes
+        if config.kv_events is not None and config.kv_events.enabled:
+            self.kv_events = ZmqEventPublisher(config.kv_events)
         self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
         self._cold = True  # no step has run yet: the first one pays for cold caches and lazily built kernels
 
@@ -72,7 +77,9 @@ class EngineCore:
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
         """Finish requests from outside (abort, stop string, failed output processing); frees their blocks."""
-        return self.scheduler.finish_requests(list(request_ids), status)
+        finished = self.scheduler.finish_requests(list(request_ids), status)
+        self.publish_kv_events()
+        return finished
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -114,23 +121,39 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic(), kv_output)
             if self.scheduler.has_unfinished_requests() and not transfers:
                 raise RuntimeError("requests are pending but the scheduler scheduled nothing")
+            self.publish_kv_events()
             return CoreStep(outputs, None)
         outputs = self.scheduler.update_from_output(sched, sampled, time.monotonic(), kv_output)
         if self._cold:
             self._cold = False
         else:
             self._last_step = (sched, start, time.monotonic())
+        self.publish_kv_events()
         return CoreStep(outputs, sched)
 
+    def publish_kv_events(self) -> None:
+        """Hand the prefix cache's changes since the last call, and the load, to the KV event publisher (if
+        any; it sends them from its own thread)."""
+        if self.kv_events is not None:
+            events = self.kv_events
+            changes = self.scheduler.kv_cache_manager.take_kv_events()
+            if changes or events.load_due():
+                events.publish(changes, InstanceLoad.of(self.scheduler))
+
     def close(self) -> None:
-        """Close the KV connector, if any."""
+        """Close the KV connector and the KV event publisher, if any."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None
 
     def release_kv_hold(self, params: KVTransferParams) -> bool:
         """Producer: free the blocks a handle holds at once (see :meth:`Scheduler.release_kv_hold`)."""
-        return self.scheduler.release_kv_hold(params, time.monotonic())
+        released = self.scheduler.release_kv_hold(params, time.monotonic())
+        self.publish_kv_events()
+        return released
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's state (see :class:`SchedulerStats`)."""
@@ -139,6 +162,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (e.g. between benchmark runs); blocks in use stay allocated."""
         self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self.publish_kv_events()
 
     def check_integrity(self) -> None:
         """Check the KV pool's invariants (raises ``RuntimeError`` naming the first one broken)."""

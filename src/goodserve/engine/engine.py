@@ -127,6 +127,7 @@ class Engine:
             draft = load_model(speculative.model, DTYPES[args.dtype], keep_quantized=args.quantization != "none"
                                and device == "cpu")
             logger.info("draft model %s (%s) for speculation", speculative.model, draft.config.architecture)
+        kv_events = args.kv_events()
         num_blocks, max_model_len = resolve_pool(args, loaded.config, device, draft.config if draft else None)
         if draft is not None:
             check_draft(draft.config, loaded.config, max_model_len)
@@ -134,7 +135,8 @@ class Engine:
             model_path=path,
             model=loaded.config,
             cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
-                              enable_prefix_caching=args.enable_prefix_caching),
+                              enable_prefix_caching=args.enable_prefix_caching,
+                              enable_kv_events=kv_events is not None and kv_events.enabled),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                       policy=args.scheduling_policy, mode=args.scheduler,
@@ -144,7 +146,7 @@ class Engine:
                                                     args.serving),
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer(), slo_ttft=args.slo_ttft,
-            slo_tpot=args.slo_tpot, speculative=speculative)
+            slo_tpot=args.slo_tpot, speculative=speculative, kv_events=kv_events)
         logger.info("batch-invariant numerics %s", "on: a request's tokens depend on its prompt and seed only"
                     if self.config.batch_invariant else "off (--batch-invariant turns them on)")
         self.tokenizer = loaded.tokenizer

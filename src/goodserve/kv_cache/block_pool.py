@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Iterable, Iterator, Optional
 
 from goodserve.kv_cache.hashing import BlockHash
+from goodserve.kv_events.events import AllBlocksCleared, BlockRemoved, KVEvent
 
 
 class KVBlock:
@@ -63,6 +64,9 @@ class BlockPool:
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        # KV events (:mod:`goodserve.kv_events`): removals and clears are appended here when it is a list
+        # (the KV cache manager appends the stores, which need the request's chain); None: not recorded.
+        self.events: Optional[list[KVEvent]] = None
 
     @property
     def num_blocks(self) -> int:
@@ -165,6 +169,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved((block.block_hash,)))
             block.block_hash = None
 
     def reset_prefix_cache(self) -> None:
@@ -172,3 +178,5 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())

@@ -19,6 +19,7 @@ from typing import Optional
 
 from goodserve.kv_cache.block_pool import BlockPool, KVBlock
 from goodserve.kv_cache.hashing import BlockHash, hash_request_blocks
+from goodserve.kv_events.events import BlockRemoved, BlockStored, KVEvent
 from goodserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -35,17 +36,21 @@ class KVCacheManager:
         num_blocks: Blocks in the pool.
         block_size: Token slots per block.
         enable_prefix_caching: Register full blocks by hash and reuse them across requests.
+        enable_kv_events: Record the prefix cache's changes as KV events (:meth:`take_kv_events`).
 
     Raises:
         ValueError: if ``num_blocks`` or ``block_size`` is below 1.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 enable_kv_events: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
+        if enable_kv_events:
+            self.block_pool.events = []
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._req_hashes: dict[str, list[BlockHash]] = {}  # chained hashes of the full blocks so far
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already registered
@@ -179,9 +184,35 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         table = self._req_blocks[rid]
+        events, run = self.block_pool.events, None  # run: [first, end) of blocks newly cached, for one event
         for i in range(start, num_full_blocks):
-            self.block_pool.cache_full_block(table[i], hashes[i])
+            stored = self.block_pool.cache_full_block(table[i], hashes[i])
+            if events is not None and stored:
+                run = (run[0] if run else i, i + 1)
+            if events is not None and run and (not stored or i == num_full_blocks - 1):
+                self._stored_event(request, hashes, *run)
+                run = None
         self._num_registered[rid] = num_full_blocks
+
+    def _stored_event(self, request: Request, hashes: list[BlockHash], first: int, end: int) -> None:
+        bs = self.block_size
+        self.block_pool.events.append(BlockStored(tuple(hashes[first:end]), hashes[first - 1] if first else None,
+                                                  tuple(request.all_token_ids[first * bs:end * bs]), bs))
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last call, oldest first (consecutive removals merged into one
+        :class:`~goodserve.kv_events.events.BlockRemoved`); ``[]`` when events are not enabled."""
+        events = self.block_pool.events
+        if not events:
+            return []
+        merged: list[KVEvent] = []
+        for e in events:
+            if isinstance(e, BlockRemoved) and merged and isinstance(merged[-1], BlockRemoved):
+                merged[-1] = BlockRemoved(merged[-1].block_hashes + e.block_hashes)
+            else:
+                merged.append(e)
+        events.clear()
+        return merged
 
     def trim(self, request: Request, num_tokens: int) -> Optional[int]:
         """Free the request's blocks past those its first ``num_tokens`` slots need: the slots of draft

@@ -44,7 +44,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from goodserve.router.policies import (BackendState, LeastLoaded, NoHealthyBackendError, RouteRequest,
+from goodserve.kv_events.index import KVIndex
+from goodserve.router.kv_follow import KVEventFollower
+from goodserve.router.policies import (BackendState, KVAware, LeastLoaded, NoHealthyBackendError, RouteRequest,
                                        RoutingPolicy, make_policy)
 from goodserve.router.disaggregated import forward_disaggregated
 from goodserve.router.protocol import RouterRequestError, UpstreamLostError, error_body
@@ -70,6 +72,9 @@ class RouterMetrics:
                              registry=r)
         self.local = Counter(PREFIX + "local_errors", "Requests the router answered itself with an error.",
                              ["status_code", "reason"], registry=r)
+        self.kv_index_blocks = Gauge(PREFIX + "kv_index_blocks", "Prefix-cache blocks the router's index holds for "
+                                     "a backend, from its KV events (compare goodserve:prefix_cache_blocks).",
+                                     ["backend"], registry=r)
         self.kv_releases = Counter(PREFIX + "kv_hold_releases", "Holds the router asked a producer to free (P/D), by "
                                    "answer: released, pulling (a consumer is reading it), not_found, error.",
                                    ["backend", "outcome"], registry=r)
@@ -89,23 +94,23 @@ class Backend:
 class _Flight:
     """One request in flight at one backend: counts it in, and out exactly once."""
 
-    def __init__(self, router: "Router", backend: Backend, request: RouteRequest) -> None:
+    def __init__(self, router: "Router", backend: Backend, request: RouteRequest, prefill_tokens: int) -> None:
         self.router, self.backend, self.request = router, backend, request
         self.prefilled = self.ended = False
         self.outcome = "aborted"
-        backend.state.start(request)
+        self.prefill_tokens = backend.state.start(request, prefill_tokens)
         router.metrics.in_flight.labels(backend.url).inc()
 
     def first_output(self) -> None:
         if not self.prefilled:
             self.prefilled = True
-            self.backend.state.prefilled(self.request)
+            self.backend.state.prefilled(self.request, self.prefill_tokens)
 
     def end(self, outcome: Optional[str] = None) -> None:
         if self.ended:
             return
         self.ended = True
-        self.backend.state.finish(self.request, self.prefilled)
+        self.backend.state.finish(self.request, self.prefilled, self.prefill_tokens)
         m = self.router.metrics
         m.in_flight.labels(self.backend.url).dec()
         m.requests.labels(self.backend.url, self.backend.role, outcome or self.outcome).inc()
@@ -211,6 +216,9 @@ class Router:
         self.policies: dict[str, RoutingPolicy] = {
             "replica": policy or make_policy("round-robin"),
             "prefill": LeastLoaded("queued_prefill_tokens"), "decode": LeastLoaded("kv_usage")}
+        replica_policy = self.policies["replica"]
+        # The backends' KV events: the kv-aware policy's index, and the loads (KV usage) every policy may read.
+        self.kv_events = KVEventFollower(replica_policy.index if isinstance(replica_policy, KVAware) else KVIndex())
         self.connect_timeout, self.health_interval = connect_timeout, health_interval
         self.metrics = RouterMetrics()
         for b in self.backends:
@@ -241,7 +249,8 @@ class Router:
             self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
 
     async def close(self) -> None:
-        """Stop the prober and close the client's connections."""
+        """Stop the prober and the KV event subscribers, and close the client's connections."""
+        await self.kv_events.close()
         if self._prober is not None:
             self._prober.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -265,7 +274,10 @@ class Router:
             except ValueError:
                 body = r.text
             backend.last_health = {"status_code": r.status_code, "body": body}
+            was_healthy = backend.state.healthy
             self.set_health(backend, r.status_code == 200, f"/health answered {r.status_code}")
+            if r.status_code == 200 and (not was_healthy or backend.url not in self.kv_events.info):
+                await self.kv_events.check(self._client, backend.url, max(self.connect_timeout, 1.0))
         except httpx.HTTPError as e:
             backend.last_health = {"error": f"{type(e).__name__}: {e}"}
             self.set_health(backend, False, f"/health failed: {type(e).__name__}")
@@ -287,10 +299,13 @@ class Router:
             UpstreamLostError: the connection was lost after the request was sent, before the answer's
                 headers (the backend is marked unhealthy).
         """
-        pool = self.pools[role]
+        pool, policy = self.pools[role], self.policies[role]
+        for b in pool:  # the KV usage each backend published last (P/D decode choice)
+            load = self.kv_events.load(b.url)
+            b.state.kv_usage = load.kv_usage if load is not None else None
         while True:
-            backend = pool[self.policies[role].select([b.state for b in pool], request)]
-            flight = _Flight(self, backend, request)
+            backend = pool[policy.select([b.state for b in pool], request)]
+            flight = _Flight(self, backend, request, policy.prefill_tokens(backend.state, request))
             try:
                 req = self._client.build_request("POST", backend.url + path, json=body)
                 return flight, await self._client.send(req, stream=True)
@@ -428,8 +443,8 @@ def build_router_app(router: Router) -> FastAPI:
     async def health() -> JSONResponse:
         await router.start()
         ok = all(any(b.state.healthy for b in pool) for pool in router.pools.values())
-        backends = [{"url": b.url, "role": b.role, **dataclasses.asdict(b.state), "health": b.last_health}
-                    for b in router.backends]
+        backends = [{"url": b.url, "role": b.role, **dataclasses.asdict(b.state), "health": b.last_health,
+                     "kv_events": router.kv_events.describe(b.url)} for b in router.backends]
         return JSONResponse({"healthy": ok, "backends": backends}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -454,6 +469,9 @@ def build_router_app(router: Router) -> FastAPI:
                     merged[fam.name].samples.extend(fam.samples)
                 else:
                     merged[fam.name] = fam
+        for b in router.backends:
+            view = router.kv_events.index.instances.get(b.url)
+            router.metrics.kv_index_blocks.labels(b.url).set(len(view.hashes) if view is not None else 0)
         text = generate_latest(router.metrics.registry)
         if merged:
             registry = CollectorRegistry(auto_describe=False)

@@ -14,6 +14,8 @@ Policies (``POLICIES`` maps the CLI names to classes):
   prefill, ``kv_usage`` for decode.
 - ``prefix-affinity``: send a prompt to the backend that served its longest known prefix (its KV blocks are
   likely still in that backend's prefix cache), unless that backend is overloaded.
+- ``kv-aware``: the backend where the first token comes soonest, from the backends' real prefix caches (their
+  KV events) and loads, priced in seconds by their step-time models (:class:`KVAware`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+from goodserve.kv_events.index import KVIndex
+from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients
 
 # A prompt given as text has no token count at the router (it has no tokenizer): it is estimated at this many
 # UTF-8 bytes per token (about right for English with a BPE vocabulary of ~50k).
@@ -45,8 +51,11 @@ class BackendState:
         healthy: False after a failed connection or health probe; never chosen while False.
         outstanding_requests: Requests sent and not yet finished.
         outstanding_tokens: Sum of ``prompt_tokens + max_tokens`` of those requests (tokens).
-        queued_prefill_tokens: Prompt tokens of those requests whose first output has not arrived yet.
-        kv_usage: Fraction of the backend's KV blocks in use (0-1), if known (e.g. scraped or simulated).
+        queued_prefill_tokens: Prompt tokens still to compute of those requests whose first output has not
+            arrived yet (the whole prompt, or what the policy predicted its prefix cache would not cover).
+        queued_prefill_requests: How many requests those are.
+        kv_usage: Fraction of the backend's KV blocks in use (0-1), if known (published in its KV events, or
+            simulated).
     """
 
     name: str
@@ -54,24 +63,35 @@ class BackendState:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     queued_prefill_tokens: int = 0
+    queued_prefill_requests: int = 0
     kv_usage: Optional[float] = None
 
-    def start(self, request: "RouteRequest") -> None:
-        """Count ``request`` as sent here (not yet prefilled)."""
+    def start(self, request: "RouteRequest", prefill_tokens: Optional[int] = None) -> int:
+        """Count ``request`` as sent here (not yet prefilled), with ``prefill_tokens`` to compute (default: its
+        whole prompt). Returns that number, which :meth:`prefilled` and :meth:`finish` need back."""
+        prefill = request.prompt_tokens if prefill_tokens is None else prefill_tokens
         self.outstanding_requests += 1
         self.outstanding_tokens += request.total_tokens
-        self.queued_prefill_tokens += request.prompt_tokens
+        self.queued_prefill_tokens += prefill
+        self.queued_prefill_requests += 1
+        return prefill
 
-    def prefilled(self, request: "RouteRequest") -> None:
+    def prefilled(self, request: "RouteRequest", prefill_tokens: Optional[int] = None) -> None:
         """Count ``request``'s prompt as prefilled (its first output arrived). Call at most once per request."""
-        self.queued_prefill_tokens -= request.prompt_tokens
+        self.queued_prefill_tokens -= request.prompt_tokens if prefill_tokens is None else prefill_tokens
+        self.queued_prefill_requests -= 1
 
-    def finish(self, request: "RouteRequest", prefilled: bool) -> None:
+    def finish(self, request: "RouteRequest", prefilled: bool, prefill_tokens: Optional[int] = None) -> None:
         """Count ``request`` as finished (or failed); ``prefilled`` says whether :meth:`prefilled` was called."""
         self.outstanding_requests -= 1
         self.outstanding_tokens -= request.total_tokens
         if not prefilled:
-            self.queued_prefill_tokens -= request.prompt_tokens
+            self.prefilled(request, prefill_tokens)
+
+    @property
+    def decoding_requests(self) -> int:
+        """Requests here past their prefill (decode rows of its batch, as far as the router knows)."""
+        return self.outstanding_requests - self.queued_prefill_requests
 
 
 @dataclass(frozen=True)
@@ -81,14 +101,16 @@ class RouteRequest:
     Attributes:
         prompt_tokens: Prompt length in tokens (exact for token ids, estimated for text).
         max_tokens: Output tokens the request may generate.
-        token_ids: The prompt's token ids, if the client sent ids.
+        token_ids: The prompt's token ids, if the client sent ids (or the router tokenized the prompt).
         text: Otherwise the prompt as text (for chat, the messages serialised as canonical JSON).
+        cache_salt: The request's prefix-cache salt (its blocks hash with it, as in the engine).
     """
 
     prompt_tokens: int
     max_tokens: int
     token_ids: Optional[tuple[int, ...]] = None
     text: Optional[str] = None
+    cache_salt: Optional[str] = None
 
     @property
     def total_tokens(self) -> int:
@@ -106,12 +128,13 @@ class RouteRequest:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             max_tokens = DEFAULT_MAX_TOKENS
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         prompt: Any = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch: route by its first prompt
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = tuple(prompt)
-            return cls(prompt_tokens=len(ids), max_tokens=max_tokens, token_ids=ids)
+            return cls(prompt_tokens=len(ids), max_tokens=max_tokens, token_ids=ids, cache_salt=salt)
         if "messages" in body:
             try:
                 prompt = json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
@@ -119,7 +142,7 @@ class RouteRequest:
                 prompt = ""
         text = prompt if isinstance(prompt, str) else ""
         nbytes = len(text.encode("utf-8", "surrogatepass"))
-        return cls(prompt_tokens=math.ceil(nbytes / BYTES_PER_TOKEN), max_tokens=max_tokens, text=text)
+        return cls(prompt_tokens=math.ceil(nbytes / BYTES_PER_TOKEN), max_tokens=max_tokens, text=text, cache_salt=salt)
 
 
 def _healthy(backends: Sequence[BackendState]) -> list[int]:
@@ -140,6 +163,11 @@ class RoutingPolicy:
 
     def select(self, backends: Sequence[BackendState], request: RouteRequest) -> int:
         raise NotImplementedError
+
+    def prefill_tokens(self, backend: BackendState, request: RouteRequest) -> int:
+        """Prompt tokens ``backend`` will compute for ``request`` just chosen (for its load accounting):
+        the whole prompt, unless the policy knows what that backend has cached."""
+        return request.prompt_tokens
 
 
 class RoundRobin(RoutingPolicy):
@@ -264,7 +292,116 @@ class PrefixAffinity(RoutingPolicy):
         return chosen
 
 
-POLICIES = {"round-robin": RoundRobin, "least-outstanding-tokens": LeastLoaded, "prefix-affinity": PrefixAffinity}
+def predicted_ttft_s(coefficients: StepCoefficients, queued_tokens: int, queued_requests: int, uncached: int,
+                     cached: int, decode_rows: int, token_budget: int) -> float:
+    """Seconds until a new request's first token on one instance, by its step-time model: the instance
+    computes its queued prefill tokens and the request's uncached ones in chunks of the token budget left
+    beside its decode rows, each chunk one step that also runs the decodes (chunked prefill, Sarathi-Serve
+    §4; the step form of :class:`goodserve.scheduler.step_time.StepCoefficients`).
+
+    Args:
+        coefficients: The instance's step-time coefficients.
+        queued_tokens: Prompt tokens of requests already routed there and not yet prefilled.
+        queued_requests: How many requests those are (their causal pairs are priced as equal prompts).
+        uncached: The new request's prompt tokens its prefix cache does not hold.
+        cached: Its prompt tokens the cache holds (each uncached token attends to them).
+        decode_rows: Requests decoding there.
+        token_budget: Tokens per step (``max_num_batched_tokens``).
+
+    Returns:
+        The predicted time to first token (seconds).
+    """
+    tokens = queued_tokens + uncached
+    steps = max(1, math.ceil(tokens / max(1, token_budget - decode_rows)))
+    pairs = uncached * cached + uncached * (uncached + 1) // 2
+    if queued_requests > 0:
+        each = queued_tokens / queued_requests
+        pairs += queued_requests * each * (each + 1) / 2
+    c = coefficients
+    per_step = c.overhead_s + c.prefill_overhead_s + (c.per_token_s + c.per_sampled_s + c.prefill_per_sampled_s) * decode_rows
+    return steps * per_step + c.per_token_s * tokens + c.per_pair_s * pairs
+
+
+class KVAware(RoutingPolicy):
+    """The healthy instance where the request's first token comes soonest, from each instance's real prefix
+    cache (:class:`~goodserve.kv_events.index.KVIndex`, fed by its KV events) and its load, priced in
+    seconds by its own step-time model (:func:`predicted_ttft_s`: its queued prefill, the prompt tokens it
+    does not hold, its decode rows). A cache hit wins while the prefill it saves outweighs that instance's
+    longer queue, and loses once it does not: the trade NVIDIA Dynamo's KV router scores (prefill blocks
+    still to compute plus decode load), here in seconds rather than a tuned ratio.
+
+    When no instance holds at least ``min_match_tokens`` of the prompt, hits are ignored and the request
+    goes to the least-loaded instance (a shared system header of a few tokens should not steer traffic:
+    SGLang's cache threshold). Ties go to the longer hit, then fewer outstanding tokens, then the index.
+    After a choice the request's blocks are recorded as pending on the chosen instance
+    (:meth:`KVIndex.expect`), so a burst sharing a prefix follows the first request before its events arrive.
+
+    A prompt without token ids (text, when the router has no tokenizer) cannot be hashed as the engine does,
+    and backends that publish no events have no index: then (either) the request is routed by
+    :class:`PrefixAffinity`'s guessing index instead.
+
+    Args:
+        index: The instances' cache views, keyed by backend name.
+        coefficients: Step-time coefficients for an instance that has published none.
+        token_budget: Tokens per step for an instance that has published none.
+        min_match_tokens: Hits shorter than this on every instance are ignored (tokens).
+        clock: Seconds now, for pending entries (the simulator passes its own clock).
+
+    Raises:
+        ValueError: if ``min_match_tokens < 0`` or ``token_budget < 1``.
+    """
+
+    name = "kv-aware"
+
+    def __init__(self, index: Optional[KVIndex] = None, coefficients: StepCoefficients = DEFAULT_SEED,
+                 token_budget: int = 1024, min_match_tokens: int = 32,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if min_match_tokens < 0 or token_budget < 1:
+            raise ValueError("min_match_tokens must be >= 0 and token_budget >= 1")
+        self.index = index if index is not None else KVIndex()
+        self.coefficients, self.token_budget, self.min_match_tokens = coefficients, token_budget, min_match_tokens
+        self.clock = clock
+        self._guess = PrefixAffinity()
+        self._last: tuple[Optional[RouteRequest], dict[str, int]] = (None, {})  # request -> {name: uncached}
+
+    def _priced(self, b: BackendState, uncached: int, cached: int) -> float:
+        load = self.index.instances[b.name].load if b.name in self.index.instances else None
+        coeffs = StepCoefficients(*load.step_coefficients) if load and load.step_coefficients else self.coefficients
+        budget = load.token_budget if load and load.token_budget else self.token_budget
+        return predicted_ttft_s(coeffs, b.queued_prefill_tokens, b.queued_prefill_requests, uncached, cached,
+                                b.decoding_requests, budget)
+
+    def select(self, backends: Sequence[BackendState], request: RouteRequest) -> int:
+        healthy = _healthy(backends)
+        if request.token_ids is None or not any(self.index.publishes(backends[i].name) for i in healthy):
+            return self._guess.select(backends, request)
+        now, ids = self.clock(), request.token_ids
+        hashes, hits, by_size = {}, {}, {}
+        for i in healthy:
+            name = backends[i].name
+            size = self.index.block_size(name)
+            if size not in by_size:
+                by_size[size] = self.index.block_hashes(name, ids, request.cache_salt)
+            hashes[i] = by_size[size]
+            # The engine computes at least the prompt's last token, whatever it holds.
+            hits[i] = min(self.index.match(name, hashes[i], now) * size, max(0, request.prompt_tokens - 1))
+        if max(hits.values()) < self.min_match_tokens:
+            hits = dict.fromkeys(hits, 0)
+        cost = {i: self._priced(backends[i], request.prompt_tokens - hits[i], hits[i]) for i in healthy}
+        chosen = min(healthy, key=lambda i: (cost[i], -hits[i], backends[i].outstanding_tokens, i))
+        self.index.expect(backends[chosen].name, hashes[chosen], now)
+        self._last = (request, {backends[i].name: request.prompt_tokens - hits[i] for i in healthy})
+        return chosen
+
+    def prefill_tokens(self, backend: BackendState, request: RouteRequest) -> int:
+        last, uncached = self._last
+        if last is request and backend.name in uncached:
+            return uncached[backend.name]
+        return request.prompt_tokens
+
+
+POLICIES = {"round-robin": RoundRobin, "least-outstanding-tokens": LeastLoaded, "prefix-affinity": PrefixAffinity,
+            "kv-aware": KVAware}
 
 
 def make_policy(name: str, **kwargs: Any) -> RoutingPolicy:

@@ -219,6 +219,8 @@ class SchedulerStats:
         num_tokens_waiting: Prompt tokens not yet computed: all tokens of waiting requests plus the prompt
             remainder of running requests still in (chunked) prefill. A saturation signal for autoscalers.
         kv_cache_usage: Fraction of KV blocks in use, in ``[0, 1]``.
+        num_cached_blocks: Blocks registered in the prefix cache (in use or free): what the instance's KV events
+            say it holds.
         num_preemptions_total: Preemptions since start.
         prefix_cache_queries: Prompt tokens looked up in the prefix cache since start.
         prefix_cache_hits: Of which found (tokens).
@@ -266,6 +268,7 @@ class SchedulerStats:
     num_blocks_held_for_pull: int = 0
     num_kv_transfers_in_flight: int = 0
     num_kv_blocks_quarantined: int = 0
+    num_cached_blocks: int = 0
     num_kv_transfer_timeouts_total: int = 0
     num_kv_transfer_failures_total: int = 0
     num_kv_holds_ended_total: dict[str, int] = field(default_factory=dict)

@@ -73,7 +73,7 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
             logger.info("scheduler mode 'reserve' runs without prefix caching")
             enable_prefix_caching = False
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               enable_prefix_caching)
+                                               enable_prefix_caching, cache_config.enable_kv_events)
         self.step_model = step_model if step_model is not None else StepTimeModel()
         self.policy: StepPolicy = create_policy(scheduler_config.policy, self.step_model,
                                                 scheduler_config.max_num_batched_tokens, self.block_size,
@@ -375,6 +375,7 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
         m = self.step_model
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               num_tokens_waiting=tokens_waiting, kv_cache_usage=kv.usage,
+                              num_cached_blocks=kv.block_pool.num_cached_blocks,
                               num_preemptions_total=self.num_preemptions_total,
                               prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                               num_shed_total=self.num_shed_total,

@@ -43,6 +43,18 @@ async def health(request: Request) -> Response:
     return APIError(503, "the engine loop is not running", code="engine_dead").response()
 
 
+@router.get("/v1/kv_events", responses={
+    200: {"description": "Where this instance publishes its KV events: `endpoint`, `replay_endpoint`, `topic`, "
+                         "`stream_id` (a new one after a restart), `block_size`."},
+    404: {"model": P.ErrorResponse, "description": "This instance publishes no KV events."}})
+async def kv_events(request: Request) -> Response:
+    info = _serving(request).engine.kv_events_info
+    if info is None:
+        raise APIError(404, "this instance publishes no KV events (start it with --kv-events-config)",
+                       code="kv_events_disabled")
+    return JSONResponse(info)
+
+
 @router.get("/v1/models", response_model=P.ModelList)
 async def models(request: Request) -> P.ModelList:
     s = _serving(request)

@@ -79,6 +79,9 @@ class _EngineCollector(Collector):
                                 value=s.num_tokens_waiting)
         yield GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
                                 value=s.kv_cache_usage)
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_blocks",
+                                "Blocks registered in the prefix cache (in use or evictable): what its KV events "
+                                "say it holds.", value=s.num_cached_blocks)
         yield GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine loop runs, else 0.",
                                 value=1.0 if self._engine.is_healthy() else 0.0)
         yield CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions (recompute) since start.",

@@ -38,7 +38,9 @@ from goodserve.kv_transfer import KVConnectorOutput, KVTransferConfig, KVTransfe
 from goodserve.kv_transfer.factory import create_connector_scheduler
 from goodserve.request import Request
 from goodserve.request_options import RequestOptions
-from goodserve.router.policies import BackendState, LeastLoaded, RouteRequest, RoutingPolicy, make_policy
+from goodserve.kv_events.events import InstanceLoad, KVEventBatch
+from goodserve.kv_events.index import KVIndex
+from goodserve.router.policies import BackendState, KVAware, LeastLoaded, RouteRequest, RoutingPolicy, make_policy
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import EngineCoreOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from goodserve.scheduler.scheduler import Scheduler
@@ -172,6 +174,8 @@ class Simulator:
         self._seq = itertools.count()
         self._progress: dict[str, _Progress] = {}
         d = config.disaggregation
+        routing = ROUTING_ALIASES.get(config.routing, config.routing)
+        self._kv_events = d is None and routing == KVAware.name  # the router reads the replicas' KV events
         if d is None:
             self.front = [self._instance(f"replica{i}", "colocated", config.enable_prefix_caching, cost_model)
                           for i in range(config.num_replicas)]
@@ -181,16 +185,23 @@ class Simulator:
                           for i in range(d.num_prefill)]
             self.decode = [self._instance(f"decode{i}", "decode", True, cost_model) for i in range(d.num_decode)]
         self.instances = self.front + self.decode
-        routing = ROUTING_ALIASES.get(config.routing, config.routing)
+        self.kv_index = KVIndex(config.cache.block_size)
+        front = LeastLoaded("queued_prefill_tokens")
+        if d is None:
+            front = make_policy(routing, **(dict(index=self.kv_index, clock=lambda: self.now,
+                                                 token_budget=config.scheduler.max_num_batched_tokens)
+                                            if self._kv_events else {}))
         self._policies: dict[str, RoutingPolicy] = {
-            "front": make_policy(routing) if d is None else LeastLoaded("queued_prefill_tokens"),
+            "front": front,
             "decode": LeastLoaded("kv_usage")}
         self.backend_states = {inst.name: BackendState(inst.name) for inst in self.instances}
-        self._routed: dict[str, dict[str, tuple[RouteRequest, bool]]] = {inst.name: {} for inst in self.instances}
+        # name -> request id -> (route, prefilled, prefill tokens counted)
+        self._routed: dict[str, dict[str, tuple[RouteRequest, bool, int]]] = {inst.name: {} for inst in self.instances}
         self._spec_rng = random.Random(0)  # draws which drafts are accepted
 
     def _instance(self, name: str, role: str, prefix_caching: bool, cost_model: CostModel) -> Instance:
-        cache = dataclasses.replace(self.config.cache, enable_prefix_caching=prefix_caching)
+        cache = dataclasses.replace(self.config.cache, enable_prefix_caching=prefix_caching,
+                                    enable_kv_events=self._kv_events)
         step_model = StepTimeModel.seeded_by(cost_model.predict)
         kv_role = {"prefill": "producer", "decode": "consumer"}.get(role)
         # A producer's hold ends when the pull lands (the simulated links never fail): no timeout. No socket is
@@ -266,8 +277,9 @@ class Simulator:
         except (ValueError, SLOUnattainableError) as exc:
             prog.error = str(exc)
             return
-        self.backend_states[inst.name].start(route)
-        self._routed[inst.name][spec.request_id] = (route, False)
+        state = self.backend_states[inst.name]
+        counted = state.start(route, self._policies["front"].prefill_tokens(state, route))
+        self._routed[inst.name][spec.request_id] = (route, False, counted)
 
     def on_step_end(self, ev: StepEnd) -> None:
         inst, out = ev.instance, ev.output
@@ -287,12 +299,12 @@ class Simulator:
         for rid in sampled:
             entry = routed.get(rid)
             if entry is not None and not entry[1]:
-                state.prefilled(entry[0])
-                routed[rid] = (entry[0], True)
+                state.prefilled(entry[0], entry[2])
+                routed[rid] = (entry[0], True, entry[2])
         for result in results:
             if result.finished and result.request_id in routed:
-                route, prefilled = routed.pop(result.request_id)
-                state.finish(route, prefilled)
+                route, prefilled, counted = routed.pop(result.request_id)
+                state.finish(route, prefilled, counted)
 
     def _finish_results(self, inst: Instance, results: list[EngineCoreOutput]) -> None:
         for result in results:
@@ -367,6 +379,10 @@ class Simulator:
         states = [self.backend_states[inst.name] for inst in group]
         for inst, state in zip(group, states):
             state.kv_usage = inst.scheduler.make_stats().kv_cache_usage
+            if self._kv_events and key == "front":  # the replicas' KV events and load reach the router
+                events = tuple(inst.scheduler.kv_cache_manager.take_kv_events())
+                self.kv_index.apply(inst.name, KVEventBatch(self.now, events, InstanceLoad.of(inst.scheduler),
+                                                            stream_id=inst.name))
             if key == "decode":
                 state.outstanding_requests = inst.load
         return group[self._policies[key].select(states, request or RouteRequest(0, 0))]

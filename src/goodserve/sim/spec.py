@@ -11,7 +11,7 @@ from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.spec.config import SpeculativeConfig
 
 # The router's policies (goodserve.router.policies); "least-loaded" is the old name of least-outstanding-tokens.
-ROUTING_POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "least-loaded")
+ROUTING_POLICIES = ("round-robin", "least-outstanding-tokens", "prefix-affinity", "kv-aware", "least-loaded")
 ROUTING_ALIASES = {"least-loaded": "least-outstanding-tokens"}
 
 

@@ -1,0 +1,226 @@
+"""KV events (issue 35): the engine's prefix cache published as BlockStored / BlockRemoved / AllBlocksCleared,
+the router's index built from them, the replay that repairs gaps and restarts, and the kv-aware cost."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from factories import create_requests, create_scheduler, fake_step
+from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.kv_events.config import KVEventsConfig
+from goodserve.kv_events.events import (AllBlocksCleared, BlockRemoved, BlockStored, InstanceLoad, KVEventBatch,
+                                        decode_batch, encode_batch)
+from goodserve.kv_events.index import KVIndex
+from goodserve.kv_cache.hashing import hash_request_blocks
+from goodserve.router.policies import BackendState, KVAware, RouteRequest, predicted_ttft_s
+from goodserve.scheduler.scheduler import Scheduler
+from goodserve.scheduler.step_time import StepCoefficients
+
+
+def _scheduler(num_blocks: int = 12, block_size: int = 4) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256),
+                     CacheConfig(num_blocks=num_blocks, block_size=block_size, enable_kv_events=True))
+
+
+def _cached(s: Scheduler) -> set[bytes]:
+    return {h for h, _ in s.kv_cache_manager.block_pool.cached_items()}
+
+
+def _run(s: Scheduler, reqs, now: float = 0.0) -> None:
+    for r in reqs:
+        s.add_request(r)
+    while s.has_unfinished_requests():
+        fake_step(s, now)
+        s.kv_cache_manager.check_integrity()
+
+
+def _workload():
+    """Requests sharing prefixes, then enough distinct ones to evict: (stage name, requests) pairs."""
+    shared = list(range(100, 120))
+    yield "first", create_requests(1, prompt_token_ids=shared + [5, 6], prefix="a")
+    yield "hit", create_requests(2, prompt_token_ids=shared + [9, 9, 9], prefix="b")
+    yield "evict", create_requests(3, prompt_len=22, prefix="c", start=7)
+
+
+def test_events_rebuild_the_pool_exactly_through_hits_evictions_and_reset():
+    s, index = _scheduler(), KVIndex(pending_ttl=0)
+    seen = set()
+    for stage, reqs in _workload():
+        _run(s, reqs)
+        events = s.kv_cache_manager.take_kv_events()
+        seen.update(type(e).__name__ for e in events)
+        index.apply("i0", KVEventBatch(0.0, tuple(events), stream_id="x"))
+        assert index.instances["i0"].hashes == _cached(s), stage
+    assert seen == {"BlockStored", "BlockRemoved"}  # the small pool evicted cached blocks
+    s.kv_cache_manager.reset_prefix_cache()
+    events = s.kv_cache_manager.take_kv_events()
+    assert events == [AllBlocksCleared()]
+    index.apply("i0", KVEventBatch(0.0, tuple(events), stream_id="x"))
+    assert index.instances["i0"].hashes == set() == _cached(s)
+
+
+def test_block_stored_carries_the_chain_parent_and_tokens():
+    s = _scheduler(num_blocks=32)
+    prompt = list(range(100, 110))  # 2 full blocks of 4 + 2 tokens
+    _run(s, create_requests(1, prompt_token_ids=prompt, max_tokens=3))
+    stored = [e for e in s.kv_cache_manager.take_kv_events() if isinstance(e, BlockStored)]
+    hashes = hash_request_blocks(prompt + [7, 7, 7], 4, extra_keys=(None,))  # the fake model samples 7
+    assert [h for e in stored for h in e.block_hashes] == hashes[:3]
+    assert stored[0].parent_block_hash is None and stored[0].block_size == 4
+    for e in stored:
+        assert len(e.token_ids) == 4 * len(e.block_hashes)
+    assert stored[0].token_ids[:8] == tuple(prompt[:8])
+
+
+def test_batches_round_trip_and_malformed_ones_are_refused():
+    batch = KVEventBatch(1.5, (BlockStored((b"a" * 32, b"b" * 32), None, tuple(range(8)), 4),
+                               BlockRemoved((b"a" * 32,)), AllBlocksCleared()),
+                         InstanceLoad(0.25, 3, 1, 40, (0.01, 1e-4, 0.0, 0.0, 0.0, 0.0), 512), "abc")
+    assert decode_batch(encode_batch(batch)) == batch
+    import msgpack
+    for bad in (b"\xc1", msgpack.packb([1.0, [["BlockStored", [b"x"], None, [1, 2, 3], 4]], None, "s", False]),
+                msgpack.packb([1.0, [["Nope"]], None, "s", False]), msgpack.packb({"a": 1})):
+        with pytest.raises(ValueError):
+            decode_batch(bad)
+
+
+def test_kv_events_config_parses_vllm_shape_and_refuses_bad_values():
+    c = KVEventsConfig.from_cli('{"enable_kv_cache_events": true, "publisher": "zmq", '
+                                '"endpoint": "tcp://127.0.0.1:5557", "buffer_steps": 8}')
+    assert (c.enabled, c.endpoint, c.buffer_steps, c.replay_endpoint) == (True, "tcp://127.0.0.1:5557", 8,
+                                                                           "tcp://127.0.0.1:*")
+    assert KVEventsConfig.from_cli(None) is None
+    assert not KVEventsConfig(publisher="null").enabled
+    for bad, msg in (('{"endpoint": "http://x"}', "tcp://"), ('{"nope": 1}', "unknown key"), ("[1]", "JSON object"),
+                     ('{"buffer_steps": 0}', "buffer_steps"), ("{", "not valid JSON")):
+        with pytest.raises(ValueError, match=msg):
+            KVEventsConfig.from_cli(bad)
+
+
+# ------------------------------------------------------------------------- over ZeroMQ: replay and restart
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _publish_workload(s: Scheduler, pub) -> None:
+    for _, reqs in _workload():
+        _run(s, reqs)
+        pub.publish(s.kv_cache_manager.take_kv_events(), InstanceLoad.of(s))
+
+
+@pytest.mark.parametrize("buffer_steps", [100, 1])  # late join: replayed from the buffer / from a snapshot
+def test_subscriber_replays_what_it_missed_and_follows_a_restarted_instance(buffer_steps):
+    from goodserve.kv_events.publisher import ZmqEventPublisher
+    from goodserve.kv_events.subscriber import KVEventSubscriber
+
+    ports = _free_port(), _free_port()
+    config = KVEventsConfig(endpoint=f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=f"tcp://127.0.0.1:{ports[1]}",
+                            buffer_steps=buffer_steps, load_interval=0)
+
+    async def scenario():
+        index = KVIndex()
+        s, pub = _scheduler(), ZmqEventPublisher(config)
+        _publish_workload(s, pub)  # all before anyone subscribed: PUB drops it
+        await asyncio.sleep(0.2)
+        sub = KVEventSubscriber("i0", pub.endpoint, pub.replay_endpoint, index, topic=config.topic)
+        sub.start()
+        await _until(lambda: sub.last_seq == 2)
+        assert index.instances["i0"].hashes == _cached(s)
+        assert sub.num_replays == 1 and sub.stream_id == pub.stream_id
+        assert index.instances["i0"].load.num_running == 0
+        # live: a new request's blocks, then a reset
+        _run(s, create_requests(1, prompt_len=9, prefix="d", start=50))
+        pub.publish(s.kv_cache_manager.take_kv_events(), InstanceLoad.of(s))
+        await _until(lambda: sub.last_seq == 3)
+        assert index.instances["i0"].hashes == _cached(s)
+        s.kv_cache_manager.reset_prefix_cache()
+        pub.publish(s.kv_cache_manager.take_kv_events())
+        await _until(lambda: sub.last_seq == 4)
+        assert index.instances["i0"].hashes == set()
+        # the instance restarts on the same sockets: a new life, its cache rebuilt by the new events only
+        pub.close()
+        s2, pub2 = _scheduler(), ZmqEventPublisher(config)
+        await asyncio.sleep(0.3)  # the SUB socket reconnects
+        _run(s2, create_requests(1, prompt_len=13, prefix="e", start=60))
+        pub2.publish(s2.kv_cache_manager.take_kv_events(), InstanceLoad.of(s2))
+        await _until(lambda: sub.stream_id == pub2.stream_id and sub.last_seq == 0)
+        assert index.instances["i0"].hashes == _cached(s2) and len(_cached(s2)) == 4  # 13 prompt + 3 computed outputs
+        await sub.close()
+        pub2.close()
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------------------------------- the cost
+COEFFS = StepCoefficients(overhead_s=0.01, per_token_s=1e-3, per_sampled_s=0.0, per_pair_s=0.0)
+
+
+def _kv_aware_pair(prompt):
+    """A kv-aware policy over two instances, ``a`` holding ``prompt``'s full blocks."""
+    index = KVIndex(default_block_size=4, pending_ttl=0)
+    hashes = hash_request_blocks(prompt, 4, extra_keys=(None,))
+    index.apply("a", KVEventBatch(0.0, (BlockStored(tuple(hashes), None, tuple(prompt[:4 * len(hashes)]), 4),),
+                                  stream_id="a"))
+    index.apply("b", KVEventBatch(0.0, (), InstanceLoad(0.0, 0, 0, 0), stream_id="b"))
+    return KVAware(index, coefficients=COEFFS, token_budget=256, min_match_tokens=8, clock=lambda: 0.0)
+
+
+def test_kv_aware_prefers_the_longest_prefix_until_its_queue_outweighs_the_saved_prefill():
+    prompt = tuple(range(1000, 1102))  # 102 tokens: a holds 100 (25 blocks of 4)
+    policy, req = _kv_aware_pair(list(prompt)), RouteRequest(102, 10, token_ids=prompt)
+    a, b = BackendState("a"), BackendState("b")
+    assert policy.select([a, b], req) == 0
+    assert policy.prefill_tokens(a, req) == 2 and policy.prefill_tokens(b, req) == 102
+    # The hit saves 100 tokens = 0.1 s: a queue of 99 tokens on a still loses to none on b, 101 does not.
+    assert predicted_ttft_s(COEFFS, 99, 1, 2, 100, 0, 256) == pytest.approx(0.01 + 0.101)
+    assert predicted_ttft_s(COEFFS, 0, 0, 102, 0, 0, 256) == pytest.approx(0.01 + 0.102)
+    a.start(RouteRequest(99, 1), 99)
+    assert policy.select([a, b], req) == 0
+    a.start(RouteRequest(2, 1), 2)  # 101 queued on a
+    assert policy.select([a, b], req) == 1
+    a.healthy = False
+    assert policy.select([a, b], req) == 1
+
+
+def test_kv_aware_ignores_short_matches_and_falls_back_without_ids_or_events():
+    prompt = tuple(range(1000, 1100))
+    policy = _kv_aware_pair(list(prompt[:4]) + [1] * 96)  # a holds only the first block (4 < 8 tokens)
+    a, b = BackendState("a"), BackendState("b")
+    a.outstanding_tokens = 1  # with hits ignored, the tie goes to fewer outstanding tokens
+    assert policy.select([a, b], RouteRequest(100, 10, token_ids=prompt)) == 1
+    text = RouteRequest(50, 10, text="x" * 200)  # no ids: the guessing index (prefix-affinity) decides
+    assert policy.select([a, b], text) == policy._guess._fallback.select([a, b], text)
+    silent = KVAware(KVIndex(), coefficients=COEFFS)
+    assert silent.select([BackendState("p"), BackendState("q")], RouteRequest(8, 1, token_ids=tuple(range(8)))) == 0
+
+
+def test_kv_aware_burst_follows_the_first_request_before_its_events():
+    index = KVIndex(default_block_size=4, pending_ttl=5.0)
+    for name in "ab":
+        index.apply(name, KVEventBatch(0.0, (), InstanceLoad(0.0, 0, 0, 0), stream_id=name))
+    now = [0.0]
+    policy = KVAware(index, coefficients=COEFFS, token_budget=256, min_match_tokens=8, clock=lambda: now[0])
+    a, b = BackendState("a"), BackendState("b")
+    b.start(RouteRequest(68, 4), 68)  # b is busy too, a little less than a will be
+    shared = tuple(range(64))
+    first = RouteRequest(70, 4, token_ids=shared + (1,) * 6)
+    assert policy.select([a, b], first) == 0
+    a.start(first, policy.prefill_tokens(a, first))
+    second = RouteRequest(70, 4, token_ids=shared + (2,) * 6)
+    # The first's 16 blocks count as pending on a: 70 + 6 tokens to compute there, against 68 + 70 on b.
+    assert policy.select([a, b], second) == 0 and policy.prefill_tokens(a, second) == 6
+    now[0] = 6.0  # expired: a would compute 70 + 70 tokens, b 68 + 70
+    assert policy.select([a, b], second) == 1
