@@ -17,7 +17,6 @@ import torch
 
 from goodserve.config import EngineConfig
 from goodserve.kv_events.events import InstanceLoad
-from goodserve.kv_events.publisher import ZmqEventPublisher
 from goodserve.kv_transfer.base import KVConnectorWorker
 from goodserve.kv_transfer.factory import create_kv_connector
 from goodserve.kv_transfer.params import KVTransferParams
@@ -65,8 +64,10 @@ class EngineCore:
                                                                   self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_connector=kv_scheduler,
                                    speculative=config.speculative)
-        self.kv_events: Optional[ZmqEventPublisher] = None  # publishes the prefix cache's changes
+        self.kv_events: Optional[Any] = None  # a ZmqEventPublisher: publishes the prefix cache's changes
         if config.kv_events is not None and config.kv_events.enabled:
+            from goodserve.kv_events.publisher import ZmqEventPublisher  # pyzmq: the server extra's
+
             self.kv_events = ZmqEventPublisher(config.kv_events)
         self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
         self._cold = True  # no step has run yet: the first one pays for cold caches and lazily built kernels

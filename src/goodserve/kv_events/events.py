@@ -24,8 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import msgpack
-
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -122,6 +120,7 @@ def _event_to_list(e: KVEvent) -> list:
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     """The batch as msgpack bytes."""
+    import msgpack  # the server extra's: the KV cache records events without it
     load = None
     if batch.load is not None:
         x = batch.load
@@ -164,6 +163,8 @@ def decode_batch(data: bytes) -> KVEventBatch:
     Raises:
         ValueError: if ``data`` is not a well-formed batch.
     """
+    import msgpack
+
     try:
         v = msgpack.unpackb(data, raw=False)
     except Exception as e:  # msgpack raises several exception types on bad input
