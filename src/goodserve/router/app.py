@@ -10,18 +10,19 @@ Two modes:
 
 Faults: a backend that refuses the connection or does not accept it within ``connect_timeout`` is marked
 unhealthy and the request goes to another backend of the same kind (nothing was sent, so nothing is lost);
-with none left the router answers 503 at once. A connection lost after the request was sent but before any
-byte of the answer reached the client (e.g. the instance was killed while prefilling) marks the backend
-unhealthy and retries the request once on another backend; without one left, or on a second loss, the
-client gets a 503. A connection lost mid-stream, after bytes were relayed, ends the client's stream with an
-OpenAI error event (``code`` 503) and ``[DONE]``. Every backend's ``/health`` is probed every
-``health_interval`` seconds, which brings a restarted backend back. A client that leaves during a stream
-closes the upstream stream (the backend aborts the request). In P/D mode a client that leaves during a hop
-closes that hop's upstream request too (the backend sees the disconnect and aborts it, C23), and once the
-prefill hop has published a handle that no consumer will pull (the client left, no decode instance took it,
-or it answered an error) the router asks the producer to free the hold at once
-(``POST /v1/kv_transfer/release``, checked against the handle's lease) instead of leaving it to the
-producer's timeout. In-flight counters are released in ``finally`` blocks, whatever happens.
+with none left the router answers 503 at once, with ``Retry-After`` (``health_interval`` rounded up, at least
+1 s), and in P/D mode sends no prefill hop while no decode instance is healthy. A connection lost after the
+request was sent but before any byte of the answer reached the client (e.g. the instance was killed while
+prefilling) marks the backend unhealthy and retries the request once on another backend; without one left, or
+on a second loss, the client gets a 503. A connection lost mid-stream, after bytes were relayed, ends the
+client's stream with an OpenAI error event (``code`` 503) and ``[DONE]``. Every backend's ``/health`` is
+probed every ``health_interval`` seconds, which brings a restarted backend back. A client that leaves during a
+stream closes the upstream stream (the backend aborts the request). In P/D mode a client that leaves during a
+hop closes that hop's upstream request too (the backend sees the disconnect and aborts it, C23), and once the
+prefill hop has published a handle that no consumer will pull (the client left, no decode instance took it, or
+it answered an error) the router asks the producer to free the hold at once (``POST /v1/kv_transfer/release``,
+checked against the handle's lease) instead of leaving it to the producer's timeout. In-flight counters are
+released in ``finally`` blocks, whatever happens.
 ``/health`` reports every backend's state and its own last ``/health`` answer; ``/metrics`` is the router's
 registry followed by every backend's metrics, each sample labelled ``instance="<backend url>"``
 (:func:`relabel_metrics`).
@@ -34,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 from typing import Optional, Sequence
 
 import anyio
@@ -180,8 +182,9 @@ class _Families:
         return iter(self.families)
 
 
-def _error(status: int, message: str, type_: str, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status, param), status_code=status)
+def _error(status: int, message: str, type_: str, param: Optional[str] = None,
+           headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)
 
 
 class Router:
@@ -232,6 +235,17 @@ class Router:
     @property
     def disaggregated(self) -> bool:
         return "prefill" in self.pools
+
+    @property
+    def retry_after(self) -> str:
+        """The ``Retry-After`` of a 503 for no healthy backend: ``health_interval`` rounded up to whole
+        seconds, at least 1 (the next probe may bring a backend back)."""
+        return str(max(1, math.ceil(self.health_interval)))
+
+    def unavailable(self, message: str) -> JSONResponse:
+        """A 503 ``service_unavailable`` OpenAI error body with ``message``, and a ``Retry-After`` header
+        (:attr:`retry_after`)."""
+        return _error(503, message, "service_unavailable", headers={"Retry-After": self.retry_after})
 
     async def start(self) -> None:
         """Create the HTTP client and start the health prober (idempotent; routes call it)."""
@@ -376,7 +390,8 @@ def build_router_app(router: Router) -> FastAPI:
     """The router's FastAPI app. Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
     ``GET /v1/models`` (from the first healthy backend), ``GET /health`` (200 while every pool has a healthy
     backend, 503 otherwise; per-backend state as JSON) and ``GET /metrics``. Router-made errors are OpenAI
-    error bodies: 400 ``invalid_request_error``, 502 ``bad_gateway``, 503 ``service_unavailable``."""
+    error bodies: 400 ``invalid_request_error``, 502 ``bad_gateway``, 503 ``service_unavailable`` (with
+    ``Retry-After`` when no backend of the needed kind is healthy)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -396,7 +411,7 @@ def build_router_app(router: Router) -> FastAPI:
             return _error(400, e.message, "invalid_request_error", e.param)
         except NoHealthyBackendError as e:
             router.metrics.local.labels("503", "no_healthy_backend").inc()
-            return _error(503, str(e), "service_unavailable")
+            return router.unavailable(str(e))
         except UpstreamLostError as e:
             router.metrics.local.labels("503", "backend_lost").inc()
             return _error(503, str(e), "service_unavailable")
@@ -422,7 +437,7 @@ def build_router_app(router: Router) -> FastAPI:
                     return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
                 except httpx.HTTPError as e:
                     router.set_health(b, False, f"/v1/models failed: {type(e).__name__}")
-        return _error(503, "no backend is healthy", "service_unavailable")
+        return router.unavailable("no backend is healthy")
 
     @app.get("/health")
     async def health() -> JSONResponse:
