@@ -4,6 +4,7 @@ end to end in front of two real goodserve servers over the tiny random model."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import httpx
@@ -374,6 +375,34 @@ def wait_health(http: httpx.Client, index: int, healthy: bool) -> None:
     while http.get("/health").json()["backends"][index]["healthy"] != healthy:
         assert time.monotonic() < deadline, f"backend {index} did not become healthy={healthy}"
         time.sleep(0.02)
+
+
+def test_probes_log_at_debug_and_a_backend_going_down_warns_once(caplog):
+    """httpx's INFO line per request ("HTTP Request: GET .../health") is silenced and the router's own probe
+    lines are DEBUG, so healthy probes log nothing at INFO; a backend going down logs one WARNING, however
+    many failed probes follow."""
+    from server_fixtures import FakeBackend
+
+    caplog.set_level(logging.INFO)
+    fake = FakeBackend()
+    try:
+        with RouterServer(replicas=[fake.url], health_interval=0.05) as http:
+            http.get("/health")  # starts the prober
+            deadline = time.monotonic() + 5
+            while fake.probes < 4:
+                assert time.monotonic() < deadline, "the router did not probe"
+                time.sleep(0.02)
+            ours = ("httpx", "httpcore", "goodserve")
+            assert [r.getMessage() for r in caplog.records if r.name.split(".")[0] in ours] == []
+            fake.close()
+            wait_health(http, 0, False)
+            time.sleep(0.3)  # six more failed probes
+        logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.split(".")[0] in ours]
+        # refused, or (a probe caught by the shutdown) accepted and dropped
+        assert logged in [[("WARNING", f"backend {fake.url} (replica) is down: /health failed: {e}")]
+                          for e in ("ConnectError", "ReadError", "RemoteProtocolError")], logged
+    finally:
+        fake.close()
 
 
 def _slow_steps(engine, seconds: float):

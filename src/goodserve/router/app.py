@@ -16,13 +16,14 @@ request was sent but before any byte of the answer reached the client (e.g. the 
 prefilling) marks the backend unhealthy and retries the request once on another backend; without one left, or
 on a second loss, the client gets a 503. A connection lost mid-stream, after bytes were relayed, ends the
 client's stream with an OpenAI error event (``code`` 503) and ``[DONE]``. Every backend's ``/health`` is
-probed every ``health_interval`` seconds, which brings a restarted backend back. A client that leaves during a
-stream closes the upstream stream (the backend aborts the request). In P/D mode a client that leaves during a
-hop closes that hop's upstream request too (the backend sees the disconnect and aborts it, C23), and once the
-prefill hop has published a handle that no consumer will pull (the client left, no decode instance took it, or
-it answered an error) the router asks the producer to free the hold at once (``POST /v1/kv_transfer/release``,
-checked against the handle's lease) instead of leaving it to the producer's timeout. In-flight counters are
-released in ``finally`` blocks, whatever happens.
+probed every ``health_interval`` seconds (logged at DEBUG; a backend going down or coming back at WARNING),
+which brings a restarted backend back. A client that leaves during a stream closes the upstream stream (the
+backend aborts the request). In P/D mode a client that leaves during a hop closes that hop's upstream request
+too (the backend sees the disconnect and aborts it, C23), and once the prefill hop has published a handle that
+no consumer will pull (the client left, no decode instance took it, or it answered an error) the router asks
+the producer to free the hold at once (``POST /v1/kv_transfer/release``, checked against the handle's lease)
+instead of leaving it to the producer's timeout. In-flight counters are released in ``finally`` blocks,
+whatever happens.
 ``/health`` reports every backend's state and its own last ``/health`` answer; ``/metrics`` is the router's
 registry followed by every backend's metrics, each sample labelled ``instance="<backend url>"``
 (:func:`relabel_metrics`).
@@ -187,6 +188,16 @@ def _error(status: int, message: str, type_: str, param: Optional[str] = None,
     return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)
 
 
+def quiet_client_logs() -> None:
+    """Raise the ``httpx`` and ``httpcore`` loggers to WARNING: httpx logs every request at INFO (``HTTP
+    Request: GET .../health ...``), so the router's health probes would be most of its log. A level already
+    set on those loggers is kept, and so is DEBUG (``--log-level DEBUG`` still shows every request)."""
+    for name in ("httpx", "httpcore"):
+        log = logging.getLogger(name)
+        if log.level == logging.NOTSET and log.getEffectiveLevel() > logging.DEBUG:
+            log.setLevel(logging.WARNING)
+
+
 class Router:
     """Backends, policies, the HTTP client and the health prober behind the routes.
 
@@ -248,8 +259,10 @@ class Router:
         return _error(503, message, "service_unavailable", headers={"Retry-After": self.retry_after})
 
     async def start(self) -> None:
-        """Create the HTTP client and start the health prober (idempotent; routes call it)."""
+        """Create the HTTP client and start the health prober (idempotent; routes call it); quiet httpx's
+        per-request INFO log (:func:`quiet_client_logs`)."""
         if self._client is None:
+            quiet_client_logs()
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=self.connect_timeout),
                                              limits=httpx.Limits(max_connections=None), trust_env=False)
             self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
@@ -279,9 +292,11 @@ class Router:
             except ValueError:
                 body = r.text
             backend.last_health = {"status_code": r.status_code, "body": body}
+            logger.debug("probe %s: /health answered %d", backend.url, r.status_code)
             self.set_health(backend, r.status_code == 200, f"/health answered {r.status_code}")
         except httpx.HTTPError as e:
             backend.last_health = {"error": f"{type(e).__name__}: {e}"}
+            logger.debug("probe %s: /health failed: %s", backend.url, backend.last_health["error"])
             self.set_health(backend, False, f"/health failed: {type(e).__name__}")
 
     async def _probe_forever(self) -> None:
