@@ -40,7 +40,7 @@ stop
 start taskset -c 0 $G serve --port 18104 --num-threads 1 "${COMMON[@]}"
 start taskset -c 1 $G serve --port 18105 --num-threads 1 "${COMMON[@]}"
 wait_up http://127.0.0.1:18104; wait_up http://127.0.0.1:18105
-start $G router --port 18106 --replica http://127.0.0.1:18104 --replica http://127.0.0.1:18105 --policy least-outstanding-tokens
+start $G router --port 18106 --replica http://127.0.0.1:18104 --replica http://127.0.0.1:18105 --routing least-outstanding-tokens
 wait_up http://127.0.0.1:18106
 $G bench sweep --base-url http://127.0.0.1:18106 --label replicas "${BENCH[@]}" --save-result "$OUT/replicas.json"
 stop

@@ -126,3 +126,43 @@ class RouterServer:
     def __exit__(self, *exc) -> None:
         self.http.close()
         self.thread.__exit__(*exc)
+
+
+class FakeBackend:
+    """A stand-in backend on 127.0.0.1 (``http.server`` in a daemon thread): ``GET /health`` answers 200 ``{}``
+    and every POST answers 200 ``{}``; ``probes`` counts the GETs of ``/health``, ``posts`` the POSTs (the
+    requests a router sent it). ``close()`` stops it: new connections are then refused."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        fake = self
+        self.probes = self.posts = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_GET(self) -> None:
+                fake.probes += self.path == "/health"
+                self._answer()
+
+            def do_POST(self) -> None:
+                fake.posts += 1
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self._answer()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

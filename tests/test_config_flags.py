@@ -61,3 +61,14 @@ def test_every_flag_field_says_what_it_is():
     for cls in (SchedulerConfig, CacheConfig):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("flag", "--").startswith("--") and f.metadata.get("help", "x")
+
+
+def test_router_and_serve_ray_name_the_routing_policy_alike():
+    """``--routing`` on both commands; ``router`` still takes ``--policy`` as an alias of the same flag."""
+    assert _parse("router").routing == _parse("serve").routing == "round-robin"
+    assert _parse("router", "--routing", "prefix-affinity").routing == "prefix-affinity"
+    assert _parse("router", "--policy", "least-outstanding-tokens").routing == "least-outstanding-tokens"
+    assert not hasattr(_parse("router", "--policy", "prefix-affinity"), "policy")
+    assert _parse("serve", "--ray", "--replicas", "2", "--routing", "prefix-affinity").routing == "prefix-affinity"
+    with pytest.raises(SystemExit):
+        _parse("router", "--policy", "random")

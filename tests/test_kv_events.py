@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 
@@ -224,3 +225,83 @@ def test_kv_aware_burst_follows_the_first_request_before_its_events():
     assert policy.select([a, b], second) == 0 and policy.prefill_tokens(a, second) == 6
     now[0] = 6.0  # expired: a would compute 70 + 70 tokens, b 68 + 70
     assert policy.select([a, b], second) == 1
+
+
+# ------------------------------------------------- HTTP: two real goodserve servers behind a kv-aware router
+@pytest.fixture(scope="module")
+def publishing_backends(tmp_path_factory):
+    """Two servers over the same tiny random model, each publishing KV events: ``[(ServerThread, AsyncEngine)]``."""
+    from goodserve.engine.args import EngineArgs
+    from goodserve.engine.async_engine import AsyncEngine
+    from goodserve.engine.engine import Engine
+    from goodserve.server.app import build_app
+    from server_fixtures import ServerThread
+    from tiny_models import make_tiny_hf_model
+
+    model = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
+    out = []
+    try:
+        for _ in range(2):
+            eng = AsyncEngine(Engine(EngineArgs(model=model, dtype="float32", num_blocks=24, block_size=4,
+                                                max_num_batched_tokens=64, max_model_len=128, log_stats_interval=0,
+                                                kv_events_config='{"load_interval": 0}')))
+            out.append((ServerThread(build_app(eng, served_model_name="tiny")).__enter__(), eng))
+        yield out
+    finally:
+        for srv, eng in out:
+            srv.__exit__(None, None, None)
+            eng.shutdown()
+            eng.engine.core.close()
+
+
+def _pool_hashes(eng) -> set[bytes]:
+    return eng.call(lambda e: {h for h, _ in e.core.scheduler.kv_cache_manager.block_pool.cached_items()})
+
+
+def test_router_index_equals_every_replicas_prefix_cache_and_routes_to_the_hit(publishing_backends):
+    import httpx
+
+    from goodserve.router.app import Router
+    from server_fixtures import RouterServer, metric_samples
+
+    (s0, e0), (s1, e1) = publishing_backends
+    info = httpx.get(s0.base_url + "/v1/kv_events").json()
+    assert info["block_size"] == 4 and info["endpoint"].startswith("tcp://127.0.0.1:")
+    router = Router(replicas=[s0.base_url, s1.base_url], policy=KVAware(min_match_tokens=8), health_interval=0.05)
+    with RouterServer(router) as http:
+        def agree() -> bool:
+            views = router.kv_events.index.instances
+            return all(url in views and views[url].hashes == _pool_hashes(e)
+                       for url, e in ((s0.base_url, e0), (s1.base_url, e1)))
+
+        http.get("/health")  # starts the prober, which finds both publishers
+        deadline = time.monotonic() + 10
+        while len(router.kv_events.subscribers) < 2:
+            assert time.monotonic() < deadline, "the router did not subscribe"
+            time.sleep(0.02)
+        shared = list(range(300, 340))  # 10 blocks
+        usage = []
+        for i in range(6):  # the long shared prefix, then distinct prompts that evict on a 24-block pool
+            prompt = shared + [500 + i] * 3 if i % 2 == 0 else list(range(1000 + 60 * i, 1050 + 60 * i))
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3,
+                                                    "temperature": 0})
+            assert r.status_code == 200, r.text
+            usage.append(r.json()["usage"])
+            deadline = time.monotonic() + 10
+            while not agree():
+                assert time.monotonic() < deadline, ("the index did not converge on the pools", i, [
+                    (len(router.kv_events.index.instances.get(u).hashes) if u in router.kv_events.index.instances
+                     else None, len(_pool_hashes(e)), router.kv_events.describe(u))
+                    for u, e in ((s0.base_url, e0), (s1.base_url, e1))])
+                time.sleep(0.02)
+        # the shared prefix's second and third uses went where it was cached: 40 of 43 prompt tokens hit
+        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage[::2]] == [0, 40, 40]
+        body = http.get("/health").json()
+        for b in body["backends"]:
+            assert b["kv_events"]["publishes"] and b["kv_events"]["cached_blocks"] == len(
+                router.kv_events.index.instances[b["url"]].hashes)
+        samples = metric_samples(http)
+        for url in (s0.base_url, s1.base_url):
+            ours = samples[("goodserve:router_kv_index_blocks", frozenset({("backend", url)}))]
+            theirs = samples[("goodserve:prefix_cache_blocks", frozenset({("instance", url)}))]
+            assert ours == theirs == len(router.kv_events.index.instances[url].hashes)

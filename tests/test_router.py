@@ -4,6 +4,7 @@ end to end in front of two real goodserve servers over the tiny random model."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import httpx
@@ -356,6 +357,54 @@ def test_dead_backend_comes_back_after_a_probe(backends):
         assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+def test_no_healthy_replica_503_carries_retry_after():
+    """Retry-After is the health interval rounded up (2.5 s -> 3), on completions and on /v1/models."""
+    with RouterServer(replicas=[dead_url()], connect_timeout=0.5, health_interval=2.5) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert (r.status_code, r.headers.get("retry-after")) == (503, "3")
+        assert r.json() == {"error": {"message": "none of the 1 backends is healthy",
+                                      "type": "service_unavailable", "param": None, "code": 503}}
+        m = http.get("/v1/models")
+        assert (m.status_code, m.headers.get("retry-after")) == (503, "3")
+        assert router_count(http, "goodserve:router_local_errors_total", reason="no_healthy_backend") == 1
+
+
+def wait_health(http: httpx.Client, index: int, healthy: bool) -> None:
+    """Wait (up to 5 s) until the router's ``/health`` shows backend ``index`` as ``healthy``."""
+    deadline = time.monotonic() + 5
+    while http.get("/health").json()["backends"][index]["healthy"] != healthy:
+        assert time.monotonic() < deadline, f"backend {index} did not become healthy={healthy}"
+        time.sleep(0.02)
+
+
+def test_probes_log_at_debug_and_a_backend_going_down_warns_once(caplog):
+    """httpx's INFO line per request ("HTTP Request: GET .../health") is silenced and the router's own probe
+    lines are DEBUG, so healthy probes log nothing at INFO; a backend going down logs one WARNING, however
+    many failed probes follow."""
+    from server_fixtures import FakeBackend
+
+    caplog.set_level(logging.INFO)
+    fake = FakeBackend()
+    try:
+        with RouterServer(replicas=[fake.url], health_interval=0.05) as http:
+            http.get("/health")  # starts the prober
+            deadline = time.monotonic() + 5
+            while fake.probes < 4:
+                assert time.monotonic() < deadline, "the router did not probe"
+                time.sleep(0.02)
+            ours = ("httpx", "httpcore", "goodserve")
+            assert [r.getMessage() for r in caplog.records if r.name.split(".")[0] in ours] == []
+            fake.close()
+            wait_health(http, 0, False)
+            time.sleep(0.3)  # six more failed probes
+        logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.split(".")[0] in ours]
+        # refused, or (a probe caught by the shutdown) accepted and dropped
+        assert logged in [[("WARNING", f"backend {fake.url} (replica) is down: /health failed: {e}")]
+                          for e in ("ConnectError", "ReadError", "RemoteProtocolError")], logged
+    finally:
+        fake.close()
+
+
 def _slow_steps(engine, seconds: float):
     """Make every engine step take at least ``seconds``; returns the undo."""
     real = engine.engine.step
@@ -413,6 +462,36 @@ def test_pd_mode_passes_the_prefill_instances_error_through(backends):
         r = http.post("/v1/completions", json={**body, "n": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_pd_without_a_healthy_decode_answers_503_before_any_prefill_hop():
+    """With the decode pool down the router sends the producer nothing (no hold waits for a consumer): 503 at
+    once, Retry-After at least 1 s, counted as no_healthy_decode. With the prefill pool down: the same 503."""
+    from server_fixtures import FakeBackend
+
+    producer, consumer = FakeBackend(), FakeBackend()
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    try:
+        with RouterServer(prefill=[producer.url], decode=[dead_url()], health_interval=0.2) as http:
+            wait_health(http, 1, False)  # the first /health starts the prober, which finds the decode down
+            for stream in (False, True):
+                r = http.post("/v1/completions", json={**body, "stream": stream})
+                assert (r.status_code, r.headers.get("retry-after")) == (503, "1")
+                assert r.json() == {"error": {"message": "no decode instance is healthy (0 of 1); the request was "
+                                              "not sent to a prefill instance", "type": "service_unavailable",
+                                              "param": None, "code": 503}}
+            assert producer.posts == 0 and producer.probes > 0
+            assert router_count(http, "goodserve:router_local_errors_total", status_code="503",
+                                reason="no_healthy_decode") == 2
+        with RouterServer(prefill=[dead_url()], decode=[consumer.url], health_interval=1.0) as http:
+            r = http.post("/v1/completions", json=body)
+            assert (r.status_code, r.headers.get("retry-after")) == (503, "1")
+            assert r.json()["error"] == {"message": "none of the 1 backends is healthy",
+                                         "type": "service_unavailable", "param": None, "code": 503}
+            assert consumer.posts == 0
+    finally:
+        producer.close()
+        consumer.close()
 
 
 class DroppingBackend:

@@ -165,6 +165,9 @@ class InstanceServer:
             extra = json.loads(kw.get("kv_transfer_config") or "{}")
             extra.update(host=self.host, ucx_net_devices=self.spec.ucx_net_devices)
             kw.update(kv_role=kv_role, kv_transfer_config=json.dumps(extra))
+        if not kw.get("kv_events_config"):  # every instance publishes its KV events for the router (free ports)
+            kw["kv_events_config"] = json.dumps({"endpoint": f"tcp://{self.host}:*",
+                                                 "replay_endpoint": f"tcp://{self.host}:*"})
         return EngineArgs(**{**kw, "serving": True})
 
     def _serve(self) -> None:

@@ -69,6 +69,7 @@ class EngineCore:
             from goodserve.kv_events.publisher import ZmqEventPublisher  # pyzmq: the server extra's
 
             self.kv_events = ZmqEventPublisher(config.kv_events)
+            self.kv_events.publish((), InstanceLoad.of(self.scheduler))  # batch 0: subscribers learn the life
         self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
         self._cold = True  # no step has run yet: the first one pays for cold caches and lazily built kernels
 

@@ -206,11 +206,17 @@ class KVCacheManager:
         if not events:
             return []
         merged: list[KVEvent] = []
+        removed: list[bytes] = []  # a run of removals being merged
         for e in events:
-            if isinstance(e, BlockRemoved) and merged and isinstance(merged[-1], BlockRemoved):
-                merged[-1] = BlockRemoved(merged[-1].block_hashes + e.block_hashes)
-            else:
-                merged.append(e)
+            if isinstance(e, BlockRemoved):
+                removed.extend(e.block_hashes)
+                continue
+            if removed:
+                merged.append(BlockRemoved(tuple(removed)))
+                removed = []
+            merged.append(e)
+        if removed:
+            merged.append(BlockRemoved(tuple(removed)))
         events.clear()
         return merged
 

@@ -10,21 +10,23 @@ Two modes:
 
 Faults: a backend that refuses the connection or does not accept it within ``connect_timeout`` is marked
 unhealthy and the request goes to another backend of the same kind (nothing was sent, so nothing is lost);
-with none left the router answers 503 at once. A connection lost after the request was sent but before any
-byte of the answer reached the client (e.g. the instance was killed while prefilling) marks the backend
-unhealthy and retries the request once on another backend; without one left, or on a second loss, the
-client gets a 503. A connection lost mid-stream, after bytes were relayed, ends the client's stream with an
-OpenAI error event (``code`` 503) and ``[DONE]``. Every backend's ``/health`` is probed every
-``health_interval`` seconds, which brings a restarted backend back. A client that leaves during a stream
-closes the upstream stream (the backend aborts the request). In P/D mode a client that leaves during a hop
-closes that hop's upstream request too (the backend sees the disconnect and aborts it, C23), and once the
-prefill hop has published a handle that no consumer will pull (the client left, no decode instance took it,
-or it answered an error) the router asks the producer to free the hold at once
-(``POST /v1/kv_transfer/release``, checked against the handle's lease) instead of leaving it to the
-producer's timeout. In-flight counters are released in ``finally`` blocks, whatever happens.
+with none left the router answers 503 at once, with ``Retry-After`` (``health_interval`` rounded up, at least
+1 s), and in P/D mode sends no prefill hop while no decode instance is healthy. A connection lost after the
+request was sent but before any byte of the answer reached the client (e.g. the instance was killed while
+prefilling) marks the backend unhealthy and retries the request once on another backend; without one left, or
+on a second loss, the client gets a 503. A connection lost mid-stream, after bytes were relayed, ends the
+client's stream with an OpenAI error event (``code`` 503) and ``[DONE]``. Every backend's ``/health`` is
+probed every ``health_interval`` seconds (logged at DEBUG; a backend going down or coming back at WARNING),
+which brings a restarted backend back. A client that leaves during a stream closes the upstream stream (the
+backend aborts the request). In P/D mode a client that leaves during a hop closes that hop's upstream request
+too (the backend sees the disconnect and aborts it, C23), and once the prefill hop has published a handle that
+no consumer will pull (the client left, no decode instance took it, or it answered an error) the router asks
+the producer to free the hold at once (``POST /v1/kv_transfer/release``, checked against the handle's lease)
+instead of leaving it to the producer's timeout. In-flight counters are released in ``finally`` blocks,
+whatever happens.
 ``/health`` reports every backend's state and its own last ``/health`` answer; ``/metrics`` is the router's
 registry followed by every backend's metrics, each sample labelled ``instance="<backend url>"``
-(:func:`relabel_metrics`).
+(:func:`goodserve.router.metrics.relabel_metrics`).
 """
 
 from __future__ import annotations
@@ -34,50 +36,24 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 from typing import Optional, Sequence
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from goodserve.kv_events.index import KVIndex
 from goodserve.router.kv_follow import KVEventFollower
+from goodserve.router.metrics import RouterMetrics, FixedFamilies, relabel_metrics
 from goodserve.router.policies import (BackendState, KVAware, LeastLoaded, NoHealthyBackendError, RouteRequest,
                                        RoutingPolicy, make_policy)
 from goodserve.router.disaggregated import forward_disaggregated
 from goodserve.router.protocol import RouterRequestError, UpstreamLostError, error_body
 
 logger = logging.getLogger(__name__)
-PREFIX = "goodserve:router_"
-
-
-class RouterMetrics:
-    """The router's own Prometheus registry (never the process-wide default one)."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter(PREFIX + "requests", "Requests sent to a backend, by how they ended: ok (2xx), "
-                                "http_error (the backend's error status), aborted (the client left), "
-                                "backend_error (connection lost), connect_error (never sent).",
-                                ["backend", "role", "outcome"], registry=r)
-        self.backend_errors = Counter(PREFIX + "backend_errors", "Transport errors talking to a backend.",
-                                      ["backend", "kind"], registry=r)
-        self.in_flight = Gauge(PREFIX + "in_flight_requests", "Requests in flight per backend.", ["backend"],
-                               registry=r)
-        self.healthy = Gauge(PREFIX + "backend_healthy", "1 if the backend is in rotation.", ["backend"],
-                             registry=r)
-        self.local = Counter(PREFIX + "local_errors", "Requests the router answered itself with an error.",
-                             ["status_code", "reason"], registry=r)
-        self.kv_index_blocks = Gauge(PREFIX + "kv_index_blocks", "Prefix-cache blocks the router's index holds for "
-                                     "a backend, from its KV events (compare goodserve:prefix_cache_blocks).",
-                                     ["backend"], registry=r)
-        self.kv_releases = Counter(PREFIX + "kv_hold_releases", "Holds the router asked a producer to free (P/D), by "
-                                   "answer: released, pulling (a consumer is reading it), not_found, error.",
-                                   ["backend", "outcome"], registry=r)
 
 
 @dataclasses.dataclass
@@ -154,39 +130,19 @@ class _RelayResponse(StreamingResponse):
                 await self.upstream.aclose()
 
 
-def relabel_metrics(text: str, instance: str) -> list:
-    """Parse a Prometheus text exposition and add the label ``instance=<instance>`` to every sample.
-
-    Args:
-        text: Prometheus text format (as a backend's ``/metrics`` serves it).
-        instance: The label's value (the router uses the backend's base URL).
-
-    Returns:
-        The metric families (``prometheus_client.Metric``), samples relabelled.
-
-    Raises:
-        ValueError: if ``text`` is not valid exposition text.
-    """
-    families = []
-    for fam in text_string_to_metric_families(text):
-        fam.samples = [Sample(s.name, {**s.labels, "instance": instance}, s.value, s.timestamp, s.exemplar)
-                       for s in fam.samples]
-        families.append(fam)
-    return families
+def _error(status: int, message: str, type_: str, param: Optional[str] = None,
+           headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, status, param), status_code=status, headers=headers)
 
 
-class _Families:
-    """A collector that yields fixed metric families (to expose them with ``generate_latest``)."""
-
-    def __init__(self, families: list) -> None:
-        self.families = families
-
-    def collect(self):
-        return iter(self.families)
-
-
-def _error(status: int, message: str, type_: str, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status, param), status_code=status)
+def quiet_client_logs() -> None:
+    """Raise the ``httpx`` and ``httpcore`` loggers to WARNING: httpx logs every request at INFO (``HTTP
+    Request: GET .../health ...``), so the router's health probes would be most of its log. A level already
+    set on those loggers is kept, and so is DEBUG (``--log-level DEBUG`` still shows every request)."""
+    for name in ("httpx", "httpcore"):
+        log = logging.getLogger(name)
+        if log.level == logging.NOTSET and log.getEffectiveLevel() > logging.DEBUG:
+            log.setLevel(logging.WARNING)
 
 
 class Router:
@@ -241,9 +197,22 @@ class Router:
     def disaggregated(self) -> bool:
         return "prefill" in self.pools
 
+    @property
+    def retry_after(self) -> str:
+        """The ``Retry-After`` of a 503 for no healthy backend: ``health_interval`` rounded up to whole
+        seconds, at least 1 (the next probe may bring a backend back)."""
+        return str(max(1, math.ceil(self.health_interval)))
+
+    def unavailable(self, message: str) -> JSONResponse:
+        """A 503 ``service_unavailable`` OpenAI error body with ``message``, and a ``Retry-After`` header
+        (:attr:`retry_after`)."""
+        return _error(503, message, "service_unavailable", headers={"Retry-After": self.retry_after})
+
     async def start(self) -> None:
-        """Create the HTTP client and start the health prober (idempotent; routes call it)."""
+        """Create the HTTP client and start the health prober (idempotent; routes call it); quiet httpx's
+        per-request INFO log (:func:`quiet_client_logs`)."""
         if self._client is None:
+            quiet_client_logs()
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=self.connect_timeout),
                                              limits=httpx.Limits(max_connections=None), trust_env=False)
             self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
@@ -275,11 +244,13 @@ class Router:
                 body = r.text
             backend.last_health = {"status_code": r.status_code, "body": body}
             was_healthy = backend.state.healthy
+            logger.debug("probe %s: /health answered %d", backend.url, r.status_code)
             self.set_health(backend, r.status_code == 200, f"/health answered {r.status_code}")
             if r.status_code == 200 and (not was_healthy or backend.url not in self.kv_events.info):
                 await self.kv_events.check(self._client, backend.url, max(self.connect_timeout, 1.0))
         except httpx.HTTPError as e:
             backend.last_health = {"error": f"{type(e).__name__}: {e}"}
+            logger.debug("probe %s: /health failed: %s", backend.url, backend.last_health["error"])
             self.set_health(backend, False, f"/health failed: {type(e).__name__}")
 
     async def _probe_forever(self) -> None:
@@ -391,7 +362,8 @@ def build_router_app(router: Router) -> FastAPI:
     """The router's FastAPI app. Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
     ``GET /v1/models`` (from the first healthy backend), ``GET /health`` (200 while every pool has a healthy
     backend, 503 otherwise; per-backend state as JSON) and ``GET /metrics``. Router-made errors are OpenAI
-    error bodies: 400 ``invalid_request_error``, 502 ``bad_gateway``, 503 ``service_unavailable``."""
+    error bodies: 400 ``invalid_request_error``, 502 ``bad_gateway``, 503 ``service_unavailable`` (with
+    ``Retry-After`` when no backend of the needed kind is healthy)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -411,7 +383,7 @@ def build_router_app(router: Router) -> FastAPI:
             return _error(400, e.message, "invalid_request_error", e.param)
         except NoHealthyBackendError as e:
             router.metrics.local.labels("503", "no_healthy_backend").inc()
-            return _error(503, str(e), "service_unavailable")
+            return router.unavailable(str(e))
         except UpstreamLostError as e:
             router.metrics.local.labels("503", "backend_lost").inc()
             return _error(503, str(e), "service_unavailable")
@@ -437,7 +409,7 @@ def build_router_app(router: Router) -> FastAPI:
                     return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
                 except httpx.HTTPError as e:
                     router.set_health(b, False, f"/v1/models failed: {type(e).__name__}")
-        return _error(503, "no backend is healthy", "service_unavailable")
+        return router.unavailable("no backend is healthy")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -475,7 +447,7 @@ def build_router_app(router: Router) -> FastAPI:
         text = generate_latest(router.metrics.registry)
         if merged:
             registry = CollectorRegistry(auto_describe=False)
-            registry.register(_Families(list(merged.values())))
+            registry.register(FixedFamilies(list(merged.values())))
             text += generate_latest(registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 

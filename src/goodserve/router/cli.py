@@ -19,12 +19,15 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
                    help="base URL of a decode instance (P/D mode; least KV usage, then outstanding tokens)")
     g = p.add_argument_group("routing")
-    g.add_argument("--policy", choices=sorted(POLICIES), default="round-robin", help="replicas' policy")
+    g.add_argument("--routing", "--policy", dest="routing", choices=sorted(POLICIES), default="round-robin",
+                   help="replicas' routing policy (as on serve --ray; --policy is an alias)")
     g.add_argument("--prefix-block-size", type=int, default=16, help="prefix-affinity: tokens per hashed block")
     g.add_argument("--prefix-block-bytes", type=int, default=64,
                    help="prefix-affinity: UTF-8 bytes per hashed block of a text prompt")
     g.add_argument("--balance-slack", type=float, default=0.5,
                    help="prefix-affinity: leave a backend over (1 + slack) * mean outstanding tokens + abs")
+    g.add_argument("--min-match-tokens", type=int, default=32,
+                   help="kv-aware: a prefix hit shorter than this on every backend is ignored (least loaded wins)")
     g.add_argument("--balance-abs-tokens", type=int, default=1024, help="prefix-affinity: the bound's abs term")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
@@ -48,12 +51,14 @@ def run_router(args: argparse.Namespace) -> int:
     from goodserve.router.policies import make_policy
 
     kwargs = {}
-    if args.policy == "prefix-affinity":
+    if args.routing == "prefix-affinity":
         kwargs = dict(block_size=args.prefix_block_size, block_bytes=args.prefix_block_bytes,
                       balance_slack=args.balance_slack, balance_abs_tokens=args.balance_abs_tokens)
+    elif args.routing == "kv-aware":
+        kwargs = dict(min_match_tokens=args.min_match_tokens)
     if not (args.connect_timeout > 0 and args.health_interval > 0):
         raise ValueError("--connect-timeout and --health-interval must be > 0")
-    router = Router(args.replica, args.prefill, args.decode, make_policy(args.policy, **kwargs),
+    router = Router(args.replica, args.prefill, args.decode, make_policy(args.routing, **kwargs),
                     connect_timeout=args.connect_timeout, health_interval=args.health_interval)
     logging.getLogger(__name__).info("routing on http://%s:%d/v1 to %s", args.host, args.port,
                                      ", ".join(f"{b.role} {b.url}" for b in router.backends))

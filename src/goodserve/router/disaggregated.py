@@ -7,7 +7,9 @@ published a handle, the producer holds the prompt's blocks for a consumer; whene
 them (the client left, no decode instance took the request, or it answered an error) the router asks the
 producer to free them at once (``POST /v1/kv_transfer/release`` with the handle, checked there against its
 lease; a hold a consumer is reading is left to that consumer) instead of leaving them to the producer's
-``--kv-transfer-timeout``.
+``--kv-transfer-timeout``. While no decode instance is healthy no prefill hop is sent at all (a 503 at once:
+its hold would wait for nobody); a decode pool that goes down between that check and the decode hop is the
+release case above.
 """
 
 from __future__ import annotations
@@ -39,13 +41,21 @@ async def forward_disaggregated(router: "Router", path: str, body: dict, request
 
     Returns:
         The decode instance's answer (streamed or not), the prefill instance's error, a 502 if its answer has
-        no handle, or a bare 499 if the client left.
+        no handle, a bare 499 if the client left, or a 503 ``service_unavailable`` with ``Retry-After``
+        before any hop if no decode instance is healthy (counted as ``local_errors{reason="no_healthy_decode"}``).
 
     Raises:
-        NoHealthyBackendError, UpstreamLostError, httpx.HTTPError: as :meth:`Router.route` (the hold is
-            released first).
+        RouterRequestError: a body the hops cannot carry (see :func:`prefill_request_body`).
+        NoHealthyBackendError, UpstreamLostError, httpx.HTTPError: as :meth:`Router.route` (after the
+            prefill hop, the hold is released first).
     """
-    hop = await unless_client_leaves(http_request, _prefill(router, path, prefill_request_body(body), request))
+    first = prefill_request_body(body)
+    decode = router.pools["decode"]
+    if not any(b.state.healthy for b in decode):
+        router.metrics.local.labels("503", "no_healthy_decode").inc()
+        return router.unavailable(f"no decode instance is healthy (0 of {len(decode)}); the request was not "
+                                  "sent to a prefill instance")
+    hop = await unless_client_leaves(http_request, _prefill(router, path, first, request))
     if hop is None:
         logger.info("client left during the prefill hop: its request to the prefill instance is closed")
         return Response(status_code=499)

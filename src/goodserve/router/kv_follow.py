@@ -53,20 +53,19 @@ class KVEventFollower:
         except httpx.HTTPError as e:
             logger.debug("GET %s/v1/kv_events failed: %s", url, e)
             return
-        if r.status_code != 200:
-            if self.info.get(url, 0) is not None:
-                logger.info("backend %s publishes no KV events (GET /v1/kv_events: %d)", url, r.status_code)
-            self.info[url] = None
-            await self._drop(url)
-            return
         try:
+            if r.status_code != 200:
+                raise ValueError(f"GET /v1/kv_events answered {r.status_code}")
             info = r.json()
             endpoint = connect_address(str(info["endpoint"]), url)
             replay = info.get("replay_endpoint")
             replay = connect_address(str(replay), url) if replay else None
             topic = str(info.get("topic", ""))
         except (ValueError, KeyError, TypeError) as e:
-            logger.warning("backend %s: unreadable /v1/kv_events answer: %s", url, e)
+            if self.info.get(url, 0) is not None:  # said once per backend
+                logger.debug("backend %s publishes no KV events (%s)", url, e)
+            self.info[url] = None
+            await self._drop(url)
             return
         old = self.subscribers.get(url)
         if old is not None and (old.endpoint, old.replay_endpoint, old.topic) == (endpoint, replay, topic):
