@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from factories import create_requests, create_scheduler, fake_step
+from factories import create_requests, fake_step
 from goodserve.config import CacheConfig, SchedulerConfig
 from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_events.events import (AllBlocksCleared, BlockRemoved, BlockStored, InstanceLoad, KVEventBatch,
@@ -305,3 +305,20 @@ def test_router_index_equals_every_replicas_prefix_cache_and_routes_to_the_hit(p
             ours = samples[("goodserve:router_kv_index_blocks", frozenset({("backend", url)}))]
             theirs = samples[("goodserve:prefix_cache_blocks", frozenset({("instance", url)}))]
             assert ours == theirs == len(router.kv_events.index.instances[url].hashes)
+
+
+def test_pd_decode_choice_reads_the_published_kv_usage():
+    """The P/D decode pool goes by least KV usage: the usage each consumer published with its KV events."""
+    from goodserve.router.app import Router
+
+    router = Router(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2", "http://127.0.0.1:3"])
+    pool = router.pools["decode"]
+    for b, usage in zip(pool, (0.9, 0.2)):
+        router.kv_events.index.apply(b.url, KVEventBatch(0.0, (), InstanceLoad(usage, 4, 0, 0), stream_id=b.url))
+    router.refresh_kv_usage(pool)
+    assert [b.state.kv_usage for b in pool] == [0.9, 0.2]
+    assert router.policies["decode"].select([b.state for b in pool], RouteRequest(0, 0)) == 1
+    router.kv_events.index.forget(pool[1].url)  # publishes nothing (any more): unknown usage counts as 0
+    router.refresh_kv_usage(pool)
+    assert pool[1].state.kv_usage is None
+    assert router.policies["decode"].select([b.state for b in pool], RouteRequest(0, 0)) == 1

@@ -23,6 +23,8 @@ RULES = [
     ("scheduler", "torch", "the scheduler runs in the simulator"),
     ("kv_cache", "torch", "the KV cache manager runs in the simulator"),
     ("router", "torch", "the router's policies run in the simulator, and the router process needs no model"),
+    ("kv_events", "torch", "the KV cache records events, and the router and the simulator read them"),
+    ("kv_events", "goodserve.router", "the router follows KV events, never the reverse"),
     ("spec", "torch", "the speculation length and the n-gram proposer run in the scheduler (and the simulator)"),
     *((f"kv_transfer/{m}.py", "torch", "the scheduler (and so the simulator) reads the hand-off's plain data")
       for m in ("__init__", "params", "config", "messages")),

@@ -99,13 +99,25 @@ def test_two_replicas_answer_as_one_instance_and_metrics_aggregate(tiny_model, r
             [(urls[0], True, 200), (urls[1], True, 200)]
 
 
+def wait_subscribed(http) -> list[dict]:
+    """Wait until the ingress follows every instance's KV events (the first probes find them); their states."""
+    deadline = time.monotonic() + 30
+    while True:
+        states = [b["kv_events"] for b in http.get("/health").json()["backends"]]
+        if all(s["publishes"] and s["stream_id"] for s in states):
+            return states
+        assert time.monotonic() < deadline, f"the router did not follow the instances' KV events: {states}"
+        time.sleep(0.1)
+
+
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_instance(replicas):
-    """Four prompts sharing a 64-token prefix (16 blocks), distinct 4-token tails: prefix affinity sends the
-    three repeats where the first went, each finding all 64 tokens cached; round-robin (a fresh prefix)
-    alternates, so only its third and fourth requests hit."""
+    """Four prompts sharing a 64-token prefix (16 blocks), distinct 4-token tails: prefix affinity and
+    kv-aware (on the instances' published KV events) send the three repeats where the first went, each finding
+    all 64 tokens cached; round-robin (a fresh prefix) alternates, so only its third and fourth requests hit."""
     def cached(policy: str, base: int) -> list[int]:
         out = []
         with Ingress(replicas, policy) as http:
+            wait_subscribed(http)
             for i in range(4):
                 prompt = list(range(base, base + 64)) + [900 + 10 * i + t for t in range(4)]
                 r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
@@ -114,6 +126,7 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_instance(replicas):
         return out
 
     assert cached("prefix-affinity", 1000) == [0, 64, 64, 64]
+    assert cached("kv-aware", 3000) == [0, 64, 64, 64]
     assert cached("round-robin", 5000) == [0, 0, 64, 64]
 
 
@@ -148,6 +161,7 @@ def test_killed_instance_ends_its_stream_cleanly_and_rejoins_after_restart(ray_l
     old_pid = ray_local.get(actor.pid.remote())
     body = {"model": MODEL, "prompt": list(range(10, 30)), "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with Ingress(replicas) as http:
+        old_stream = wait_subscribed(http)[0]["stream_id"]
         t0 = time.monotonic()
         with http.stream("POST", "/v1/completions", json=body) as s:  # round-robin: the first goes to replica 0
             assert s.status_code == 200
@@ -171,6 +185,11 @@ def test_killed_instance_ends_its_stream_cleanly_and_rejoins_after_restart(ray_l
             assert time.monotonic() < deadline, f"the instance did not rejoin: {backend}"
             time.sleep(0.2)
         assert ray_local.get(actor.pid.remote()) != old_pid
+        # the router follows the restarted instance's new publisher (another life: new stream_id)
+        deadline = time.monotonic() + 30
+        while wait_subscribed(http)[0]["stream_id"] == old_stream:
+            assert time.monotonic() < deadline, "the router did not follow the restarted instance's KV events"
+            time.sleep(0.1)
         for _ in range(2):  # round-robin: one of them on the restarted instance
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
             assert r.status_code == 200, r.text

@@ -490,3 +490,23 @@ def test_cli_sweep_reports_the_highest_rate_meeting_the_slos(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "chunked-disagg: goodput 4 req/s" in text and "per instance" in text
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_kv_aware_routes_on_the_replicas_kv_events_in_simulation():
+    """The simulator feeds the kv-aware policy's index the replicas' own KV events (issue 35): on the shared
+    prefixes it finds every later request's group where it is cached, as prefix affinity does (12 x 32 hit
+    tokens of 16 x 36), and after the run the index equals every replica's prefix cache."""
+    from goodserve.kv_events.events import KVEventBatch
+    from goodserve.router.policies import KVAware
+
+    sim, res = simulate(cluster(num_replicas=4, routing="kv-aware", num_blocks=128), shared_prefix_workload())
+    assert type(sim._policies["front"]) is KVAware and res.summary.completed == 16
+    assert res.prefix_cache_hit_rate == pytest.approx(12 * 32 / (16 * 36))
+    assert [(s.outstanding_requests, s.outstanding_tokens, s.queued_prefill_tokens, s.queued_prefill_requests)
+            for s in sim.backend_states.values()] == [(0, 0, 0, 0)] * 4
+    assert_no_leak(sim)
+    for inst in sim.instances:
+        manager = inst.scheduler.kv_cache_manager
+        sim.kv_index.apply(inst.name, KVEventBatch(sim.now, tuple(manager.take_kv_events()), stream_id=inst.name))
+        assert sim.kv_index.instances[inst.name].hashes == {h for h, _ in manager.block_pool.cached_items()}
+        assert sim.kv_index.instances[inst.name].hashes

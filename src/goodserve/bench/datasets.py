@@ -15,6 +15,9 @@ Datasets:
   length is the output length.
 * ``code-copy`` — input-grounded (:mod:`goodserve.bench.grounded`): a real source file in the prompt and
   an output that reproduces it, with ``azure-code``'s lengths; the workload of speculation by prompt lookup.
+* ``prefix-repetition`` — shared-prefix prompts in the shape of vLLM's benchmark dataset of that name: each
+  prompt is one of ``num_prefixes`` random "system prompts" of ``prefix_len`` tokens followed by a private
+  random "question" of ``suffix_len`` tokens; output ``output_len`` tokens (:func:`prefix_repetition`).
 * ``jsonl`` — one JSON object per line: ``prompt`` (text or token ids, optional), ``prompt_len`` (optional
   when ``prompt`` is given), ``output_len``, and optionally ``arrival`` (seconds) or ``timestamp`` (ms).
 
@@ -33,7 +36,7 @@ from goodserve.workload.datasets import (AZURE_FILES, MOONCAKE_BLOCK, SPECIAL_ID
                                         load_mooncake, random_lengths, synthesise_prompts,
                                         synthesise_shared_prompts)
 
-DATASETS = ("random", *sorted(AZURE_FILES), "mooncake", "code-copy", "sharegpt-file", "jsonl")
+DATASETS = ("random", *sorted(AZURE_FILES), "mooncake", "prefix-repetition", "code-copy", "sharegpt-file", "jsonl")
 
 
 @dataclass(frozen=True)
@@ -129,11 +132,74 @@ def load_jsonl(path: str, num_prompts: int, tokenizer: Any, vocab_size: int, see
     return out
 
 
+def prefix_repetition(num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
+                      vocab_size: int, max_model_len: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """Token-id prompts sharing ``num_prefixes`` prefixes (the ``prefix-repetition`` dataset).
+
+    Prefix ``i`` serves requests ``i, i + num_prefixes, ...`` before a seeded shuffle, so every prefix serves
+    ``num_prompts // num_prefixes`` or one more requests, in random order. Distinct prefixes start with
+    distinct tokens (they share no leading token, hence no cached block); suffixes are pairwise distinct.
+    Ids are drawn from ``[SPECIAL_IDS, vocab_size)``; the same arguments give the same prompts.
+
+    Args:
+        num_prompts: How many prompts.
+        prefix_len: Tokens of each shared prefix.
+        suffix_len: Tokens of each request's private suffix.
+        num_prefixes: How many distinct prefixes.
+        output_len: Output tokens per request (only checked against the context here).
+        vocab_size: Vocabulary size; ids come from ``[SPECIAL_IDS, vocab_size)``.
+        max_model_len: Context length in tokens.
+        seed: Seed of the prefixes, suffixes and order.
+
+    Returns:
+        ``num_prompts`` prompts of ``prefix_len + suffix_len`` token ids each.
+
+    Raises:
+        ValueError: if a length or count is below 1, ``num_prefixes > num_prompts`` (a prefix would go unused),
+            ``prefix_len + suffix_len + output_len > max_model_len``, or the vocabulary's ordinary ids are too
+            few for distinct first tokens or distinct suffixes.
+    """
+    for name, v in (("num_prompts", num_prompts), ("prefix_len", prefix_len), ("suffix_len", suffix_len),
+                    ("num_prefixes", num_prefixes), ("output_len", output_len)):
+        if v < 1:
+            raise ValueError(f"prefix-repetition: {name} must be >= 1, got {v}")
+    if num_prefixes > num_prompts:
+        raise ValueError(f"prefix-repetition: num_prefixes ({num_prefixes}) must be <= num_prompts ({num_prompts}), "
+                         "or some prefixes are never sent")
+    if prefix_len + suffix_len + output_len > max_model_len:
+        raise ValueError(f"prefix-repetition: prefix_len + suffix_len + output_len = {prefix_len} + {suffix_len} + "
+                         f"{output_len} = {prefix_len + suffix_len + output_len} tokens exceeds max_model_len "
+                         f"{max_model_len}")
+    ordinary = vocab_size - SPECIAL_IDS
+    if ordinary < num_prefixes:
+        raise ValueError(f"prefix-repetition: vocab_size {vocab_size} has {max(ordinary, 0)} ids above the "
+                         f"{SPECIAL_IDS} reserved ones, fewer than num_prefixes ({num_prefixes}) distinct first tokens")
+    n_suffixes = ordinary ** min(suffix_len, 64)  # >= 2**64 unless ordinary == 1: the cap changes no answer
+    if n_suffixes < num_prompts:
+        raise ValueError(f"prefix-repetition: {ordinary} ordinary ids make only {n_suffixes} distinct "
+                         f"{suffix_len}-token suffixes, fewer than num_prompts ({num_prompts})")
+    rng = random.Random(seed)
+    firsts = rng.sample(range(SPECIAL_IDS, vocab_size), num_prefixes)
+    prefixes = [(f, *(rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(prefix_len - 1))) for f in firsts]
+    order = [i % num_prefixes for i in range(num_prompts)]
+    rng.shuffle(order)
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for i in order:
+        suffix = tuple(rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(suffix_len))
+        while suffix in seen:
+            suffix = tuple(rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(suffix_len))
+        seen.add(suffix)
+        out.append(prefixes[i] + suffix)
+    return out
+
+
 def build_workload(dataset: str, num_prompts: int, *, tokenizer: Any, vocab_size: int, max_model_len: int,
                    dataset_path: Optional[str] = None, input_len: int = 512, output_len: int = 128,
                    range_ratio: float = 0.0, max_input_len: Optional[int] = None,
                    max_output_len: Optional[int] = None, length_scale: float = 1.0, start: int = 0,
-                   text_prompts: bool = False, seed: int = 0) -> list[BenchRequest]:
+                   text_prompts: bool = False, seed: int = 0, prefix_len: int = 256, suffix_len: int = 32,
+                   num_prefixes: int = 4) -> list[BenchRequest]:
     """Build the benchmark's requests.
 
     Args:
@@ -144,15 +210,19 @@ def build_workload(dataset: str, num_prompts: int, *, tokenizer: Any, vocab_size
         vocab_size: Token ids of synthetic prompts are drawn from ``[256, vocab_size)``.
         max_model_len: The server's context length; every request fits in it.
         dataset_path: File of ``sharegpt-file``/``jsonl`` (or another Mooncake-format trace).
-        input_len, output_len, range_ratio: Lengths of the ``random`` dataset.
-        max_input_len, max_output_len: Clip prompt / output lengths (tokens).
+        input_len, output_len, range_ratio: Lengths of the ``random`` dataset (``output_len`` is also
+            ``prefix-repetition``'s output length).
+        max_input_len, max_output_len: Clip prompt / output lengths (tokens); ``prefix-repetition`` ignores them.
         length_scale: Mooncake length multiplier.
         start: First row of a trace.
         text_prompts: Decode synthetic token ids to text (for the chat endpoint).
         seed: Seed of lengths and synthetic prompts.
+        prefix_len, suffix_len, num_prefixes: ``prefix-repetition``: tokens of each shared prefix, tokens of
+            each request's own suffix, and how many distinct prefixes (see :func:`prefix_repetition`).
 
     Raises:
-        ValueError: for an unknown dataset, a missing ``dataset_path`` or a short file.
+        ValueError: for an unknown dataset, a missing ``dataset_path``, a short file, or ``prefix-repetition``
+            lengths that are below 1 or do not fit in ``max_model_len`` (see :func:`prefix_repetition`).
     """
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {DATASETS}")
@@ -170,6 +240,10 @@ def build_workload(dataset: str, num_prompts: int, *, tokenizer: Any, vocab_size
         rows = build_code_copy(num_prompts, tokenizer, max_model_len, max_input_len or 1024, max_output_len or 256,
                                seed)
         return [BenchRequest(prompt, n_in, n_out) for prompt, n_in, n_out in rows]
+    if dataset == "prefix-repetition":
+        ids = prefix_repetition(num_prompts, prefix_len, suffix_len, num_prefixes, output_len, vocab_size,
+                                max_model_len, seed)
+        return [BenchRequest(tokenizer.decode(list(p)) if text_prompts else p, len(p), output_len) for p in ids]
     if dataset == "mooncake":
         rows = load_mooncake(num_prompts, length_scale, start, dataset_path)
         clipped = clip_specs([s for s, _ in rows], max_model_len, max_input_len, max_output_len)

@@ -66,7 +66,10 @@ def _add_common(p: argparse.ArgumentParser, two_servers: bool) -> None:
     w.add_argument("--dataset-path", default=None)
     w.add_argument("--num-prompts", type=int, default=100)
     w.add_argument("--input-len", type=int, default=512, help="random dataset: prompt tokens")
-    w.add_argument("--output-len", type=int, default=128, help="random dataset: output tokens")
+    w.add_argument("--output-len", type=int, default=128, help="random and prefix-repetition: output tokens")
+    w.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: tokens of each shared prefix")
+    w.add_argument("--suffix-len", type=int, default=32, help="prefix-repetition: tokens of each request's suffix")
+    w.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct shared prefixes")
     w.add_argument("--range-ratio", type=float, default=0.0, help="random dataset: lengths vary by +-this")
     w.add_argument("--max-input-len", type=int, default=None, help="clip prompts to this many tokens")
     w.add_argument("--max-output-len", type=int, default=None, help="clip outputs to this many tokens")
@@ -220,11 +223,12 @@ def build_from_server(args: argparse.Namespace, base_url: str, seed: Optional[in
         max_model_len=int(max_model_len) - (64 if chat else 0), dataset_path=args.dataset_path,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         max_input_len=args.max_input_len, max_output_len=args.max_output_len, length_scale=args.length_scale,
-        start=args.trace_start, text_prompts=chat, seed=seed)
+        start=args.trace_start, text_prompts=chat, seed=seed, prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len, num_prefixes=args.num_prefixes)
     config = {k: getattr(args, k, None) for k in (
         "endpoint", "dataset", "dataset_path", "num_prompts", "input_len", "output_len", "range_ratio",
         "max_input_len", "max_output_len", "length_scale", "trace_start", "burstiness", "max_concurrency",
-        "seed", "tokenizer")}
+        "seed", "tokenizer", "prefix_len", "suffix_len", "num_prefixes")}
     classes = parse_slo_class_mix(args.slo_class)
     if classes:
         assigned = assign_slo_classes(len(requests), classes, args.seed)

@@ -258,6 +258,12 @@ class Router:
             await asyncio.sleep(self.health_interval)
             await asyncio.gather(*(self._probe(b) for b in self.backends))
 
+    def refresh_kv_usage(self, pool: Sequence[Backend]) -> None:
+        """Set each backend's ``kv_usage`` to what it last published with its KV events (``None``: nothing)."""
+        for b in pool:
+            load = self.kv_events.load(b.url)
+            b.state.kv_usage = load.kv_usage if load is not None else None
+
     async def open(self, role: str, path: str, body: dict, request: RouteRequest) -> tuple[_Flight, httpx.Response]:
         """Send ``body`` to a backend of ``role`` chosen by its policy; on a failed connection mark that backend
         unhealthy and choose again.
@@ -271,9 +277,7 @@ class Router:
                 headers (the backend is marked unhealthy).
         """
         pool, policy = self.pools[role], self.policies[role]
-        for b in pool:  # the KV usage each backend published last (P/D decode choice)
-            load = self.kv_events.load(b.url)
-            b.state.kv_usage = load.kv_usage if load is not None else None
+        self.refresh_kv_usage(pool)
         while True:
             backend = pool[policy.select([b.state for b in pool], request)]
             flight = _Flight(self, backend, request, policy.prefill_tokens(backend.state, request))

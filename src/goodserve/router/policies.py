@@ -36,6 +36,9 @@ from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients
 BYTES_PER_TOKEN = 4
 # max_tokens assumed for the load accounting of a request that does not state it.
 DEFAULT_MAX_TOKENS = 256
+# kv-aware: predicted TTFTs this close to the best are a tie (fitted coefficients differ by rounding noise
+# between instances), which the longer cache hit wins.
+TIE_RTOL, TIE_ATOL_S = 1e-3, 1e-6
 
 
 class NoHealthyBackendError(Exception):
@@ -332,7 +335,8 @@ class KVAware(RoutingPolicy):
 
     When no instance holds at least ``min_match_tokens`` of the prompt, hits are ignored and the request
     goes to the least-loaded instance (a shared system header of a few tokens should not steer traffic:
-    SGLang's cache threshold). Ties go to the longer hit, then fewer outstanding tokens, then the index.
+    SGLang's cache threshold). Predictions within 0.1% of the best are ties, which go to the longer hit,
+    then fewer outstanding tokens, then the index.
     After a choice the request's blocks are recorded as pending on the chosen instance
     (:meth:`KVIndex.expect`), so a burst sharing a prefix follows the first request before its events arrive.
 
@@ -388,7 +392,9 @@ class KVAware(RoutingPolicy):
         if max(hits.values()) < self.min_match_tokens:
             hits = dict.fromkeys(hits, 0)
         cost = {i: self._priced(backends[i], request.prompt_tokens - hits[i], hits[i]) for i in healthy}
-        chosen = min(healthy, key=lambda i: (cost[i], -hits[i], backends[i].outstanding_tokens, i))
+        best = min(cost.values())
+        near = [i for i in healthy if cost[i] <= best * (1 + TIE_RTOL) + TIE_ATOL_S]  # fitted noise is no reason
+        chosen = min(near, key=lambda i: (-hits[i], cost[i], backends[i].outstanding_tokens, i))
         self.index.expect(backends[chosen].name, hashes[chosen], now)
         self._last = (request, {backends[i].name: request.prompt_tokens - hits[i] for i in healthy})
         return chosen
