@@ -280,9 +280,11 @@ def test_router_index_equals_every_replicas_prefix_cache_and_routes_to_the_hit(p
             assert time.monotonic() < deadline, "the router did not subscribe"
             time.sleep(0.02)
         shared = list(range(300, 340))  # 10 blocks
-        usage = []
+        usage, held = [], []
         for i in range(6):  # the long shared prefix, then distinct prompts that evict on a 24-block pool
             prompt = shared + [500 + i] * 3 if i % 2 == 0 else list(range(1000 + 60 * i, 1050 + 60 * i))
+            index = router.kv_events.index
+            held.append(4 * max(index.match(u, index.block_hashes(u, prompt)) for u in (s0.base_url, s1.base_url)))
             r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3,
                                                     "temperature": 0})
             assert r.status_code == 200, r.text
@@ -294,8 +296,10 @@ def test_router_index_equals_every_replicas_prefix_cache_and_routes_to_the_hit(p
                      else None, len(_pool_hashes(e)), router.kv_events.describe(u))
                     for u, e in ((s0.base_url, e0), (s1.base_url, e1))])
                 time.sleep(0.02)
-        # the shared prefix's second and third uses went where it was cached: 40 of 43 prompt tokens hit
-        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage[::2]] == [0, 40, 40]
+        # every request went where its prefix was cached (both replicas idle: the hit wins), so it found
+        # exactly what the index said was held somewhere; the shared prefix's second use: 40 of 43 tokens
+        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage] == held
+        assert held[2] == 40
         body = http.get("/health").json()
         for b in body["backends"]:
             assert b["kv_events"]["publishes"] and b["kv_events"]["cached_blocks"] == len(
@@ -322,3 +326,42 @@ def test_pd_decode_choice_reads_the_published_kv_usage():
     router.refresh_kv_usage(pool)
     assert pool[1].state.kv_usage is None
     assert router.policies["decode"].select([b.state for b in pool], RouteRequest(0, 0)) == 1
+
+
+def test_router_tokenizer_gives_the_servers_token_ids_and_kv_aware_routes_chat_to_the_hit(publishing_backends):
+    """With the model's tokenizer the router hashes text and chat prompts as the engine will: its ids equal
+    the server's /tokenize, and chats sharing a long system prompt follow the replica that cached it."""
+    import httpx
+
+    from goodserve.router.app import Router
+    from goodserve.router.tokenize import PromptTokenizer
+    from server_fixtures import RouterServer
+
+    (s0, e0), (s1, e1) = publishing_backends
+    tok = PromptTokenizer.load(e0.model_path)
+    system = {"role": "system", "content": "You answer in one word. " * 6}
+    bodies = [{"prompt": "The capital of France is"},
+              {"messages": [system, {"role": "user", "content": "Sky colour?"}]},
+              {"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                            {"role": "user", "content": "Hi"}]}]
+    for body in bodies:
+        want = httpx.post(s0.base_url + "/tokenize", json={"model": "tiny", **body}).json()["tokens"]
+        assert list(tok.token_ids(body)) == want
+    assert tok.token_ids({"messages": [{"role": "tool", "content": "x"}]}) is None  # the backend says why
+    router = Router(replicas=[s0.base_url, s1.base_url], policy=KVAware(min_match_tokens=8), health_interval=0.05,
+                    tokenizer=tok)
+    with RouterServer(router) as http:
+        http.get("/health")
+        deadline = time.monotonic() + 10
+        while len(router.kv_events.subscribers) < 2 or not all(router.kv_events.index.publishes(u)
+                                                               for u in (s0.base_url, s1.base_url)):
+            assert time.monotonic() < deadline, "the router did not subscribe"
+            time.sleep(0.02)
+        cached = []
+        for q in ("Sky colour?", "Grass colour?", "Snow colour?"):
+            r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "temperature": 0,
+                                                         "messages": [system, {"role": "user", "content": q}]})
+            assert r.status_code == 200, r.text
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            time.sleep(0.2)  # the events of its blocks arrive
+        assert cached[0] == 0 and cached[1] >= 32 and cached[2] >= 32

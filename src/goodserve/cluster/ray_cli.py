@@ -82,7 +82,14 @@ def run_ray_serve(args: argparse.Namespace) -> int:
                              served_model_name=args.served_model_name, ucx_net_devices=args.ucx_net_devices,
                              ports=args.instance_ports)
     try:
-        router = instances.router(policy=make_policy(args.routing), health_interval=args.health_interval)
+        tokenizer = None
+        if args.routing == "kv-aware":  # text and chat prompts hashed as the instances will
+            from goodserve.models.loader import default_model_path
+            from goodserve.router.tokenize import PromptTokenizer
+
+            tokenizer = PromptTokenizer.load(args.model or default_model_path())
+        router = instances.router(policy=make_policy(args.routing), health_interval=args.health_interval,
+                                  tokenizer=tokenizer)
         logger.info("routing on http://%s:%d/v1 to %s", args.host, args.port,
                     ", ".join(f"{b.role} {b.url}" for b in router.backends))
         uvicorn.run(build_router_app(router), host=args.host, port=args.port,

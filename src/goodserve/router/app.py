@@ -47,11 +47,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from goodserve.kv_events.index import KVIndex
 from goodserve.router.kv_follow import KVEventFollower
-from goodserve.router.metrics import RouterMetrics, FixedFamilies, relabel_metrics
+from goodserve.router.metrics import FixedFamilies, RouterMetrics, relabel_metrics
 from goodserve.router.policies import (BackendState, KVAware, LeastLoaded, NoHealthyBackendError, RouteRequest,
                                        RoutingPolicy, make_policy)
 from goodserve.router.disaggregated import forward_disaggregated
 from goodserve.router.protocol import RouterRequestError, UpstreamLostError, error_body
+from goodserve.router.tokenize import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,8 @@ class Router:
         policy: The replicas' policy (ignored in P/D mode, whose pools use :class:`LeastLoaded`).
         connect_timeout: Seconds to wait for a TCP connection before the backend counts as down.
         health_interval: Seconds between ``/health`` probes of every backend.
+        tokenizer: The served model's tokenizer: text and chat prompts get token ids for ``kv-aware`` routing
+            (``None``: only prompts sent as token ids do).
 
     Raises:
         ValueError: if neither or both modes are given, or a URL is not ``http(s)://``.
@@ -162,7 +165,7 @@ class Router:
 
     def __init__(self, replicas: Sequence[str] = (), prefill: Sequence[str] = (), decode: Sequence[str] = (),
                  policy: Optional[RoutingPolicy] = None, connect_timeout: float = 1.0,
-                 health_interval: float = 1.0) -> None:
+                 health_interval: float = 1.0, tokenizer: Optional[PromptTokenizer] = None) -> None:
         if bool(replicas) == bool(prefill or decode) or bool(prefill) != bool(decode):
             raise ValueError("give either replicas, or both prefill and decode instances")
         self.pools: dict[str, list[Backend]] = {}
@@ -176,6 +179,7 @@ class Router:
         # The backends' KV events: the kv-aware policy's index, and the loads (KV usage) every policy may read.
         self.kv_events = KVEventFollower(replica_policy.index if isinstance(replica_policy, KVAware) else KVIndex())
         self.connect_timeout, self.health_interval = connect_timeout, health_interval
+        self.tokenizer = tokenizer
         self.metrics = RouterMetrics()
         for b in self.backends:
             self.metrics.healthy.labels(b.url).set(1)
@@ -347,6 +351,10 @@ class Router:
     async def forward(self, path: str, body: dict, http_request: Request) -> Response:
         """Route one completions/chat request (either mode) and answer it."""
         request = RouteRequest.from_openai_body(body)
+        if self.tokenizer is not None and request.token_ids is None:
+            ids = await asyncio.to_thread(self.tokenizer.token_ids, body)
+            if ids:
+                request = dataclasses.replace(request, token_ids=ids, prompt_tokens=len(ids))
         if not self.disaggregated:
             return await self.route("replica", path, body, request)
         return await forward_disaggregated(self, path, body, request, http_request)

@@ -28,6 +28,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="prefix-affinity: leave a backend over (1 + slack) * mean outstanding tokens + abs")
     g.add_argument("--min-match-tokens", type=int, default=32,
                    help="kv-aware: a prefix hit shorter than this on every backend is ignored (least loaded wins)")
+    g.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="kv-aware: the served model (GGUF file or HF directory) whose tokenizer turns text and chat "
+                        "prompts into the token ids the backends hash (default: only token-id prompts)")
     g.add_argument("--balance-abs-tokens", type=int, default=1024, help="prefix-affinity: the bound's abs term")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
@@ -49,6 +52,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     from goodserve.router.app import Router, build_router_app
     from goodserve.router.policies import make_policy
+    from goodserve.router.tokenize import PromptTokenizer
 
     kwargs = {}
     if args.routing == "prefix-affinity":
@@ -58,8 +62,9 @@ def run_router(args: argparse.Namespace) -> int:
         kwargs = dict(min_match_tokens=args.min_match_tokens)
     if not (args.connect_timeout > 0 and args.health_interval > 0):
         raise ValueError("--connect-timeout and --health-interval must be > 0")
+    tokenizer = PromptTokenizer.load(args.tokenizer) if args.tokenizer else None
     router = Router(args.replica, args.prefill, args.decode, make_policy(args.routing, **kwargs),
-                    connect_timeout=args.connect_timeout, health_interval=args.health_interval)
+                    connect_timeout=args.connect_timeout, health_interval=args.health_interval, tokenizer=tokenizer)
     logging.getLogger(__name__).info("routing on http://%s:%d/v1 to %s", args.host, args.port,
                                      ", ".join(f"{b.role} {b.url}" for b in router.backends))
     uvicorn.run(build_router_app(router), host=args.host, port=args.port,

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from goodserve.kv_events.events import InstanceLoad
 from goodserve.kv_events.index import KVIndex
 from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients
 
@@ -321,15 +322,16 @@ def predicted_ttft_s(coefficients: StepCoefficients, queued_tokens: int, queued_
         each = queued_tokens / queued_requests
         pairs += queued_requests * each * (each + 1) / 2
     c = coefficients
-    per_step = c.overhead_s + c.prefill_overhead_s + (c.per_token_s + c.per_sampled_s + c.prefill_per_sampled_s) * decode_rows
+    per_row = c.per_token_s + c.per_sampled_s + c.prefill_per_sampled_s  # a decode row beside a chunk
+    per_step = c.overhead_s + c.prefill_overhead_s + per_row * decode_rows
     return steps * per_step + c.per_token_s * tokens + c.per_pair_s * pairs
 
 
 class KVAware(RoutingPolicy):
     """The healthy instance where the request's first token comes soonest, from each instance's real prefix
     cache (:class:`~goodserve.kv_events.index.KVIndex`, fed by its KV events) and its load, priced in
-    seconds by its own step-time model (:func:`predicted_ttft_s`: its queued prefill, the prompt tokens it
-    does not hold, its decode rows). A cache hit wins while the prefill it saves outweighs that instance's
+    seconds by the step-time model the instances publish (:func:`predicted_ttft_s`: its queued prefill, the
+    prompt tokens it does not hold, its decode rows; :meth:`pooled_coefficients`). A cache hit wins while the prefill it saves outweighs that instance's
     longer queue, and loses once it does not: the trade NVIDIA Dynamo's KV router scores (prefill blocks
     still to compute plus decode load), here in seconds rather than a tuned ratio.
 
@@ -346,7 +348,7 @@ class KVAware(RoutingPolicy):
 
     Args:
         index: The instances' cache views, keyed by backend name.
-        coefficients: Step-time coefficients for an instance that has published none.
+        coefficients: Step-time coefficients while no instance has published any.
         token_budget: Tokens per step for an instance that has published none.
         min_match_tokens: Hits shorter than this on every instance are ignored (tokens).
         clock: Seconds now, for pending entries (the simulator passes its own clock).
@@ -368,10 +370,24 @@ class KVAware(RoutingPolicy):
         self._guess = PrefixAffinity()
         self._last: tuple[Optional[RouteRequest], dict[str, int]] = (None, {})  # request -> {name: uncached}
 
-    def _priced(self, b: BackendState, uncached: int, cached: int) -> float:
-        load = self.index.instances[b.name].load if b.name in self.index.instances else None
-        coeffs = StepCoefficients(*load.step_coefficients) if load and load.step_coefficients else self.coefficients
-        budget = load.token_budget if load and load.token_budget else self.token_budget
+    def pooled_coefficients(self, backends: Sequence[BackendState], healthy: Sequence[int]) -> StepCoefficients:
+        """The mean of the step-time coefficients the healthy backends published (``coefficients`` if none
+        did). Replicas behind one router run the same model on the same hardware, so one model prices them
+        all: each instance's online fit is noisy early on, and a noisier fit must not pass for a faster
+        machine; what differs between them is their queues."""
+        published = [load.step_coefficients for i in healthy
+                     if (load := self._load(backends[i].name)) is not None and load.step_coefficients]
+        if not published:
+            return self.coefficients
+        return StepCoefficients(*(sum(c[k] for c in published) / len(published) for k in range(len(published[0]))))
+
+    def _load(self, name: str) -> Optional[InstanceLoad]:
+        view = self.index.instances.get(name)
+        return view.load if view is not None else None
+
+    def _priced(self, b: BackendState, coeffs: StepCoefficients, uncached: int, cached: int) -> float:
+        load = self._load(b.name)
+        budget = load.token_budget if load is not None and load.token_budget else self.token_budget
         return predicted_ttft_s(coeffs, b.queued_prefill_tokens, b.queued_prefill_requests, uncached, cached,
                                 b.decoding_requests, budget)
 
@@ -391,7 +407,8 @@ class KVAware(RoutingPolicy):
             hits[i] = min(self.index.match(name, hashes[i], now) * size, max(0, request.prompt_tokens - 1))
         if max(hits.values()) < self.min_match_tokens:
             hits = dict.fromkeys(hits, 0)
-        cost = {i: self._priced(backends[i], request.prompt_tokens - hits[i], hits[i]) for i in healthy}
+        coeffs = self.pooled_coefficients(backends, healthy)
+        cost = {i: self._priced(backends[i], coeffs, request.prompt_tokens - hits[i], hits[i]) for i in healthy}
         best = min(cost.values())
         near = [i for i in healthy if cost[i] <= best * (1 + TIE_RTOL) + TIE_ATOL_S]  # fitted noise is no reason
         chosen = min(near, key=lambda i: (-hits[i], cost[i], backends[i].outstanding_tokens, i))
