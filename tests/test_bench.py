@@ -214,6 +214,37 @@ def test_random_workload_exact_lengths_and_text_prompts():
     assert all(isinstance(r.prompt, str) for r in text)
 
 
+def test_prefix_repetition_structure_determinism_and_errors():
+    """10 requests over 3 prefixes of 12 tokens + 5-token suffixes: every prompt is one of 3 prefixes (used 4, 3,
+    3 times, distinct first tokens) plus its own suffix; the same seed gives the same prompts."""
+    kw = dict(tokenizer=FakeTokenizer(), vocab_size=1000, max_model_len=40, prefix_len=12, suffix_len=5,
+              num_prefixes=3, output_len=7)
+    reqs = build_workload("prefix-repetition", 10, seed=3, **kw)
+    assert len(reqs) == 10
+    assert all(len(r.prompt) == r.prompt_len == 17 and r.output_len == 7 and r.arrival == 0.0 for r in reqs)
+    assert all(256 <= t < 1000 for r in reqs for t in r.prompt)
+    prefixes = sorted({r.prompt[:12] for r in reqs})
+    assert len(prefixes) == 3 and len({p[0] for p in prefixes}) == 3  # no two share a leading token
+    assert sorted(sum(r.prompt[:12] == p for r in reqs) for p in prefixes) == [3, 3, 4]
+    assert len({r.prompt[12:] for r in reqs}) == 10  # every suffix is the request's own
+    assert build_workload("prefix-repetition", 10, seed=3, **kw) == reqs
+    assert build_workload("prefix-repetition", 10, seed=4, **kw) != reqs
+    text = build_workload("prefix-repetition", 10, seed=3, text_prompts=True, **kw)
+    assert text[0] == BenchRequest(FakeTokenizer().decode(list(reqs[0].prompt)), 17, 7)  # same ids, decoded
+    with pytest.raises(ValueError, match=r"prefix_len \+ suffix_len \+ output_len = 12 \+ 5 \+ 7 = 24 tokens "
+                                         r"exceeds max_model_len 23"):
+        build_workload("prefix-repetition", 10, **{**kw, "max_model_len": 23})
+    assert len(build_workload("prefix-repetition", 10, **{**kw, "max_model_len": 24})) == 10  # exactly fits
+    with pytest.raises(ValueError, match="suffix_len must be >= 1, got 0"):
+        build_workload("prefix-repetition", 10, **{**kw, "suffix_len": 0})
+    with pytest.raises(ValueError, match=r"num_prefixes \(11\) must be <= num_prompts \(10\)"):
+        build_workload("prefix-repetition", 10, **{**kw, "num_prefixes": 11})
+    with pytest.raises(ValueError, match="fewer than num_prefixes"):
+        build_workload("prefix-repetition", 10, **{**kw, "vocab_size": 258})
+    with pytest.raises(ValueError, match=r"only 744 distinct 1-token suffixes, fewer than num_prompts \(745\)"):
+        build_workload("prefix-repetition", 745, **{**kw, "suffix_len": 1})
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_bench_serve_end_to_end(tmp_path, capsys):
