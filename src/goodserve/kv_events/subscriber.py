@@ -120,7 +120,9 @@ class KVEventSubscriber:
                     continue
                 if seq > self.last_seq + 1:
                     self.num_gaps += 1
-                    await self._replay(self.last_seq + 1)
+                    if not await self._replay(self.last_seq + 1):
+                        logger.warning("KV events of %s: batches %d-%d lost and not replayed; its index may be "
+                                       "stale until its entries are evicted", self.name, self.last_seq + 1, seq - 1)
                     if seq <= self.last_seq:
                         continue
                 self._apply(seq, batch)
