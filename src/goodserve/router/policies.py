@@ -327,11 +327,34 @@ def predicted_ttft_s(coefficients: StepCoefficients, queued_tokens: int, queued_
     return steps * per_step + c.per_token_s * tokens + c.per_pair_s * pairs
 
 
+def predicted_decode_s(coefficients: StepCoefficients, output_tokens: int, decode_rows: int,
+                       context_tokens: int) -> float:
+    """Seconds a new request's decode takes on one instance, by its step-time model: ``output_tokens`` steps,
+    each with the instance's decode rows and the request's own (every row one token), every row attending
+    over the instance's resident context. This is what it adds a request's E2E latency, and what a crowded
+    instance makes every TPOT longer by.
+
+    Args:
+        coefficients: The step-time coefficients.
+        output_tokens: Tokens the request may generate (its ``max_tokens``).
+        decode_rows: Requests decoding there now.
+        context_tokens: Tokens resident there, the new request's included (keys each step's queries read).
+
+    Returns:
+        The predicted decode time (seconds).
+    """
+    c = coefficients
+    rows = decode_rows + 1
+    return output_tokens * (c.overhead_s + (c.per_token_s + c.per_sampled_s) * rows + c.per_pair_s * context_tokens)
+
+
 class KVAware(RoutingPolicy):
-    """The healthy instance where the request's first token comes soonest, from each instance's real prefix
-    cache (:class:`~goodserve.kv_events.index.KVIndex`, fed by its KV events) and its load, priced in
-    seconds by the step-time model the instances publish (:func:`predicted_ttft_s`: its queued prefill, the
-    prompt tokens it does not hold, its decode rows; :meth:`pooled_coefficients`). A cache hit wins while the prefill it saves outweighs that instance's
+    """The healthy instance where the request finishes soonest, from each instance's real prefix cache
+    (:class:`~goodserve.kv_events.index.KVIndex`, fed by its KV events) and its load, priced in seconds by
+    the step-time model the instances publish (:meth:`pooled_coefficients`): its time to first token there
+    (:func:`predicted_ttft_s`: the queued prefill, the prompt tokens the instance does not hold, its decode
+    rows) plus its decode there (:func:`predicted_decode_s`: its output beside the instance's decode rows
+    and resident context, which is what a crowded instance lengthens every TPOT by). A cache hit wins while the prefill it saves outweighs that instance's
     longer queue, and loses once it does not: the trade NVIDIA Dynamo's KV router scores (prefill blocks
     still to compute plus decode load), here in seconds rather than a tuned ratio.
 
@@ -385,11 +408,13 @@ class KVAware(RoutingPolicy):
         view = self.index.instances.get(name)
         return view.load if view is not None else None
 
-    def _priced(self, b: BackendState, coeffs: StepCoefficients, uncached: int, cached: int) -> float:
+    def _priced(self, b: BackendState, coeffs: StepCoefficients, request: RouteRequest, cached: int) -> float:
         load = self._load(b.name)
         budget = load.token_budget if load is not None and load.token_budget else self.token_budget
-        return predicted_ttft_s(coeffs, b.queued_prefill_tokens, b.queued_prefill_requests, uncached, cached,
-                                b.decoding_requests, budget)
+        ttft = predicted_ttft_s(coeffs, b.queued_prefill_tokens, b.queued_prefill_requests,
+                                request.prompt_tokens - cached, cached, b.decoding_requests, budget)
+        return ttft + predicted_decode_s(coeffs, request.max_tokens, b.decoding_requests,
+                                         b.outstanding_tokens + request.total_tokens)
 
     def select(self, backends: Sequence[BackendState], request: RouteRequest) -> int:
         healthy = _healthy(backends)
@@ -408,7 +433,7 @@ class KVAware(RoutingPolicy):
         if max(hits.values()) < self.min_match_tokens:
             hits = dict.fromkeys(hits, 0)
         coeffs = self.pooled_coefficients(backends, healthy)
-        cost = {i: self._priced(backends[i], coeffs, request.prompt_tokens - hits[i], hits[i]) for i in healthy}
+        cost = {i: self._priced(backends[i], coeffs, request, hits[i]) for i in healthy}
         best = min(cost.values())
         near = [i for i in healthy if cost[i] <= best * (1 + TIE_RTOL) + TIE_ATOL_S]  # fitted noise is no reason
         chosen = min(near, key=lambda i: (-hits[i], cost[i], backends[i].outstanding_tokens, i))
