@@ -58,6 +58,11 @@ def _first_position_unlike_full_attention(raw: dict) -> int | None:
     (dict(model_type="qwen2", sliding_window=W, use_sliding_window=True, max_window_layers=2), None),
     (dict(model_type="qwen2", sliding_window=W, use_sliding_window=True,
           layer_types=["full_attention", "full_attention"]), None),
+    (dict(model_type="phi3", sliding_window=W, pad_token_id=0), W),
+    (dict(model_type="phi3", sliding_window=None, pad_token_id=0), None),
+    (dict(model_type="qwen3", sliding_window=W, use_sliding_window=False, max_window_layers=0), None),
+    (dict(model_type="qwen3", sliding_window=W, use_sliding_window=True, max_window_layers=1), W),
+    (dict(model_type="qwen3", sliding_window=W, use_sliding_window=True, max_window_layers=2), None),
 ])
 def test_sliding_window_as_transformers_applies_it(raw, window):
     """Issue 34: ``hf_sliding_window`` reads the window transformers applies, and its boundary is exact: a
