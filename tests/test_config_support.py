@@ -124,12 +124,13 @@ def _prompts(lengths):
     return [[100 + (7 * i + 3 * j) % 4000 for j in range(n)] for i, n in enumerate(lengths)]
 
 
-def test_windowed_mistral_capped_and_equals_hf(tmp_path, caplog):
-    """Issue 34: a Mistral whose sliding_window (24) is shorter than its 1024 positions loads with
-    max_model_len capped to 24 (logged), and greedy output filling the window equals transformers'
-    windowed model token for token (fp32); an explicit longer --max-model-len is refused."""
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_windowed_model_capped_and_equals_hf(tmp_path, caplog, arch):
+    """Issue 34: a Mistral or Phi-3 (every layer windowed) whose sliding_window (24) is shorter than its 1024
+    positions loads with max_model_len capped to 24 (logged), and greedy output filling the window equals
+    transformers' windowed model token for token (fp32); an explicit longer --max-model-len is refused."""
     window = 24
-    model_dir = make_tiny_hf_model(tmp_path, "mistral", overrides={"sliding_window": window})
+    model_dir = make_tiny_hf_model(tmp_path, arch, overrides={"sliding_window": window})
     prompts = _prompts((5, 12, 20, 23))
     news = [window - len(p) for p in prompts]
     hf, refs = _hf_greedy(model_dir, prompts, news)
@@ -191,6 +192,7 @@ HF_REFUSED = {
     ("partial_rotary_factor", ""): 0.5,
     ("hidden_act", ""): "gelu",
     ("attention_bias", "llama"): True,
+    ("attention_bias", "qwen3"): True,
     ("mlp_bias", "llama"): True,
     ("sliding_window", "mistral"): -1,
     ("sliding_window", "qwen2"): 0.5,
@@ -268,7 +270,7 @@ GGUF_REFUSED = {
 
 
 @pytest.mark.parametrize("key", sorted(k for k, _ in GGUF_REFUSED) + ["attention.made_up"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_gguf_refused_metadata_names_it(arch, key):
     """Issue 34: each refused GGUF key (and any key under the architecture that no rule covers) gives a
     ValueError naming it."""
