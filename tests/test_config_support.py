@@ -58,6 +58,11 @@ def _first_position_unlike_full_attention(raw: dict) -> int | None:
     (dict(model_type="qwen2", sliding_window=W, use_sliding_window=True, max_window_layers=2), None),
     (dict(model_type="qwen2", sliding_window=W, use_sliding_window=True,
           layer_types=["full_attention", "full_attention"]), None),
+    (dict(model_type="phi3", sliding_window=W, pad_token_id=0), W),
+    (dict(model_type="phi3", sliding_window=None, pad_token_id=0), None),
+    (dict(model_type="qwen3", sliding_window=W, use_sliding_window=False, max_window_layers=0), None),
+    (dict(model_type="qwen3", sliding_window=W, use_sliding_window=True, max_window_layers=1), W),
+    (dict(model_type="qwen3", sliding_window=W, use_sliding_window=True, max_window_layers=2), None),
 ])
 def test_sliding_window_as_transformers_applies_it(raw, window):
     """Issue 34: ``hf_sliding_window`` reads the window transformers applies, and its boundary is exact: a
@@ -119,12 +124,13 @@ def _prompts(lengths):
     return [[100 + (7 * i + 3 * j) % 4000 for j in range(n)] for i, n in enumerate(lengths)]
 
 
-def test_windowed_mistral_capped_and_equals_hf(tmp_path, caplog):
-    """Issue 34: a Mistral whose sliding_window (24) is shorter than its 1024 positions loads with
-    max_model_len capped to 24 (logged), and greedy output filling the window equals transformers'
-    windowed model token for token (fp32); an explicit longer --max-model-len is refused."""
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_windowed_model_capped_and_equals_hf(tmp_path, caplog, arch):
+    """Issue 34: a Mistral or Phi-3 (every layer windowed) whose sliding_window (24) is shorter than its 1024
+    positions loads with max_model_len capped to 24 (logged), and greedy output filling the window equals
+    transformers' windowed model token for token (fp32); an explicit longer --max-model-len is refused."""
     window = 24
-    model_dir = make_tiny_hf_model(tmp_path, "mistral", overrides={"sliding_window": window})
+    model_dir = make_tiny_hf_model(tmp_path, arch, overrides={"sliding_window": window})
     prompts = _prompts((5, 12, 20, 23))
     news = [window - len(p) for p in prompts]
     hf, refs = _hf_greedy(model_dir, prompts, news)
@@ -186,6 +192,7 @@ HF_REFUSED = {
     ("partial_rotary_factor", ""): 0.5,
     ("hidden_act", ""): "gelu",
     ("attention_bias", "llama"): True,
+    ("attention_bias", "qwen3"): True,
     ("mlp_bias", "llama"): True,
     ("sliding_window", "mistral"): -1,
     ("sliding_window", "qwen2"): 0.5,
@@ -263,7 +270,7 @@ GGUF_REFUSED = {
 
 
 @pytest.mark.parametrize("key", sorted(k for k, _ in GGUF_REFUSED) + ["attention.made_up"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_gguf_refused_metadata_names_it(arch, key):
     """Issue 34: each refused GGUF key (and any key under the architecture that no rule covers) gives a
     ValueError naming it."""

@@ -7,7 +7,8 @@ token for token. The vocabulary is the real SmolLM2 one (49152 ids) so real text
 sizes are tiny (hidden 64, 2 layers), keeping a model at a few million parameters.
 
 ``make_tiny_gguf`` writes the same kind of model as an F32 GGUF file, with Q/K rows reordered the way
-llama.cpp's converter does for ``llama`` (so the loader's un-permutation is exercised).
+llama.cpp's converter does for ``llama`` (so the loader's un-permutation is exercised), Qwen3's q/k norms as
+``attn_q_norm`` / ``attn_k_norm`` and Phi-3's fused projections as ``attn_qkv`` / ``ffn_up``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-ARCHES = ("llama", "qwen2", "llama3", "mistral")
+ARCHES = ("llama", "qwen2", "llama3", "mistral", "qwen3", "phi3")
 SMOLLM2_VOCAB = 49152
 
 
@@ -41,21 +42,22 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
     """A tiny ``transformers`` config of the given family.
 
     Args:
-        arch: ``"llama"``, ``"qwen2"`` (q/k/v bias), ``"llama3"`` (llama3 rope scaling, list of EOS ids) or
-            ``"mistral"``.
-        tie: Tie the LM head to the embeddings; default True except for ``"llama3"``.
+        arch: ``"llama"``, ``"qwen2"`` (q/k/v bias), ``"llama3"`` (llama3 rope scaling, list of EOS ids),
+            ``"mistral"``, ``"qwen3"`` (q/k norms; head_dim 32, not hidden / heads = 16) or ``"phi3"`` (fused
+            qkv_proj and gate_up_proj).
+        tie: Tie the LM head to the embeddings; default True except for ``"llama3"`` and ``"phi3"``.
         vocab_size: Number of token ids (keep the SmolLM2 size to tokenize real text).
         overrides: Config keys set on top (e.g. ``{"sliding_window": 24}``, ``{"head_dim": 32}``).
 
     Returns:
-        A ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig``.
+        A ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` / ``Qwen3Config`` / ``Phi3Config``.
     """
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
     if tie is None:
-        tie = arch != "llama3"
+        tie = arch not in ("llama3", "phi3")
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -85,6 +87,12 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
         return LlamaConfig(rope_scaling=scaling, rope_theta=500000.0, **common)
     if arch == "mistral":
         return MistralConfig(**{"rope_theta": 10000.0, "sliding_window": None, **common})
+    if arch == "qwen3":
+        return Qwen3Config(**{"rope_theta": 1000000.0, "head_dim": 32, **common})
+    if arch == "phi3":
+        positions = common["max_position_embeddings"]
+        return Phi3Config(**{"rope_theta": 10000.0, "original_max_position_embeddings": positions, "pad_token_id": 0,
+                             **common})
     return Qwen2Config(**{"rope_theta": 1000000.0, **common})
 
 
@@ -167,19 +175,28 @@ _HF_TO_GGUF_LAYER = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",  # qwen3
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3: q/k/v and gate/up fused as in the HF checkpoint
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
 def make_tiny_gguf(
-    tmp_path: os.PathLike | str, arch: str = "llama", tie: bool = True, seed: int = 0
+    tmp_path: os.PathLike | str, arch: str = "llama", tie: bool = True, seed: int = 0, qtype: str = "F32"
 ) -> tuple[str, dict[str, torch.Tensor]]:
-    """Write a tiny random model as an F32 GGUF (with the SmolLM2 tokenizer metadata).
+    """Write a tiny random model as a GGUF (with the SmolLM2 tokenizer metadata).
 
     Args:
         tmp_path: Folder to write ``tiny-{arch}.gguf`` into.
-        arch: ``"llama"`` (Q/K rows permuted as llama.cpp does) or ``"qwen2"`` (q/k/v biases, no permutation).
+        arch: ``"llama"`` (Q/K rows permuted as llama.cpp does), ``"qwen2"`` (q/k/v biases, no permutation),
+            ``"qwen3"`` (q/k norms, head_dim != hidden / heads) or ``"phi3"`` (fused ``attn_qkv`` and
+            ``ffn_up``, with the ``rope.scaling.original_context_length`` and zero ``attention.sliding_window``
+            llama.cpp's converter writes for it).
         tie: Omit ``output.weight`` (tied embeddings).
         seed: Seed of the random weights.
+        qtype: ``"F32"``, or ``"Q8_0"`` for the linear (``*_proj``) weights (the state dict then holds what the
+            blocks encode, dequantized).
 
     Returns:
         ``(path, state_dict)``: the file and the HF-layout weights it encodes.
@@ -196,7 +213,7 @@ def make_tiny_gguf(
             continue
         state[name] = (param + 0.1 * torch.randn_like(param)).contiguous()
 
-    path = str(Path(tmp_path) / f"tiny-{arch}.gguf")
+    path = str(Path(tmp_path) / f"tiny-{arch}{'' if qtype == 'F32' else '-' + qtype}.gguf")
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -206,7 +223,14 @@ def make_tiny_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(0)
 
     meta = _smollm2_tokenizer_metadata()
     writer.add_tokenizer_model(meta["model"])
@@ -236,6 +260,14 @@ def make_tiny_gguf(
             gguf_name = f"blk.{layer}.{_HF_TO_GGUF_LAYER[module]}.{kind}"
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 array = _llamacpp_permute(array, q_heads if module == "self_attn.q_proj" else kv_heads)
+            if qtype != "F32" and module.endswith("_proj") and kind == "weight":
+                from gguf.quants import dequantize, quantize
+
+                blocks = gguf.GGMLQuantizationType[qtype]
+                writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(array), blocks), raw_dtype=blocks)
+                # Blocks quantize each row alone, so the rows' order (llama's permutation) does not matter.
+                state[name] = torch.from_numpy(dequantize(quantize(tensor.numpy(), blocks), blocks))
+                continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -31,6 +31,14 @@ HF_CLASS_TO_MODEL_TYPE = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+}
+#: transformers' defaults, for keys a ``config.json`` leaves out, where a model type's config class differs from
+#: ``LlamaConfig`` (the defaults :meth:`ModelConfig.from_hf_config` otherwise takes).
+HF_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
 }
 #: Keys of a HF ``config.json`` that :meth:`ModelConfig.from_hf_config` cannot do without.
 HF_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -50,7 +58,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2).
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM2).
 
     Attributes:
         architecture: Family name, e.g. ``"llama"`` or ``"qwen2"``.
@@ -73,6 +81,8 @@ class ModelConfig:
             tokens; :mod:`goodserve.models.config_support` caps ``max_model_len`` to it.
         bos_token_id: Beginning-of-sequence token id, if any.
         eos_token_ids: Token ids that end generation (EOS and e.g. ``<|eot_id|>``).
+        qk_norm: Whether each head of q and of k is RMS-normalised over ``head_dim`` before RoPE, with a
+            ``[head_dim]`` weight per projection (Qwen3's ``q_norm`` / ``k_norm``).
     """
 
     architecture: str
@@ -92,6 +102,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: Optional[int] = None
+    qk_norm: bool = False
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes one token occupies: ``2 · L · n_kv · d_head · b_dtype`` (PagedAttention, §3)."""
@@ -105,11 +116,12 @@ class ModelConfig:
         simulator can read any decoder's shapes here too. Defaults for keys a config may leave out:
         ``num_key_value_heads = num_attention_heads``, ``head_dim = hidden_size // num_attention_heads``,
         ``max_position_embeddings = 2048`` and ``rms_norm_eps = 1e-6`` (transformers' ``LlamaConfig``
-        defaults), ``rope_theta = 10000`` without scaling, untied embeddings. ``attention_bias`` is always
+        defaults; :data:`HF_TYPE_DEFAULTS` where the model type's class has others), ``rope_theta = 10000``
+        without scaling, untied embeddings. ``attention_bias`` is always
         on for a Qwen2-family ``model_type`` (their q/k/v projections always carry a bias), always off for
         ``mistral`` (transformers' Mistral has no biases and ignores the key), else the config's
-        ``attention_bias`` (default off). ``sliding_window`` is the window transformers applies
-        (:func:`hf_sliding_window`).
+        ``attention_bias`` (default off). ``qk_norm`` is on for a Qwen3-family ``model_type``.
+        ``sliding_window`` is the window transformers applies (:func:`hf_sliding_window`).
 
         Args:
             cfg: The ``config.json`` contents.
@@ -126,6 +138,7 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json lacks {missing[0]!r}")
         model_type = hf_model_type(cfg) or ""
+        cfg = {**HF_TYPE_DEFAULTS.get(model_type, {}), **cfg}
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         theta, scaling = _hf_rope(cfg)
@@ -148,6 +161,7 @@ class ModelConfig:
             rope_scaling=scaling,
             attention_bias=model_type.startswith("qwen2")
             or (model_type != "mistral" and bool(cfg.get("attention_bias", False))),
+            qk_norm=model_type.startswith("qwen3"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=unique_ids(eos),
@@ -168,10 +182,10 @@ def hf_model_type(cfg: dict[str, Any]) -> Optional[str]:
 def hf_sliding_window(cfg: dict[str, Any]) -> Optional[int]:
     """The attention window transformers applies to a HF config, in tokens, or ``None`` (full attention).
 
-    As transformers 5 reads it: ``llama`` never applies ``sliding_window``; ``mistral`` applies it to every
-    layer; ``qwen2`` applies it only with ``use_sliding_window`` true, on the layers ``layer_types`` marks
-    ``"sliding_attention"`` (by default those at index ``>= max_window_layers``, default 28). Other
-    model types (read only by the simulator) take ``sliding_window`` as given.
+    As transformers 5 reads it: ``llama`` never applies ``sliding_window``; ``mistral`` and ``phi3`` apply it
+    to every layer; ``qwen2`` and ``qwen3`` apply it only with ``use_sliding_window`` true, on the layers
+    ``layer_types`` marks ``"sliding_attention"`` (by default those at index ``>= max_window_layers``,
+    default 28). Other model types (read only by the simulator) take ``sliding_window`` as given.
 
     Args:
         cfg: The ``config.json`` contents.
@@ -183,7 +197,7 @@ def hf_sliding_window(cfg: dict[str, Any]) -> Optional[int]:
     window = cfg.get("sliding_window")
     if not window or model_type == "llama":
         return None
-    if model_type.startswith("qwen2"):
+    if model_type.startswith(("qwen2", "qwen3")):
         if not cfg.get("use_sliding_window", False):
             return None
         layer_types = cfg.get("layer_types")

@@ -50,7 +50,9 @@ def build_hf_model(model_path: str, dtype: torch.dtype):
 
     loaded = load_model(model_path, dtype)
     c = loaded.config
-    cls = transformers.Qwen2Config if c.architecture == "qwen2" else transformers.LlamaConfig
+    # Phi-3's weights arrive split into Llama's names (the same math), so LlamaConfig builds its twin too.
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}.get(c.architecture,
+                                                                                   transformers.LlamaConfig)
     hf_config = cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                     num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
                     num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,

@@ -1,9 +1,10 @@
-"""What loading a checkpoint yields, and the tokenizer steps every checkpoint format shares.
+"""What loading a checkpoint yields, and the steps every checkpoint format shares.
 
 :class:`LoadedModel` is the result of :func:`goodserve.models.loader.load_model`, whichever format the
 weights came in (:mod:`~goodserve.models.hf_dir`, :mod:`~goodserve.models.gguf_file`). Both formats ship
 a tokenizer, read here with ``transformers``, whose EOS id joins the config's and which may carry the
-chat template.
+chat template. Both may hold Phi-3's fused projections, split here into the names the model reads
+(:func:`split_fused_projections`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from goodserve.config import ModelConfig, unique_ids
+from goodserve.models.quant import BlockQuantized
+
+#: Architectures whose checkpoints fuse q/k/v into ``self_attn.qkv_proj`` and gate/up into ``mlp.gate_up_proj``
+#: (HF names; llama.cpp's ``attn_qkv`` and ``ffn_up``).
+FUSED_PROJECTIONS = ("phi3",)
 
 
 @dataclass
@@ -65,3 +71,38 @@ def with_tokenizer_eos(config: ModelConfig, tokenizer: Any) -> ModelConfig:
 def tokenizer_chat_template(tokenizer: Any) -> Optional[str]:
     """The tokenizer's Jinja chat template, or ``None`` when it has none."""
     return getattr(tokenizer, "chat_template", None)
+
+
+def fused_projection_sizes(config: ModelConfig) -> dict[str, tuple[list[str], list[int]]]:
+    """Per fused HF tensor name within a layer, the names it splits into and their rows (``[q; k; v]``,
+    ``[gate; up]``); empty unless ``config.architecture`` is in :data:`FUSED_PROJECTIONS`."""
+    if config.architecture not in FUSED_PROJECTIONS:
+        return {}
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    return {"self_attn.qkv_proj.weight": (["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                           "self_attn.v_proj.weight"], [q, kv, kv]),
+            "mlp.gate_up_proj.weight": (["mlp.gate_proj.weight", "mlp.up_proj.weight"], [inter, inter])}
+
+
+def split_fused_projections(weights: dict[str, Union[torch.Tensor, BlockQuantized]], config: ModelConfig) -> None:
+    """Replace, in place, each layer's fused ``qkv_proj`` (``[q_size + 2 * kv_size, hidden]``, rows q then k
+    then v) and ``gate_up_proj`` (``[2 * intermediate, hidden]``, rows gate then up) by the separate
+    ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` weights (row views; GGUF blocks stay
+    blocks), the layout :meth:`goodserve.models.llama.LlamaForCausalLM.load_weights` reads. A no-op for an
+    architecture that does not fuse them.
+
+    Raises:
+        ValueError: naming a fused tensor that is missing or has the wrong shape.
+    """
+    hidden = config.hidden_size
+    for fused, (names, sizes) in fused_projection_sizes(config).items():
+        for i in range(config.num_hidden_layers):
+            name = f"model.layers.{i}.{fused}"
+            if name not in weights:
+                raise ValueError(f"weight {name!r} missing from the checkpoint")
+            value = weights.pop(name)
+            if tuple(value.shape) != (sum(sizes), hidden):
+                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {(sum(sizes), hidden)}")
+            parts = value.split_rows(sizes) if isinstance(value, BlockQuantized) else value.split(sizes)
+            weights.update((f"model.layers.{i}.{part}", w) for part, w in zip(names, parts))

@@ -102,20 +102,24 @@ def _window_problem(value: Any) -> Optional[str]:
 _NOT_READ = "transformers' class for this model_type does not read it, so the reference output ignores it too"
 _METADATA = "metadata: no effect on the computed tokens"
 
-#: HF ``config.json`` keys of the ``llama``, ``mistral`` and ``qwen2`` model types (SmolLM2 is ``llama``).
+#: HF ``config.json`` keys of the ``llama``, ``mistral``, ``qwen2``, ``qwen3`` and ``phi3`` model types (SmolLM2 is
+#: ``llama``).
 HF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "required shape") for key in HF_REQUIRED_KEYS),
-    FieldRule("num_key_value_heads", "implemented", "GQA / MQA; default num_attention_heads"),
-    FieldRule("head_dim", "implemented", "any width, also != hidden_size / num_attention_heads"),
+    FieldRule("num_key_value_heads", "implemented", "GQA / MQA; default num_attention_heads (qwen3: 32)"),
+    FieldRule("head_dim", "implemented", "any width, also != hidden_size / num_attention_heads (qwen3 default: 128)"),
     FieldRule("max_position_embeddings", "implemented", "caps max_model_len; sizes the RoPE table"),
-    FieldRule("rms_norm_eps", "implemented", "RMSNorm epsilon"),
+    FieldRule("rms_norm_eps", "implemented", "RMSNorm epsilon (also of qwen3's q/k norms)"),
     FieldRule("rope_theta", "implemented", "RoPE base"),
-    FieldRule("rope_scaling", "implemented", f"rope_type {', '.join(ROPE_TYPES)}; others refused",
-              problem=_rope_problem),
+    FieldRule("rope_scaling", "implemented", f"rope_type {', '.join(ROPE_TYPES)}; others refused (phi3's "
+              "longrope / su included)", problem=_rope_problem),
     FieldRule("rope_parameters", "implemented", "transformers-5 layout of rope_theta + rope_scaling",
               problem=_rope_problem),
     FieldRule("original_max_position_embeddings", "ignored", "at top level transformers' RoPE does not read it "
               "(llama3 reads the rope dict's, implemented)"),
+    FieldRule("original_max_position_embeddings", "ignored", "only phi3's longrope (refused) reads it; else "
+              "transformers' generate merely drops its KV cache once past it and recomputes the same logits",
+              ("phi3",)),
     FieldRule("partial_rotary_factor", "refused", "rotary on part of each head is not implemented",
               problem=_not_one("only 1.0 (rotary on the whole head) is implemented")),
     FieldRule("hidden_act", "implemented", "SwiGLU with silu (= swish)",
@@ -125,25 +129,27 @@ HF_RULES: tuple[FieldRule, ...] = (
     FieldRule("eos_token_id", "implemented", "EOS ids (with generation_config.json's)"),
     FieldRule("attention_bias", "refused", "transformers' Llama then adds q/k/v and o_proj biases; the engine has "
               "no o_proj bias", ("llama",), _refuse_if_set("attention biases on a llama model are not implemented")),
+    FieldRule("attention_bias", "refused", "transformers' Qwen3 then adds q/k/v and o_proj biases; the engine has "
+              "no o_proj bias", ("qwen3",), _refuse_if_set("attention biases on a qwen3 model are not implemented")),
     FieldRule("attention_bias", "ignored", "Qwen2 always has q/k/v biases and no o_proj bias (implemented)",
               ("qwen2",)),
-    FieldRule("attention_bias", "ignored", "transformers' Mistral has no biases whatever the key says",
-              ("mistral",)),
+    FieldRule("attention_bias", "ignored", "transformers' Mistral and Phi-3 have no biases whatever the key says",
+              ("mistral", "phi3")),
     FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("llama",),
               _refuse_if_set("MLP biases are not implemented")),
-    FieldRule("mlp_bias", "ignored", _NOT_READ, ("mistral", "qwen2")),
+    FieldRule("mlp_bias", "ignored", _NOT_READ, ("mistral", "qwen2", "qwen3", "phi3")),
     FieldRule("sliding_window", "capped", "every layer attends within W tokens: exact up to W",
-              ("mistral",), _window_problem),
+              ("mistral", "phi3"), _window_problem),
     FieldRule("sliding_window", "capped", "applied only with use_sliding_window and a sliding layer: exact up to W",
-              ("qwen2",), _window_problem),
+              ("qwen2", "qwen3"), _window_problem),
     FieldRule("sliding_window", "ignored", _NOT_READ, ("llama",)),
     FieldRule("use_sliding_window", "implemented", "false: transformers ignores sliding_window (full context)",
-              ("qwen2",)),
+              ("qwen2", "qwen3")),
     FieldRule("max_window_layers", "implemented", "layers at index >= it slide (when layer_types is absent)",
-              ("qwen2",)),
-    FieldRule("layer_types", "implemented", "full_attention / sliding_attention per layer", ("qwen2",),
+              ("qwen2", "qwen3")),
+    FieldRule("layer_types", "implemented", "full_attention / sliding_attention per layer", ("qwen2", "qwen3"),
               _layer_types_problem),
-    FieldRule("layer_types", "ignored", _NOT_READ, ("llama", "mistral")),
+    FieldRule("layer_types", "ignored", _NOT_READ, ("llama", "mistral", "phi3")),
     FieldRule("quantization_config", "refused", "quantized safetensors are not implemented (GGUF blocks are)",
               problem=_refuse_if_set("quantized safetensors checkpoints (GPTQ, AWQ, bitsandbytes, fp8) are not "
                                      "implemented; use an unquantized checkpoint or a GGUF")),
@@ -157,6 +163,8 @@ HF_RULES: tuple[FieldRule, ...] = (
     FieldRule("pretraining_tp", "ignored", "transformers 4 only slices the same matmuls; transformers 5 does not "
               "read it"),
     FieldRule("attention_dropout", "ignored", "dropout is off at inference"),
+    FieldRule("resid_pdrop", "ignored", "dropout is off at inference", ("phi3",)),
+    FieldRule("embd_pdrop", "ignored", "dropout is off at inference", ("phi3",)),
     FieldRule("initializer_range", "ignored", "weight init for training"),
     FieldRule("use_cache", "ignored", "the engine always caches KV"),
     FieldRule("pad_token_id", "ignored", "no padding: a step is a flat batch"),
@@ -174,7 +182,8 @@ def _scalar_problem(value: Any) -> Optional[str]:
     return "per-layer values (an array) are not implemented" if isinstance(value, list) else None
 
 
-#: GGUF metadata keys under ``{arch}.`` for the ``llama`` and ``qwen2`` architectures (llama.cpp's names).
+#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3`` and ``phi3`` architectures
+#: (llama.cpp's names).
 GGUF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "shape", problem=_scalar_problem) for key in (
         "context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
@@ -186,11 +195,13 @@ GGUF_RULES: tuple[FieldRule, ...] = (
     FieldRule("rope.scaling.type", "implemented", "none, linear",
               problem=_only(("none", "linear"), "only none and linear RoPE scaling are implemented")),
     FieldRule("rope.scaling.factor", "implemented", "linear scaling's factor"),
-    FieldRule("rope.scaling.original_context_length", "ignored", "linear scaling does not read it"),
+    FieldRule("rope.scaling.original_context_length", "ignored", "linear scaling does not read it (phi3 GGUFs always "
+              "carry it; their LongRoPE, which reads it, comes as rope_factors tensors, refused)"),
     FieldRule("rope.scaling.finetuned", "ignored", _METADATA),
     FieldRule("rope.scaling.attn_factor", "refused", "YaRN's attention factor is not implemented",
               problem=_not_one("only 1.0 is implemented")),
-    FieldRule("attention.sliding_window", "capped", "attention within W tokens: exact up to W", problem=_window_problem),
+    FieldRule("attention.sliding_window", "capped", "attention within W tokens: exact up to W; 0 is no window (as "
+              "llama.cpp writes for a phi3 without one)", problem=lambda v: None if v == 0 else _window_problem(v)),
     FieldRule("vocab_size", "ignored", "the token embedding's rows are the vocabulary"),
     *(FieldRule(key, "refused", f"{what} is not implemented", problem=_refuse_if_set(f"{what} is not implemented"))
       for key, what in (("expert_count", "a mixture of experts"), ("expert_used_count", "a mixture of experts"),
@@ -206,6 +217,7 @@ GGUF_RULES: tuple[FieldRule, ...] = (
 GGUF_TENSOR_REASONS = (
     ("rope_freqs.weight", "per-dimension RoPE frequency factors (Llama 3.1+ scaling as llama.cpp stores it) are "
                           "not implemented"),
+    ("rope_factors_", "LongRoPE's per-dimension factors (Phi-3 128k, Phi-3.5) are not implemented"),
     ("_exps.", "a mixture of experts is not implemented"),
     ("ffn_gate_inp.", "a mixture of experts is not implemented"),
     ("_norm.", "an extra normalisation (e.g. q/k norm) is not implemented"),

@@ -32,13 +32,14 @@ from goodserve.config import ModelConfig, token_id_list, unique_ids
 from goodserve.models.config_support import check_gguf_metadata, check_gguf_tensors
 from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks
-from goodserve.models.checkpoint import LoadedModel, tokenizer_chat_template, with_tokenizer_eos
+from goodserve.models.checkpoint import (LoadedModel, split_fused_projections, tokenizer_chat_template,
+                                        with_tokenizer_eos)
 from goodserve.models.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values we can run.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 # GGUF tensor name (the part after ``blk.N.``) -> HF name (the part after ``model.layers.N.``).
 _GGUF_LAYER_NAMES = {
@@ -52,12 +53,24 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Per architecture, what differs from ``_GGUF_LAYER_NAMES`` (``None``: the architecture has no such tensor).
+_GGUF_ARCH_LAYER_NAMES: dict[str, dict[str, Optional[str]]] = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "attn_q": None, "attn_k": None, "attn_v": None,
+             "ffn_up": "mlp.gate_up_proj", "ffn_gate": None},
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def _gguf_layer_names(arch: str) -> dict[str, str]:
+    """GGUF layer tensor name (after ``blk.N.``) -> HF name (after ``model.layers.N.``) for ``arch``."""
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch, {})}
+    return {gguf: hf for gguf, hf in names.items() if hf is not None}
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -139,6 +152,7 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         tie_word_embeddings=tied,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=unique_ids(eos),
@@ -152,19 +166,20 @@ def _expected_gguf_names(config: ModelConfig) -> set[str]:
     """GGUF names of every tensor the engine reads for ``config`` (``output.weight`` included)."""
     names = set(_GGUF_GLOBAL_NAMES)
     for i in range(config.num_hidden_layers):
-        names.update(f"blk.{i}.{part}.weight" for part in _GGUF_LAYER_NAMES)
+        names.update(f"blk.{i}.{part}.weight" for part in _gguf_layer_names(config.architecture))
         if config.attention_bias:
             names.update(f"blk.{i}.attn_{x}.bias" for x in "qkv")
     return names
 
 
-def _gguf_hf_name(name: str) -> Optional[str]:
+def _gguf_hf_name(name: str, arch: str) -> Optional[str]:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = _gguf_layer_names(arch)
     m = _GGUF_BLOCK_RE.match(name)
-    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+    if m is None or m.group(2) not in layer_names:
         return None
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _rotary_heads(config: ModelConfig, hf_name: str) -> Optional[int]:
@@ -212,7 +227,7 @@ def _gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
                   keep_quantized: bool) -> dict[str, Union[torch.Tensor, BlockQuantized]]:
     named = []
     for tensor in reader.tensors:
-        hf_name = _gguf_hf_name(tensor.name)
+        hf_name = _gguf_hf_name(tensor.name, config.architecture)
         if hf_name is None:  # _gguf_config refused every tensor without one
             raise RuntimeError(f"GGUF tensor {tensor.name} has no HF name")
         named.append((hf_name, tensor))
@@ -220,7 +235,9 @@ def _gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     workers = min(8, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_gguf_tensor, tensor, name, config, dtype, keep_quantized) for name, tensor in named]
-        return {name: future.result() for (name, _), future in zip(named, futures)}
+        weights = {name: future.result() for (name, _), future in zip(named, futures)}
+    split_fused_projections(weights, config)
+    return weights
 
 
 def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> LoadedModel:
@@ -233,7 +250,8 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
             LM head as :class:`~goodserve.models.quant.BlockQuantized` codes, scales and minimums, as in the file.
 
     Returns:
-        The :class:`LoadedModel` (weights on CPU, HF names); ``vocab_size`` is the embedding's rows.
+        The :class:`LoadedModel` (weights on CPU, HF names, fused projections split); ``vocab_size`` is the
+        embedding's rows.
 
     Raises:
         ValueError: On an unsupported architecture, metadata field, tensor or tensor type.

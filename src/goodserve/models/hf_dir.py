@@ -3,7 +3,8 @@
 ``config.json`` is parsed by :meth:`goodserve.config.ModelConfig.from_hf_config` (shared with the
 simulator's presets); this module adds what the engine can run: Llama-family decoders with a SwiGLU MLP
 and RMSNorm, every config field checked against :mod:`goodserve.models.config_support` and every tensor
-name against what the model reads, before any weight is read.
+name against what the model reads, before any weight is read. Qwen3's ``q_norm`` / ``k_norm`` pass as they
+are; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the Llama names.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 
 from goodserve.config import ModelConfig, hf_model_type
 from goodserve.models.config_support import check_hf_config
-from goodserve.models.checkpoint import LoadedModel, load_hf_tokenizer, tokenizer_chat_template, with_tokenizer_eos
+from goodserve.models.checkpoint import (LoadedModel, fused_projection_sizes, load_hf_tokenizer,
+                                        split_fused_projections, tokenizer_chat_template, with_tokenizer_eos)
 
 
 #: HF ``model_type`` values we can run (all Llama-family decoders with SwiGLU MLP and RMSNorm).
-SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> ModelConfig:
@@ -52,12 +54,18 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
 
 
 def expected_weight_names(config: ModelConfig) -> set[str]:
-    """HF names of every tensor the model reads for ``config`` (``lm_head.weight`` included, used when untied)."""
+    """HF names of every tensor the checkpoint holds for ``config`` (``lm_head.weight`` included, used when
+    untied): Phi-3's fused projections in place of the parts they hold, Qwen3's q/k norms."""
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+    parts = [f"{part}.weight" for part in parts]
+    for fused, (split, _) in fused_projection_sizes(config).items():
+        parts = [part for part in parts if part not in split] + [fused]
+    if config.qk_norm:
+        parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(config.num_hidden_layers):
-        names.update(f"model.layers.{i}.{part}.weight" for part in parts)
+        names.update(f"model.layers.{i}.{part}" for part in parts)
         if config.attention_bias:
             names.update(f"model.layers.{i}.self_attn.{x}_proj.bias" for x in "qkv")
     return names
@@ -86,7 +94,8 @@ def load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
         dtype: Dtype every weight is cast to.
 
     Returns:
-        The :class:`LoadedModel` (weights on CPU, HF names; ``lm_head.weight`` dropped when tied).
+        The :class:`LoadedModel` (weights on CPU, HF names; ``lm_head.weight`` dropped when tied; fused
+        projections split).
 
     Raises:
         FileNotFoundError: If ``config.json`` or the ``*.safetensors`` shards are missing.
@@ -120,6 +129,7 @@ def load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
     for shard in shards:
         for name, tensor in load_file(shard).items():
             weights[name] = tensor.to(dtype)
+    split_fused_projections(weights, config)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:

@@ -1,10 +1,11 @@
 """A Llama-family decoder over a flat token batch and a paged KV cache.
 
-Covers Llama 2/3 (incl. Llama-3 rope scaling), Mistral, Qwen2/2.5 (q/k/v bias) and SmolLM2: RMSNorm
-(Zhang & Sennrich 2019), rotary position embeddings in the rotate-half layout (Su et al. 2021), grouped-query
-attention (Ainslie et al. 2023; MQA when there is one KV head), a SwiGLU MLP (Shazeer 2020) and optionally
-tied embeddings. The arithmetic mirrors HF ``transformers`` (norms in float32, cast back before the weight)
-so greedy decoding matches it token for token.
+Covers Llama 2/3 (incl. Llama-3 rope scaling), Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (RMSNorm of each q and
+k head before RoPE), Phi-3 (its fused projections split by the loaders) and SmolLM2: RMSNorm (Zhang & Sennrich
+2019), rotary position embeddings in the rotate-half layout (Su et al. 2021), grouped-query attention (Ainslie
+et al. 2023; MQA when there is one KV head), a SwiGLU MLP (Shazeer 2020) and optionally tied embeddings. The
+arithmetic mirrors HF ``transformers`` (norms in float32, cast back before the weight) so greedy decoding
+matches it token for token.
 
 There is no padding and no batch dimension: a step is ``num_tokens`` tokens from many requests, each with
 its own position; attention reads the paged cache through ``AttentionMetadata``.
@@ -138,7 +139,12 @@ def padded_num_tokens(num_tokens: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block; q/k/v and gate/up projections fused into one matmul each."""
+    """Pre-norm attention + SwiGLU block; q/k/v and gate/up projections fused into one matmul each.
+
+    With ``config.qk_norm`` (Qwen3), ``qk_norm`` is the ``[num_heads + num_kv_heads, head_dim]`` weight of an
+    RMSNorm over each head of q and k before RoPE: ``q_norm``'s ``[head_dim]`` row repeated for the query
+    heads, then ``k_norm``'s for the KV heads, so one norm call covers both as HF's two do.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -152,6 +158,11 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
+        self.qk_norm: Optional[nn.Parameter] = None
+        if c.qk_norm:
+            self.qk_norm = nn.Parameter(torch.ones(c.num_attention_heads + c.num_key_value_heads, c.head_dim),
+                                        requires_grad=False)
+        self.eps = c.rms_norm_eps
         self.invariant = False  # batch-invariant mode (set by LlamaForCausalLM.load_weights)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: "RotaryTable",
@@ -174,7 +185,10 @@ class DecoderLayer(nn.Module):
                                    self.invariant)
         qkv = self.qkv_proj.forward(h)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = rope(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim))  # q and k at once
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:  # Qwen3: each head of q and k normalised, in float32 as HF's RMSNorm
+            qk = (rms_norm_torch if self.invariant else _rms_norm)(qk, self.qk_norm, self.eps)
+        qk = rope(qk)  # q and k at once
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [n, num_heads | num_kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         t = meta.slot_mapping.shape[0]  # the step's real tokens; padding rows skip attention
@@ -220,12 +234,16 @@ class LlamaForCausalLM(nn.Module):
                      batch_invariant: bool = False) -> None:
         """Take HF-named weights, fusing q/k/v and gate/up; the model may have been built on ``meta``.
 
+        A checkpoint that fuses them itself (Phi-3) was split into these names by the loader
+        (:func:`goodserve.models.checkpoint.split_fused_projections`).
+
         Every parameter is replaced (not copied into), so a model built under ``torch.device("meta")``
         allocates nothing before its weights arrive.
 
         Args:
             weights: HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) to tensors, or to
-                :class:`BlockQuantized` weights as the GGUF file holds them.
+                :class:`BlockQuantized` weights as the GGUF file holds them; with ``config.qk_norm`` also
+                ``self_attn.q_norm.weight`` and ``self_attn.k_norm.weight`` (``[head_dim]`` each) per layer.
             dtype: Dtype of the dense weights and activations; default: the embedding's current dtype.
             quantization: How linear layers run, see :func:`goodserve.models.quant.make_linear`.
             batch_invariant: Every linear layer on :class:`~goodserve.models.invariant.InvariantLinear` (one
@@ -300,6 +318,12 @@ class LlamaForCausalLM(nn.Module):
             layer.invariant = batch_invariant
             layer.input_layernorm.weight = dense(p + "input_layernorm.weight", (hidden,))
             layer.post_attention_layernorm.weight = dense(p + "post_attention_layernorm.weight", (hidden,))
+            if c.qk_norm:
+                d = c.head_dim
+                q_norm, k_norm = dense(a + "q_norm.weight", (d,)), dense(a + "k_norm.weight", (d,))
+                layer.qk_norm = nn.Parameter(torch.cat([q_norm.expand(c.num_attention_heads, d),
+                                                        k_norm.expand(c.num_key_value_heads, d)]),
+                                             requires_grad=False)
         self.inv_freq = rope_inv_freq(c).to(self.embed_tokens.weight.device)
         self._rope_tables.clear()
         self.decode_plan = self._decode_plan()
@@ -309,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
         block kernel, or (batch-invariant mode) on the native batch-invariant GEMM, without bias, and the
         norms on the native kernels; else ``None``."""
         c = self.config
-        if not native.usable(self.norm.weight):
+        if not native.usable(self.norm.weight) or c.qk_norm:  # the one-call kernel has no q/k norm
             return None
         layers = []
         for layer in self.layers:

@@ -102,6 +102,18 @@ class BlockQuantized:
         mins = None if self.mins is None else self.mins[index]
         return BlockQuantized(self.qtype, self.q[index], self.scales[index], mins)
 
+    def split_rows(self, sizes: list[int]) -> list["BlockQuantized"]:
+        """The weight cut along its output rows into parts of ``sizes`` rows (views; the inverse of :meth:`cat`).
+
+        Raises:
+            ValueError: when ``sizes`` do not add up to the rows.
+        """
+        if sum(sizes) != self.q.shape[0]:
+            raise ValueError(f"cannot split {self.q.shape[0]} rows into {sizes}")
+        mins = [None] * len(sizes) if self.mins is None else self.mins.split(sizes)
+        return [BlockQuantized(self.qtype, q, s, m)
+                for q, s, m in zip(self.q.split(sizes), self.scales.split(sizes), mins)]
+
     @staticmethod
     def cat(parts: list["BlockQuantized"]) -> "BlockQuantized":
         """Stack weights of one type along the output rows (q/k/v or gate/up fusion).
