@@ -205,6 +205,12 @@ HF_REFUSED = {
     ("use_qk_norm", ""): True,
     ("num_local_experts", ""): 8,
     ("num_experts", ""): 8,
+    ("attention_bias", "qwen3_moe"): True,
+    ("sliding_window", "qwen3_moe"): -1,
+    ("num_local_experts", "mixtral"): 0,
+    ("num_experts", "mixtral"): 0,
+    ("num_experts_per_tok", "mixtral"): 0,
+    ("decoder_sparse_step", "qwen3_moe"): 0,
 }
 
 

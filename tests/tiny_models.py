@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-ARCHES = ("llama", "qwen2", "llama3", "mistral", "qwen3", "phi3")
+ARCHES = ("llama", "qwen2", "llama3", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe")
 SMOLLM2_VOCAB = 49152
 
 
@@ -43,16 +43,19 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
 
     Args:
         arch: ``"llama"``, ``"qwen2"`` (q/k/v bias), ``"llama3"`` (llama3 rope scaling, list of EOS ids),
-            ``"mistral"``, ``"qwen3"`` (q/k norms; head_dim 32, not hidden / heads = 16) or ``"phi3"`` (fused
-            qkv_proj and gate_up_proj).
+            ``"mistral"``, ``"qwen3"`` (q/k norms; head_dim 32, not hidden / heads = 16), ``"phi3"`` (fused
+            qkv_proj and gate_up_proj), ``"mixtral"`` (4 experts of width 128, top 2) or ``"qwen3_moe"`` (q/k
+            norms as qwen3, 8 experts of width 32, top 2, renormalised).
         tie: Tie the LM head to the embeddings; default True except for ``"llama3"`` and ``"phi3"``.
         vocab_size: Number of token ids (keep the SmolLM2 size to tokenize real text).
         overrides: Config keys set on top (e.g. ``{"sliding_window": 24}``, ``{"head_dim": 32}``).
 
     Returns:
-        A ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` / ``Qwen3Config`` / ``Phi3Config``.
+        A ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` / ``Qwen3Config`` / ``Phi3Config`` /
+        ``MixtralConfig`` / ``Qwen3MoeConfig``.
     """
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
@@ -87,6 +90,11 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
         return LlamaConfig(rope_scaling=scaling, rope_theta=500000.0, **common)
     if arch == "mistral":
         return MistralConfig(**{"rope_theta": 10000.0, "sliding_window": None, **common})
+    if arch == "mixtral":
+        return MixtralConfig(**{"rope_theta": 1000000.0, "num_local_experts": 4, "num_experts_per_tok": 2, **common})
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{"rope_theta": 1000000.0, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 32, "norm_topk_prob": True, **common})
     if arch == "qwen3":
         return Qwen3Config(**{"rope_theta": 1000000.0, "head_dim": 32, **common})
     if arch == "phi3":
@@ -106,8 +114,8 @@ def make_tiny_hf_model(
 ) -> str:
     """Build a random tiny model, save it with its tokenizer, and return the directory.
 
-    Norm weights and attention biases are randomized too (HF initializes them to ones / zeros), so a
-    test catches a loader or model that ignores them.
+    Norm weights, attention biases and MoE routers are randomized too (HF initializes them to ones / zeros /
+    small values), so a test catches a loader or model that ignores them and routing is far from uniform.
 
     Args:
         tmp_path: Parent folder; the model goes to ``tmp_path / f"tiny-{arch}"``.
@@ -131,6 +139,10 @@ def make_tiny_hf_model(
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):  # the router (transformers 5 names Mixtral's mlp too)
+                param.copy_(torch.randn_like(param))
+            elif ".experts." in name:  # experts strong enough that their mix decides the tokens
+                param.copy_(0.2 * torch.randn_like(param))
     model.eval()
     extra = f"-{hashlib.sha1(repr(sorted(overrides.items())).encode()).hexdigest()[:8]}" if overrides else ""
     out = Path(tmp_path) / f"tiny-{arch}{'-tied' if config.tie_word_embeddings else ''}-{seed}{extra}"
