@@ -22,7 +22,8 @@ from goodserve import LLM, SamplingParams
 from goodserve.config import ModelConfig
 from goodserve.models.loader import load_model
 from goodserve.models.moe import DOWN, GATE_UP, ROUTER, grouped_experts, route
-from tiny_models import make_tiny_hf_model
+from goodserve.models.config_support import check_gguf_metadata
+from tiny_models import make_tiny_gguf, make_tiny_hf_model, tiny_hf_config
 
 PROMPTS = [[100 + (7 * i + 3 * j) % 4000 for j in range(n)] for i, n in enumerate((5, 17, 33, 48))]
 NEW = 12
@@ -107,6 +108,40 @@ def test_loader_stacks_transformers_experts(tmp_path):
             assert torch.equal(ours[p + DOWN], hf[p + down_name])
             assert torch.equal(ours[p + ROUTER], hf[p + "mlp.gate.weight"])
         assert not any(".experts.0." in n for n in ours)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_qwen3moe_gguf_matches_its_hf_twin(tmp_path, qtype):
+    """A qwen3moe GGUF as llama.cpp's converter writes it (``ffn_gate_inp``, experts stacked in 3-D
+    ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, ``expert_count`` / ``expert_used_count`` /
+    ``expert_feed_forward_length``; projections and experts in F32 or Q8_0 blocks, the experts dequantized)
+    gives HF's greedy tokens on the weights it encodes, chunked."""
+    path, state = make_tiny_gguf(tmp_path, "qwen3_moe", tie=True, qtype=qtype)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_hf_config("qwen3_moe", True), dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    hf.tie_weights()
+    hf.save_pretrained(tmp_path / "hf-twin")
+    refs = _hf_greedy(str(tmp_path / "hf-twin"), PROMPTS)
+    assert len({tuple(r) for r in refs}) == len(refs)
+    llm = _engine(path, num_blocks=64, max_num_batched_tokens=7)
+    model = llm.engine.config.model
+    assert (model.architecture, model.num_experts, model.num_experts_per_tok, model.moe_intermediate_size,
+            model.norm_topk_prob, model.qk_norm) == ("qwen3_moe", 8, 2, 32, True, True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == refs
+
+
+@pytest.mark.parametrize("key, value", [("expert_count", 0), ("expert_used_count", 0),
+                                        ("expert_shared_count", 1), ("expert_weights_scale", 2.5)])
+def test_gguf_moe_metadata_refused_by_name(key, value):
+    """qwen3moe metadata the engine does not implement (shared experts, scaled weights, zero counts) is
+    refused by name; on llama (Mixtral GGUFs) the expert keys stay refused."""
+    fields = {"general.architecture": "qwen3moe", "qwen3moe.expert_count": 8, "qwen3moe.expert_used_count": 2}
+    check_gguf_metadata("qwen3moe", fields)
+    with pytest.raises(ValueError, match=f"GGUF metadata qwen3moe.{key}={value}"):
+        check_gguf_metadata("qwen3moe", {**fields, f"qwen3moe.{key}": value})
+    with pytest.raises(ValueError, match="GGUF metadata llama.expert_count=8 is not supported: a mixture of experts"):
+        check_gguf_metadata("llama", {"llama.expert_count": 8})
 
 
 def _naive(x, weights, experts, gate_up, down):

@@ -191,6 +191,7 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv",  # phi3: q/k/v and gate/up fused as in the HF checkpoint
     "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",  # qwen3_moe's router
 }
 
 
@@ -204,7 +205,8 @@ def make_tiny_gguf(
         arch: ``"llama"`` (Q/K rows permuted as llama.cpp does), ``"qwen2"`` (q/k/v biases, no permutation),
             ``"qwen3"`` (q/k norms, head_dim != hidden / heads) or ``"phi3"`` (fused ``attn_qkv`` and
             ``ffn_up``, with the ``rope.scaling.original_context_length`` and zero ``attention.sliding_window``
-            llama.cpp's converter writes for it).
+            llama.cpp's converter writes for it) or ``"qwen3_moe"`` (GGUF arch ``qwen3moe``: ``ffn_gate_inp`` and
+            the experts stacked in ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``).
         tie: Omit ``output.weight`` (tied embeddings).
         seed: Seed of the random weights.
         qtype: ``"F32"``, or ``"Q8_0"`` for the linear (``*_proj``) weights (the state dict then holds what the
@@ -217,6 +219,7 @@ def make_tiny_gguf(
     from transformers import AutoModelForCausalLM
 
     config = tiny_hf_config(arch, tie)
+    gguf_arch = {"qwen3_moe": "qwen3moe"}.get(arch, arch)
     torch.manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -226,7 +229,7 @@ def make_tiny_gguf(
         state[name] = (param + 0.1 * torch.randn_like(param)).contiguous()
 
     path = str(Path(tmp_path) / f"tiny-{arch}{'' if qtype == 'F32' else '-' + qtype}.gguf")
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, gguf_arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -240,6 +243,10 @@ def make_tiny_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3_moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
         writer.add_sliding_window(0)
@@ -266,6 +273,24 @@ def make_tiny_gguf(
             gguf_name = "output_norm.weight"
         elif name == "lm_head.weight":
             gguf_name = "output.weight"
+        elif ".mlp.experts." in name:  # qwen3_moe: transformers' stacked experts, as llama.cpp stacks them
+            layer = name.split(".")[2]
+            parts = np.split(array, 2, axis=1) if name.endswith("gate_up_proj") else [array]
+            kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+            coded = []
+            for kind, part in zip(kinds, parts):
+                part = np.ascontiguousarray(part)
+                if qtype == "F32":
+                    writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", part)
+                    coded.append(part)
+                    continue
+                from gguf.quants import dequantize, quantize
+
+                blocks = gguf.GGMLQuantizationType[qtype]
+                writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", quantize(part, blocks), raw_dtype=blocks)
+                coded.append(dequantize(quantize(part, blocks), blocks).reshape(part.shape))
+            state[name] = torch.from_numpy(np.concatenate(coded, axis=1))
+            continue
         else:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)

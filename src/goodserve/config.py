@@ -41,8 +41,8 @@ HF_CLASS_TO_MODEL_TYPE = {
 HF_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
-    "mixtral": {"rope_theta": 1000000.0, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-                "num_local_experts": 8, "num_experts_per_tok": 2},
+    "mixtral": {"rope_theta": 1000000.0, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "num_local_experts": 8, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
 }
@@ -216,8 +216,9 @@ def hf_sliding_window(cfg: dict[str, Any]) -> Optional[int]:
     """The attention window transformers applies to a HF config, in tokens, or ``None`` (full attention).
 
     As transformers 5 reads it: ``llama`` never applies ``sliding_window``; ``mistral``, ``phi3`` and ``mixtral``
-    apply it to every layer, ``qwen3_moe`` to every layer with ``use_sliding_window`` true; ``qwen2`` and ``qwen3`` apply it only with ``use_sliding_window`` true, on the layers
-    ``layer_types`` marks ``"sliding_attention"`` (by default those at index ``>= max_window_layers``,
+    apply it to every layer, ``qwen3_moe`` to every layer with ``use_sliding_window`` true; ``qwen2`` and
+    ``qwen3`` apply it only with ``use_sliding_window`` true, on the layers ``layer_types`` marks
+    ``"sliding_attention"`` (by default those at index ``>= max_window_layers``,
     default 28). Other model types (read only by the simulator) take ``sliding_window`` as given.
 
     Args:

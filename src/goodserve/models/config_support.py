@@ -210,7 +210,7 @@ def _scalar_problem(value: Any) -> Optional[str]:
     return "per-layer values (an array) are not implemented" if isinstance(value, list) else None
 
 
-#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3`` and ``phi3`` architectures
+#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3``, ``phi3`` and ``qwen3moe`` architectures
 #: (llama.cpp's names).
 GGUF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "shape", problem=_scalar_problem) for key in (
@@ -239,6 +239,12 @@ GGUF_RULES: tuple[FieldRule, ...] = (
                         ("residual_scale", "residual scaling"), ("attention.scale", "a custom attention scale"),
                         ("attention.clamp_kqv", "q/k/v clamping"),
                         ("attention.layer_norm_epsilon", "LayerNorm in place of RMSNorm"))),
+    FieldRule("expert_count", "implemented", "routed experts per layer", ("qwen3moe",), _positive_int),
+    FieldRule("expert_used_count", "implemented", "top-k routing, renormalised as llama.cpp does for qwen3moe",
+              ("qwen3moe",), _positive_int),
+    FieldRule("expert_feed_forward_length", "implemented", "SwiGLU width of one expert", ("qwen3moe",)),
+    FieldRule("feed_forward_length", "ignored", "no dense MLP: every qwen3moe layer is a mixture of experts",
+              ("qwen3moe",)),
 )
 
 #: GGUF tensors (or name parts) that ask for math the engine lacks, with the reason given when refusing them.

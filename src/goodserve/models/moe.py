@@ -17,7 +17,9 @@ batch-invariant mode is refused for MoE models).
 Checkpoints hold one tensor per expert (``block_sparse_moe.experts.N.w1/w3/w2`` in Mixtral,
 ``mlp.experts.N.gate_proj/up_proj/down_proj`` in Qwen3-MoE, as transformers 5 saves them too);
 :func:`stack_experts` stacks them at load into ``[num_experts, ...]`` tensors under :data:`GATE_UP` /
-:data:`DOWN`, and the router under :data:`ROUTER`. Experts run dense in the model's dtype.
+:data:`DOWN`, and the router under :data:`ROUTER`. llama.cpp's ``qwen3moe`` GGUFs stack them already
+(``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, router ``ffn_gate_inp``): :func:`join_gguf_experts`.
+Experts run dense in the model's dtype (a GGUF's quantized experts are dequantized at load).
 """
 
 from __future__ import annotations
@@ -68,6 +70,33 @@ def stack_experts(weights: dict[str, torch.Tensor], config: ModelConfig) -> None
         gate, up, down = per_expert[0::3], per_expert[1::3], per_expert[2::3]
         weights[p + GATE_UP] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
         weights[p + DOWN] = torch.stack(down)
+
+
+#: llama.cpp's MoE tensors (after ``blk.N.``) -> the names the GGUF loader gives them (after ``model.layers.N.``,
+#: ``.weight`` appended); :func:`join_gguf_experts` then joins gate and up.
+GGUF_EXPERT_NAMES = {"ffn_gate_inp": "moe.router", "ffn_gate_exps": "moe.experts.gate_exps",
+                     "ffn_up_exps": "moe.experts.up_exps", "ffn_down_exps": "moe.experts.down_exps"}
+
+
+def join_gguf_experts(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Replace, in place, each MoE layer's GGUF expert tensors (``[E, I, hidden]`` gate and up, ``[E, hidden,
+    I]`` down, as llama.cpp stacks them) by :data:`GATE_UP` (gate rows then up rows per expert) and
+    :data:`DOWN`.
+
+    Raises:
+        ValueError: naming a missing tensor.
+    """
+    for i in range(config.num_hidden_layers):
+        if not config.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}."
+        names = [f"{p}moe.experts.{part}.weight" for part in ("gate_exps", "up_exps", "down_exps")]
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise ValueError(f"weight {missing[0]!r} missing from the checkpoint")
+        gate, up, down = (weights.pop(n) for n in names)
+        weights[p + GATE_UP] = torch.cat([gate, up], dim=1)
+        weights[p + DOWN] = down
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
