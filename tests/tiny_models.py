@@ -22,7 +22,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-ARCHES = ("llama", "qwen2", "llama3", "mistral", "qwen3", "phi3")
+ARCHES = ("llama", "qwen2", "llama3", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe")
 SMOLLM2_VOCAB = 49152
 
 
@@ -43,16 +43,19 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
 
     Args:
         arch: ``"llama"``, ``"qwen2"`` (q/k/v bias), ``"llama3"`` (llama3 rope scaling, list of EOS ids),
-            ``"mistral"``, ``"qwen3"`` (q/k norms; head_dim 32, not hidden / heads = 16) or ``"phi3"`` (fused
-            qkv_proj and gate_up_proj).
+            ``"mistral"``, ``"qwen3"`` (q/k norms; head_dim 32, not hidden / heads = 16), ``"phi3"`` (fused
+            qkv_proj and gate_up_proj), ``"mixtral"`` (4 experts of width 128, top 2) or ``"qwen3_moe"`` (q/k
+            norms as qwen3, 8 experts of width 32, top 2, renormalised).
         tie: Tie the LM head to the embeddings; default True except for ``"llama3"`` and ``"phi3"``.
         vocab_size: Number of token ids (keep the SmolLM2 size to tokenize real text).
         overrides: Config keys set on top (e.g. ``{"sliding_window": 24}``, ``{"head_dim": 32}``).
 
     Returns:
-        A ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` / ``Qwen3Config`` / ``Phi3Config``.
+        A ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` / ``Qwen3Config`` / ``Phi3Config`` /
+        ``MixtralConfig`` / ``Qwen3MoeConfig``.
     """
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
@@ -87,6 +90,11 @@ def tiny_hf_config(arch: str = "llama", tie: Optional[bool] = None, vocab_size: 
         return LlamaConfig(rope_scaling=scaling, rope_theta=500000.0, **common)
     if arch == "mistral":
         return MistralConfig(**{"rope_theta": 10000.0, "sliding_window": None, **common})
+    if arch == "mixtral":
+        return MixtralConfig(**{"rope_theta": 1000000.0, "num_local_experts": 4, "num_experts_per_tok": 2, **common})
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{"rope_theta": 1000000.0, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 32, "norm_topk_prob": True, **common})
     if arch == "qwen3":
         return Qwen3Config(**{"rope_theta": 1000000.0, "head_dim": 32, **common})
     if arch == "phi3":
@@ -106,8 +114,8 @@ def make_tiny_hf_model(
 ) -> str:
     """Build a random tiny model, save it with its tokenizer, and return the directory.
 
-    Norm weights and attention biases are randomized too (HF initializes them to ones / zeros), so a
-    test catches a loader or model that ignores them.
+    Norm weights, attention biases and MoE routers are randomized too (HF initializes them to ones / zeros /
+    small values), so a test catches a loader or model that ignores them and routing is far from uniform.
 
     Args:
         tmp_path: Parent folder; the model goes to ``tmp_path / f"tiny-{arch}"``.
@@ -131,6 +139,10 @@ def make_tiny_hf_model(
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):  # the router (transformers 5 names Mixtral's mlp too)
+                param.copy_(torch.randn_like(param))
+            elif ".experts." in name:  # experts strong enough that their mix decides the tokens
+                param.copy_(0.2 * torch.randn_like(param))
     model.eval()
     extra = f"-{hashlib.sha1(repr(sorted(overrides.items())).encode()).hexdigest()[:8]}" if overrides else ""
     out = Path(tmp_path) / f"tiny-{arch}{'-tied' if config.tie_word_embeddings else ''}-{seed}{extra}"
@@ -179,6 +191,7 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv",  # phi3: q/k/v and gate/up fused as in the HF checkpoint
     "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",  # qwen3_moe's router
 }
 
 
@@ -192,7 +205,8 @@ def make_tiny_gguf(
         arch: ``"llama"`` (Q/K rows permuted as llama.cpp does), ``"qwen2"`` (q/k/v biases, no permutation),
             ``"qwen3"`` (q/k norms, head_dim != hidden / heads) or ``"phi3"`` (fused ``attn_qkv`` and
             ``ffn_up``, with the ``rope.scaling.original_context_length`` and zero ``attention.sliding_window``
-            llama.cpp's converter writes for it).
+            llama.cpp's converter writes for it) or ``"qwen3_moe"`` (GGUF arch ``qwen3moe``: ``ffn_gate_inp`` and
+            the experts stacked in ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``).
         tie: Omit ``output.weight`` (tied embeddings).
         seed: Seed of the random weights.
         qtype: ``"F32"``, or ``"Q8_0"`` for the linear (``*_proj``) weights (the state dict then holds what the
@@ -205,6 +219,7 @@ def make_tiny_gguf(
     from transformers import AutoModelForCausalLM
 
     config = tiny_hf_config(arch, tie)
+    gguf_arch = {"qwen3_moe": "qwen3moe"}.get(arch, arch)
     torch.manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -214,7 +229,7 @@ def make_tiny_gguf(
         state[name] = (param + 0.1 * torch.randn_like(param)).contiguous()
 
     path = str(Path(tmp_path) / f"tiny-{arch}{'' if qtype == 'F32' else '-' + qtype}.gguf")
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, gguf_arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -228,6 +243,10 @@ def make_tiny_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3_moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
         writer.add_sliding_window(0)
@@ -254,6 +273,24 @@ def make_tiny_gguf(
             gguf_name = "output_norm.weight"
         elif name == "lm_head.weight":
             gguf_name = "output.weight"
+        elif ".mlp.experts." in name:  # qwen3_moe: transformers' stacked experts, as llama.cpp stacks them
+            layer = name.split(".")[2]
+            parts = np.split(array, 2, axis=1) if name.endswith("gate_up_proj") else [array]
+            kinds = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+            coded = []
+            for kind, part in zip(kinds, parts):
+                part = np.ascontiguousarray(part)
+                if qtype == "F32":
+                    writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", part)
+                    coded.append(part)
+                    continue
+                from gguf.quants import dequantize, quantize
+
+                blocks = gguf.GGMLQuantizationType[qtype]
+                writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", quantize(part, blocks), raw_dtype=blocks)
+                coded.append(dequantize(quantize(part, blocks), blocks).reshape(part.shape))
+            state[name] = torch.from_numpy(np.concatenate(coded, axis=1))
+            continue
         else:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)

@@ -33,12 +33,18 @@ HF_CLASS_TO_MODEL_TYPE = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 #: transformers' defaults, for keys a ``config.json`` leaves out, where a model type's config class differs from
 #: ``LlamaConfig`` (the defaults :meth:`ModelConfig.from_hf_config` otherwise takes).
 HF_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "mixtral": {"rope_theta": 1000000.0, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
 }
 #: Keys of a HF ``config.json`` that :meth:`ModelConfig.from_hf_config` cannot do without.
 HF_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -58,7 +64,8 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM2).
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM2; the
+    Mixtral and Qwen3-MoE mixtures of experts).
 
     Attributes:
         architecture: Family name, e.g. ``"llama"`` or ``"qwen2"``.
@@ -83,6 +90,13 @@ class ModelConfig:
         eos_token_ids: Token ids that end generation (EOS and e.g. ``<|eot_id|>``).
         qk_norm: Whether each head of q and of k is RMS-normalised over ``head_dim`` before RoPE, with a
             ``[head_dim]`` weight per projection (Qwen3's ``q_norm`` / ``k_norm``).
+        num_experts: Routed experts of each mixture-of-experts MLP ``E``; ``0`` for a dense model.
+        num_experts_per_tok: Experts each token is routed to (top-k).
+        moe_intermediate_size: SwiGLU width of one expert.
+        norm_topk_prob: Whether the top-k routing probabilities are renormalised to sum to 1 (Mixtral always;
+            Qwen3-MoE's ``norm_topk_prob``).
+        dense_mlp_layers: Layers of a mixture-of-experts model whose MLP is the dense SwiGLU of width
+            ``intermediate_size`` (Qwen3-MoE's ``mlp_only_layers`` and those ``decoder_sparse_step`` skips).
     """
 
     architecture: str
@@ -103,6 +117,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: Optional[int] = None
     qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_mlp_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture of experts (else the dense SwiGLU)."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes one token occupies: ``2 · L · n_kv · d_head · b_dtype`` (PagedAttention, §3)."""
@@ -146,12 +169,17 @@ class ModelConfig:
         if generation_cfg:
             eos += token_id_list(generation_cfg.get("eos_token_id"))
         bos = cfg.get("bos_token_id")
+        num_layers = int(cfg["num_hidden_layers"])
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense_layers = tuple(i for i in range(num_layers) if experts and model_type == "qwen3_moe" and (
+            i in (cfg.get("mlp_only_layers") or ()) or (i + 1) % step != 0))
         return cls(
             architecture=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -166,6 +194,11 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=unique_ids(eos),
             sliding_window=hf_sliding_window(cfg),
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+            norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", True)),
+            dense_mlp_layers=dense_layers,
         )
 
 
@@ -182,9 +215,10 @@ def hf_model_type(cfg: dict[str, Any]) -> Optional[str]:
 def hf_sliding_window(cfg: dict[str, Any]) -> Optional[int]:
     """The attention window transformers applies to a HF config, in tokens, or ``None`` (full attention).
 
-    As transformers 5 reads it: ``llama`` never applies ``sliding_window``; ``mistral`` and ``phi3`` apply it
-    to every layer; ``qwen2`` and ``qwen3`` apply it only with ``use_sliding_window`` true, on the layers
-    ``layer_types`` marks ``"sliding_attention"`` (by default those at index ``>= max_window_layers``,
+    As transformers 5 reads it: ``llama`` never applies ``sliding_window``; ``mistral``, ``phi3`` and ``mixtral``
+    apply it to every layer, ``qwen3_moe`` to every layer with ``use_sliding_window`` true; ``qwen2`` and
+    ``qwen3`` apply it only with ``use_sliding_window`` true, on the layers ``layer_types`` marks
+    ``"sliding_attention"`` (by default those at index ``>= max_window_layers``,
     default 28). Other model types (read only by the simulator) take ``sliding_window`` as given.
 
     Args:
@@ -197,6 +231,8 @@ def hf_sliding_window(cfg: dict[str, Any]) -> Optional[int]:
     window = cfg.get("sliding_window")
     if not window or model_type == "llama":
         return None
+    if model_type == "qwen3_moe":  # every layer, with use_sliding_window
+        return int(window) if cfg.get("use_sliding_window", False) else None
     if model_type.startswith(("qwen2", "qwen3")):
         if not cfg.get("use_sliding_window", False):
             return None

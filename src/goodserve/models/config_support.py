@@ -95,6 +95,10 @@ def _layer_types_problem(value: Any) -> Optional[str]:
     return f"layer types {sorted(kinds)} are not implemented" if kinds else None
 
 
+def _positive_int(value: Any) -> Optional[str]:
+    return None if isinstance(value, int) and not isinstance(value, bool) and value > 0 else "expected a positive int"
+
+
 def _window_problem(value: Any) -> Optional[str]:
     return None if value is None or (isinstance(value, int) and value > 0) else "expected a positive int or null"
 
@@ -102,8 +106,8 @@ def _window_problem(value: Any) -> Optional[str]:
 _NOT_READ = "transformers' class for this model_type does not read it, so the reference output ignores it too"
 _METADATA = "metadata: no effect on the computed tokens"
 
-#: HF ``config.json`` keys of the ``llama``, ``mistral``, ``qwen2``, ``qwen3`` and ``phi3`` model types (SmolLM2 is
-#: ``llama``).
+#: HF ``config.json`` keys of the ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``mixtral`` and ``qwen3_moe``
+#: model types (SmolLM2 is ``llama``).
 HF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "required shape") for key in HF_REQUIRED_KEYS),
     FieldRule("num_key_value_heads", "implemented", "GQA / MQA; default num_attention_heads (qwen3: 32)"),
@@ -129,27 +133,32 @@ HF_RULES: tuple[FieldRule, ...] = (
     FieldRule("eos_token_id", "implemented", "EOS ids (with generation_config.json's)"),
     FieldRule("attention_bias", "refused", "transformers' Llama then adds q/k/v and o_proj biases; the engine has "
               "no o_proj bias", ("llama",), _refuse_if_set("attention biases on a llama model are not implemented")),
-    FieldRule("attention_bias", "refused", "transformers' Qwen3 then adds q/k/v and o_proj biases; the engine has "
-              "no o_proj bias", ("qwen3",), _refuse_if_set("attention biases on a qwen3 model are not implemented")),
+    *(FieldRule("attention_bias", "refused", f"transformers' {name} then adds q/k/v and o_proj biases; the engine "
+                "has no o_proj bias", (kind,), _refuse_if_set(f"attention biases on a {kind} model are not "
+                                                                "implemented"))
+      for kind, name in (("qwen3", "Qwen3"), ("qwen3_moe", "Qwen3-MoE"))),
     FieldRule("attention_bias", "ignored", "Qwen2 always has q/k/v biases and no o_proj bias (implemented)",
               ("qwen2",)),
-    FieldRule("attention_bias", "ignored", "transformers' Mistral and Phi-3 have no biases whatever the key says",
-              ("mistral", "phi3")),
+    FieldRule("attention_bias", "ignored", "transformers' Mistral, Phi-3 and Mixtral have no biases whatever the key "
+              "says", ("mistral", "phi3", "mixtral")),
     FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("llama",),
               _refuse_if_set("MLP biases are not implemented")),
-    FieldRule("mlp_bias", "ignored", _NOT_READ, ("mistral", "qwen2", "qwen3", "phi3")),
+    FieldRule("mlp_bias", "ignored", _NOT_READ, ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")),
     FieldRule("sliding_window", "capped", "every layer attends within W tokens: exact up to W",
-              ("mistral", "phi3"), _window_problem),
+              ("mistral", "phi3", "mixtral"), _window_problem),
+    FieldRule("sliding_window", "capped", "every layer attends within W tokens with use_sliding_window: exact up "
+              "to W", ("qwen3_moe",), _window_problem),
     FieldRule("sliding_window", "capped", "applied only with use_sliding_window and a sliding layer: exact up to W",
               ("qwen2", "qwen3"), _window_problem),
     FieldRule("sliding_window", "ignored", _NOT_READ, ("llama",)),
     FieldRule("use_sliding_window", "implemented", "false: transformers ignores sliding_window (full context)",
-              ("qwen2", "qwen3")),
+              ("qwen2", "qwen3", "qwen3_moe")),
     FieldRule("max_window_layers", "implemented", "layers at index >= it slide (when layer_types is absent)",
               ("qwen2", "qwen3")),
+    FieldRule("max_window_layers", "ignored", _NOT_READ, ("qwen3_moe",)),
     FieldRule("layer_types", "implemented", "full_attention / sliding_attention per layer", ("qwen2", "qwen3"),
               _layer_types_problem),
-    FieldRule("layer_types", "ignored", _NOT_READ, ("llama", "mistral", "phi3")),
+    FieldRule("layer_types", "ignored", _NOT_READ, ("llama", "mistral", "phi3", "mixtral", "qwen3_moe")),
     FieldRule("quantization_config", "refused", "quantized safetensors are not implemented (GGUF blocks are)",
               problem=_refuse_if_set("quantized safetensors checkpoints (GPTQ, AWQ, bitsandbytes, fp8) are not "
                                      "implemented; use an unquantized checkpoint or a GGUF")),
@@ -160,6 +169,25 @@ HF_RULES: tuple[FieldRule, ...] = (
                         ("final_logit_softcapping", "final logit soft-capping"),
                         ("qk_norm", "q/k normalisation"), ("use_qk_norm", "q/k normalisation"),
                         ("num_local_experts", "a mixture of experts"), ("num_experts", "a mixture of experts"))),
+    # Mixtures of experts (goodserve.models.moe); the refusals above hold for the dense model types.
+    FieldRule("num_local_experts", "implemented", "routed experts per MoE layer", ("mixtral", "qwen3_moe"),
+              _positive_int),
+    FieldRule("num_experts", "implemented", "alias of num_local_experts (transformers' attribute_map)",
+              ("mixtral", "qwen3_moe"), _positive_int),
+    FieldRule("num_experts_per_tok", "implemented", "top-k routing (float32 softmax, then top k)",
+              ("mixtral", "qwen3_moe"), _positive_int),
+    FieldRule("moe_intermediate_size", "implemented", "SwiGLU width of one expert", ("qwen3_moe",)),
+    FieldRule("norm_topk_prob", "implemented", "renormalise the top-k probabilities (mixtral: always)",
+              ("qwen3_moe",)),
+    FieldRule("decoder_sparse_step", "implemented", "layers i with (i + 1) % step != 0 run the dense MLP",
+              ("qwen3_moe",), _positive_int),
+    FieldRule("mlp_only_layers", "implemented", "layers that run the dense MLP (intermediate_size wide)",
+              ("qwen3_moe",)),
+    FieldRule("router_jitter_noise", "ignored", "transformers applies it only in training", ("mixtral",)),
+    FieldRule("output_router_logits", "ignored", "router logits feed the training loss only; the tokens are the "
+              "same", ("mixtral", "qwen3_moe")),
+    FieldRule("router_aux_loss_coef", "ignored", "weight of the training load-balancing loss",
+              ("mixtral", "qwen3_moe")),
     FieldRule("pretraining_tp", "ignored", "transformers 4 only slices the same matmuls; transformers 5 does not "
               "read it"),
     FieldRule("attention_dropout", "ignored", "dropout is off at inference"),
@@ -182,7 +210,7 @@ def _scalar_problem(value: Any) -> Optional[str]:
     return "per-layer values (an array) are not implemented" if isinstance(value, list) else None
 
 
-#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3`` and ``phi3`` architectures
+#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3``, ``phi3`` and ``qwen3moe`` architectures
 #: (llama.cpp's names).
 GGUF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "shape", problem=_scalar_problem) for key in (
@@ -211,6 +239,12 @@ GGUF_RULES: tuple[FieldRule, ...] = (
                         ("residual_scale", "residual scaling"), ("attention.scale", "a custom attention scale"),
                         ("attention.clamp_kqv", "q/k/v clamping"),
                         ("attention.layer_norm_epsilon", "LayerNorm in place of RMSNorm"))),
+    FieldRule("expert_count", "implemented", "routed experts per layer", ("qwen3moe",), _positive_int),
+    FieldRule("expert_used_count", "implemented", "top-k routing, renormalised as llama.cpp does for qwen3moe",
+              ("qwen3moe",), _positive_int),
+    FieldRule("expert_feed_forward_length", "implemented", "SwiGLU width of one expert", ("qwen3moe",)),
+    FieldRule("feed_forward_length", "ignored", "no dense MLP: every qwen3moe layer is a mixture of experts",
+              ("qwen3moe",)),
 )
 
 #: GGUF tensors (or name parts) that ask for math the engine lacks, with the reason given when refusing them.

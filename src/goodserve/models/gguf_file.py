@@ -14,6 +14,9 @@ GGUF notes:
   that each head's rotary pairs are adjacent (``x[2i], x[2i+1]``, GPT-J style). HF Llama rotates the two
   halves of a head instead (``x[i], x[i + d/2]``). :func:`_unpermute_rotary_rows` restores HF order.
   ``qwen2`` GGUFs are written without that reordering.
+* ``qwen3moe`` (Qwen3-MoE) stacks each layer's experts in 3-D tensors ``ffn_gate_exps`` / ``ffn_up_exps``
+  (``[E, I, hidden]``) and ``ffn_down_exps`` (``[E, hidden, I]``) beside the router ``ffn_gate_inp``; they
+  run dense (dequantized to the dtype), joined by :func:`goodserve.models.moe.join_gguf_experts`.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows,
 from goodserve.models.checkpoint import (LoadedModel, split_fused_projections, tokenizer_chat_template,
                                         with_tokenizer_eos)
 from goodserve.models.gguf_tokenizer import gguf_tokenizer
+from goodserve.models.moe import GGUF_EXPERT_NAMES, join_gguf_experts
 
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values we can run.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe")
+#: GGUF architectures whose every layer's MLP is a mixture of experts, and the HF ``model_type`` they run as.
+_GGUF_MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
 
 # GGUF tensor name (the part after ``blk.N.``) -> HF name (the part after ``model.layers.N.``).
 _GGUF_LAYER_NAMES = {
@@ -56,6 +62,8 @@ _GGUF_LAYER_NAMES = {
 # Per architecture, what differs from ``_GGUF_LAYER_NAMES`` (``None``: the architecture has no such tensor).
 _GGUF_ARCH_LAYER_NAMES: dict[str, dict[str, Optional[str]]] = {
     "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "qwen3_moe": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": None,
+                 "ffn_up": None, "ffn_down": None, **GGUF_EXPERT_NAMES},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "attn_q": None, "attn_k": None, "attn_v": None,
              "ffn_up": "mlp.gate_up_proj", "ffn_gate": None},
 }
@@ -138,11 +146,18 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
     bos = reader.get("tokenizer.ggml.bos_token_id")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     window = reader.get(f"{arch}.attention.sliding_window")
+    moe: dict[str, Any] = {}
+    if arch in _GGUF_MOE_ARCHITECTURES:  # llama.cpp renormalises qwen3moe's top-k weights
+        moe = dict(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                   moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True)
+        if not 0 < moe["num_experts_per_tok"] <= moe["num_experts"]:
+            raise ValueError(f"GGUF metadata {arch}.expert_used_count={moe['num_experts_per_tok']} is not "
+                             f"supported: expected 1..{moe['num_experts']}")
     config = ModelConfig(
-        architecture=arch,
+        architecture=_GGUF_MOE_ARCHITECTURES.get(arch, arch),
         vocab_size=n_tokens,
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(reader.get(f"{arch}.feed_forward_length") or 0 if moe else get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(reader.get(f"{arch}.attention.head_count_kv") or heads),
@@ -152,11 +167,12 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         attention_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe"),
         tie_word_embeddings=tied,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=unique_ids(eos),
         sliding_window=int(window) if window else None,
+        **moe,
     )
     check_gguf_tensors((t.name for t in reader.tensors), _expected_gguf_names(config))
     return config
@@ -237,6 +253,7 @@ def _gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         futures = [pool.submit(_gguf_tensor, tensor, name, config, dtype, keep_quantized) for name, tensor in named]
         weights = {name: future.result() for (name, _), future in zip(named, futures)}
     split_fused_projections(weights, config)
+    join_gguf_experts(weights, config)
     return weights
 
 

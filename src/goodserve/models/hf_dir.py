@@ -4,7 +4,8 @@
 simulator's presets); this module adds what the engine can run: Llama-family decoders with a SwiGLU MLP
 and RMSNorm, every config field checked against :mod:`goodserve.models.config_support` and every tensor
 name against what the model reads, before any weight is read. Qwen3's ``q_norm`` / ``k_norm`` pass as they
-are; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the Llama names.
+are; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the Llama names; Mixtral's and Qwen3-MoE's
+per-expert tensors are stacked (:func:`goodserve.models.moe.stack_experts`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from goodserve.config import ModelConfig, hf_model_type
 from goodserve.models.config_support import check_hf_config
 from goodserve.models.checkpoint import (LoadedModel, fused_projection_sizes, load_hf_tokenizer,
                                         split_fused_projections, tokenizer_chat_template, with_tokenizer_eos)
+from goodserve.models.moe import hf_layer_names, stack_experts
 
 
-#: HF ``model_type`` values we can run (all Llama-family decoders with SwiGLU MLP and RMSNorm).
-SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: HF ``model_type`` values we can run (Llama-family decoders with SwiGLU MLPs or mixtures of them, and RMSNorm).
+SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
 
 
 def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> ModelConfig:
@@ -50,12 +52,17 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
             f"unsupported architecture {named!r}; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
         )
     check_hf_config(cfg, model_type)
-    return ModelConfig.from_hf_config(cfg, generation_cfg)
+    config = ModelConfig.from_hf_config(cfg, generation_cfg)
+    if config.num_experts and not 0 < config.num_experts_per_tok <= config.num_experts:
+        raise ValueError(f"config.json num_experts_per_tok={config.num_experts_per_tok} is not supported: expected "
+                         f"1..{config.num_experts} (the experts per MoE layer)")
+    return config
 
 
 def expected_weight_names(config: ModelConfig) -> set[str]:
     """HF names of every tensor the checkpoint holds for ``config`` (``lm_head.weight`` included, used when
-    untied): Phi-3's fused projections in place of the parts they hold, Qwen3's q/k norms."""
+    untied): Phi-3's fused projections in place of the parts they hold, Qwen3's q/k norms, a mixture-of-experts
+    layer's router and per-expert projections in place of the dense MLP's."""
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
@@ -65,7 +72,10 @@ def expected_weight_names(config: ModelConfig) -> set[str]:
     if config.qk_norm:
         parts += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(config.num_hidden_layers):
-        names.update(f"model.layers.{i}.{part}" for part in parts)
+        moe = config.is_moe_layer(i)
+        names.update(f"model.layers.{i}.{part}" for part in parts if not (moe and part.startswith("mlp.")))
+        if moe:
+            names.update(hf_layer_names(config, i))
         if config.attention_bias:
             names.update(f"model.layers.{i}.self_attn.{x}_proj.bias" for x in "qkv")
     return names
@@ -130,6 +140,7 @@ def load_hf_dir(path: str, dtype: torch.dtype) -> LoadedModel:
         for name, tensor in load_file(shard).items():
             weights[name] = tensor.to(dtype)
     split_fused_projections(weights, config)
+    stack_experts(weights, config)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:

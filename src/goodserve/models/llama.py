@@ -1,7 +1,8 @@
 """A Llama-family decoder over a flat token batch and a paged KV cache.
 
 Covers Llama 2/3 (incl. Llama-3 rope scaling), Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (RMSNorm of each q and
-k head before RoPE), Phi-3 (its fused projections split by the loaders) and SmolLM2: RMSNorm (Zhang & Sennrich
+k head before RoPE), Phi-3 (its fused projections split by the loaders), SmolLM2, and the mixtures of experts
+Mixtral and Qwen3-MoE (their MLP in :mod:`goodserve.models.moe`): RMSNorm (Zhang & Sennrich
 2019), rotary position embeddings in the rotate-half layout (Su et al. 2021), grouped-query attention (Ainslie
 et al. 2023; MQA when there is one KV head), a SwiGLU MLP (Shazeer 2020) and optionally tied embeddings. The
 arithmetic mirrors HF ``transformers`` (norms in float32, cast back before the weight) so greedy decoding
@@ -26,6 +27,7 @@ from goodserve.models.attention import AttentionBackend, AttentionMetadata, Nati
 from goodserve.models.invariant import InvariantLinear, rms_norm_torch
 from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend
 from goodserve.models.linear import dense_linear
+from goodserve.models.moe import SparseMoeBlock
 from goodserve.models.quant import BlockQuantized, QuantLinear, dequantize_rows, make_linear, runs_on_blocks
 
 
@@ -144,9 +146,12 @@ class DecoderLayer(nn.Module):
     With ``config.qk_norm`` (Qwen3), ``qk_norm`` is the ``[num_heads + num_kv_heads, head_dim]`` weight of an
     RMSNorm over each head of q and k before RoPE: ``q_norm``'s ``[head_dim]`` row repeated for the query
     heads, then ``k_norm``'s for the KV heads, so one norm call covers both as HF's two do.
+
+    With ``moe`` the MLP is ``self.moe``, a :class:`~goodserve.models.moe.SparseMoeBlock` (Mixtral, Qwen3-MoE),
+    and there are no ``gate_up_proj`` / ``down_proj``.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, moe: bool = False) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -155,8 +160,9 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.moe = SparseMoeBlock(c) if moe else None
+        self.gate_up_proj = None if moe else nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = None if moe else nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.intermediate_size = c.intermediate_size
         self.qk_norm: Optional[nn.Parameter] = None
         if c.qk_norm:
@@ -197,6 +203,8 @@ class DecoderLayer(nn.Module):
             o = F.pad(o, (0, 0, 0, n - t))
         h, residual = add_rms_norm(self.o_proj.forward(o), residual, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps, self.invariant)
+        if self.moe is not None:
+            return self.moe.forward(h), residual
         gate_up = self.gate_up_proj.forward(h)
         if native.usable(gate_up):  # the one-call decode step's kernel: the same bits on both paths
             return self.down_proj.forward(native.silu_mul(gate_up)), residual
@@ -218,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
         # Python decomposition whose first use imports torch._dynamo, 2.5 s of a one-shot command's start.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, config.is_moe_layer(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The LM head, made by ``load_weights`` (from the embedding when tied).
         self.lm_head: Optional[nn.Module] = None
@@ -243,7 +252,9 @@ class LlamaForCausalLM(nn.Module):
         Args:
             weights: HF parameter names (``model.layers.0.self_attn.q_proj.weight``, ...) to tensors, or to
                 :class:`BlockQuantized` weights as the GGUF file holds them; with ``config.qk_norm`` also
-                ``self_attn.q_norm.weight`` and ``self_attn.k_norm.weight`` (``[head_dim]`` each) per layer.
+                ``self_attn.q_norm.weight`` and ``self_attn.k_norm.weight`` (``[head_dim]`` each) per layer; a
+                mixture-of-experts layer's router and experts stacked by :func:`goodserve.models.moe.stack_experts`
+                (they run dense in ``dtype`` whatever ``quantization`` says).
             dtype: Dtype of the dense weights and activations; default: the embedding's current dtype.
             quantization: How linear layers run, see :func:`goodserve.models.quant.make_linear`.
             batch_invariant: Every linear layer on :class:`~goodserve.models.invariant.InvariantLinear` (one
@@ -252,9 +263,13 @@ class LlamaForCausalLM(nn.Module):
                 not apply then.
 
         Raises:
-            ValueError: when a weight is missing or has the wrong shape, or on an unknown ``quantization``.
+            ValueError: when a weight is missing or has the wrong shape, on an unknown ``quantization``, or
+                ``batch_invariant`` for a mixture of experts (not implemented).
         """
         dtype = dtype or self.embed_tokens.weight.dtype
+        if batch_invariant and self.config.num_experts:
+            raise ValueError("batch-invariant mode is not implemented for a mixture of experts "
+                             f"({self.config.architecture})")
 
         def take(name: str, shape: tuple[int, ...]) -> Union[torch.Tensor, BlockQuantized]:
             if name not in weights:
@@ -312,9 +327,12 @@ class LlamaForCausalLM(nn.Module):
                                   take(a + "v_proj.bias", (layer.kv_size,))])
             layer.qkv_proj = linear(qkv, bias)
             layer.o_proj = linear(take(a + "o_proj.weight", (hidden, layer.q_size)), None)
-            gate_up = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(inter, hidden)] * 2)
-            layer.gate_up_proj = linear(gate_up, None)
-            layer.down_proj = linear(take(p + "mlp.down_proj.weight", (hidden, inter)), None)
+            if layer.moe is not None:
+                layer.moe.load(dense, p)
+            else:
+                gate_up = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(inter, hidden)] * 2)
+                layer.gate_up_proj = linear(gate_up, None)
+                layer.down_proj = linear(take(p + "mlp.down_proj.weight", (hidden, inter)), None)
             layer.invariant = batch_invariant
             layer.input_layernorm.weight = dense(p + "input_layernorm.weight", (hidden,))
             layer.post_attention_layernorm.weight = dense(p + "post_attention_layernorm.weight", (hidden,))
@@ -333,8 +351,8 @@ class LlamaForCausalLM(nn.Module):
         block kernel, or (batch-invariant mode) on the native batch-invariant GEMM, without bias, and the
         norms on the native kernels; else ``None``."""
         c = self.config
-        if not native.usable(self.norm.weight) or c.qk_norm:  # the one-call kernel has no q/k norm
-            return None
+        if not native.usable(self.norm.weight) or c.qk_norm or c.num_experts:  # the one-call kernel has no
+            return None  # q/k norm and no mixture of experts
         layers = []
         for layer in self.layers:
             projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]

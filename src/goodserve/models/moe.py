@@ -1,0 +1,179 @@
+"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE, experts computed grouped by expert.
+
+A router (one ``[num_experts, hidden]`` linear layer) scores every token; each token goes to its top-k
+experts (Shazeer et al. 2017, "Outrageously Large Neural Networks", §2.1 top-k gating; Mixtral: Jiang et al.
+2024, §2.1), each a SwiGLU MLP (Shazeer 2020), and the layer's output is the experts' outputs weighted by the
+routing probabilities. As in transformers, the probabilities are a float32 softmax over all experts, then
+the top k, renormalised to sum to 1 when the family says (Mixtral always, which equals a softmax over the k
+top logits; Qwen3-MoE per ``norm_topk_prob``).
+
+The experts run grouped by expert, not per token: the ``num_tokens * k`` (token, expert) assignments are
+sorted by expert, each expert with tokens runs one gate/up and one down matmul over all its rows, and the
+weighted rows go back to their (token, slot) place; each token's k slots are then summed along the slot
+axis, as transformers' default ``grouped_mm`` experts do (a reshape and sum, no atomic ``index_add_``), so
+the order of a token's sum does not depend on which other tokens share the step (the matmuls' rounding may:
+batch-invariant mode is refused for MoE models).
+
+Checkpoints hold one tensor per expert (``block_sparse_moe.experts.N.w1/w3/w2`` in Mixtral,
+``mlp.experts.N.gate_proj/up_proj/down_proj`` in Qwen3-MoE, as transformers 5 saves them too);
+:func:`stack_experts` stacks them at load into ``[num_experts, ...]`` tensors under :data:`GATE_UP` /
+:data:`DOWN`, and the router under :data:`ROUTER`. llama.cpp's ``qwen3moe`` GGUFs stack them already
+(``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, router ``ffn_gate_inp``): :func:`join_gguf_experts`.
+Experts run dense in the model's dtype (a GGUF's quantized experts are dequantized at load).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from goodserve.config import ModelConfig
+
+#: Per family: the layer's MLP module name, then the expert's gate, up and down projection names.
+HF_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                   "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+#: Families whose routing weights stay float32 when they scale the expert outputs (transformers' Mixtral);
+#: the others cast them to the activations' dtype first (Qwen3-MoE).
+FLOAT32_WEIGHTING = ("mixtral",)
+#: The names :func:`stack_experts` leaves in a layer (after ``model.layers.{i}.``).
+ROUTER, GATE_UP, DOWN = "moe.router.weight", "moe.experts.gate_up_proj", "moe.experts.down_proj"
+
+
+def hf_layer_names(config: ModelConfig, layer: int) -> list[str]:
+    """The checkpoint tensors of MoE layer ``layer`` (full HF names: the router, then each expert's three)."""
+    module, gate, up, down = HF_EXPERT_NAMES[config.architecture]
+    p = f"model.layers.{layer}.{module}."
+    return [p + "gate.weight"] + [f"{p}experts.{e}.{w}.weight" for e in range(config.num_experts)
+                                  for w in (gate, up, down)]
+
+
+def stack_experts(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Replace, in place, each MoE layer's per-expert tensors by ``[E, 2 * I, hidden]`` gate/up (rows gate then
+    up, per expert) and ``[E, hidden, I]`` down tensors, and rename its router to :data:`ROUTER`.
+
+    Raises:
+        ValueError: naming a missing tensor.
+    """
+    for i in range(config.num_hidden_layers):
+        if not config.is_moe_layer(i):
+            continue
+        names = hf_layer_names(config, i)
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise ValueError(f"weight {missing[0]!r} missing from the checkpoint")
+        p = f"model.layers.{i}."
+        weights[p + ROUTER] = weights.pop(names[0])
+        per_expert = [weights.pop(n) for n in names[1:]]
+        gate, up, down = per_expert[0::3], per_expert[1::3], per_expert[2::3]
+        weights[p + GATE_UP] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        weights[p + DOWN] = torch.stack(down)
+
+
+#: llama.cpp's MoE tensors (after ``blk.N.``) -> the names the GGUF loader gives them (after ``model.layers.N.``,
+#: ``.weight`` appended); :func:`join_gguf_experts` then joins gate and up.
+GGUF_EXPERT_NAMES = {"ffn_gate_inp": "moe.router", "ffn_gate_exps": "moe.experts.gate_exps",
+                     "ffn_up_exps": "moe.experts.up_exps", "ffn_down_exps": "moe.experts.down_exps"}
+
+
+def join_gguf_experts(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Replace, in place, each MoE layer's GGUF expert tensors (``[E, I, hidden]`` gate and up, ``[E, hidden,
+    I]`` down, as llama.cpp stacks them) by :data:`GATE_UP` (gate rows then up rows per expert) and
+    :data:`DOWN`.
+
+    Raises:
+        ValueError: naming a missing tensor.
+    """
+    for i in range(config.num_hidden_layers):
+        if not config.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}."
+        names = [f"{p}moe.experts.{part}.weight" for part in ("gate_exps", "up_exps", "down_exps")]
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise ValueError(f"weight {missing[0]!r} missing from the checkpoint")
+        gate, up, down = (weights.pop(n) for n in names)
+        weights[p + GATE_UP] = torch.cat([gate, up], dim=1)
+        weights[p + DOWN] = down
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing from router logits ``[num_tokens, num_experts]``.
+
+    Returns:
+        ``(weights, experts)``, each ``[num_tokens, top_k]``: float32 softmax probabilities of the chosen
+        experts (renormalised over the k when ``renormalise``) and their int64 ids, most probable first.
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """``sum_j weights[t, j] * SwiGLU_{experts[t, j]}(x[t])`` for every token ``t``, grouped by expert.
+
+    Args:
+        x: ``[num_tokens, hidden]`` activations.
+        weights: ``[num_tokens, k]`` routing weights.
+        experts: ``[num_tokens, k]`` int64 expert ids.
+        gate_up: ``[num_experts, 2 * I, hidden]``, each expert's gate rows then up rows.
+        down: ``[num_experts, hidden, I]``.
+        weight_dtype: Dtype the expert outputs are scaled in (then cast back to ``x``'s dtype).
+
+    Returns:
+        ``[num_tokens, hidden]``; each token's k terms summed in its slot order (most probable first), in
+        ``weight_dtype``.
+    """
+    n, k = experts.shape
+    inter = down.shape[-1]
+    flat = experts.reshape(-1)  # [n * k]: assignment a = t * k + slot
+    by_expert = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = x.index_select(0, by_expert // k)  # [n * k, hidden], expert 0's rows first
+    out = torch.empty_like(rows)
+    start = 0
+    for e, count in enumerate(counts):  # experts that have tokens; one matmul pair each
+        if count == 0:
+            continue
+        gate, up = F.linear(rows[start:start + count], gate_up[e]).split(inter, dim=-1)
+        out[start:start + count] = F.linear(F.silu(gate) * up, down[e])
+        start += count
+    scaled = out.to(weight_dtype) * weights.reshape(-1)[by_expert, None].to(weight_dtype)
+    slots = torch.empty_like(scaled).index_copy_(0, by_expert, scaled).view(n, k, -1)
+    return slots.sum(dim=1).to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE MLP of one layer. Input/output ``[num_tokens, hidden]``.
+
+    Attributes:
+        router: ``[num_experts, hidden]``.
+        gate_up: ``[num_experts, 2 * moe_intermediate_size, hidden]``.
+        down: ``[num_experts, hidden, moe_intermediate_size]``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.router = nn.Parameter(torch.empty(e, h), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
+        self.float32_weighting = config.architecture in FLOAT32_WEIGHTING
+
+    def load(self, dense: Callable[[str, tuple[int, ...]], nn.Parameter], prefix: str) -> None:
+        """Take the stacked weights (:func:`stack_experts`) of the layer at ``prefix`` through ``dense``
+        (name, expected shape -> parameter in the model's dtype)."""
+        self.router = dense(prefix + ROUTER, tuple(self.router.shape))
+        self.gate_up = dense(prefix + GATE_UP, tuple(self.gate_up.shape))
+        self.down = dense(prefix + DOWN, tuple(self.down.shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(F.linear(x, self.router), self.top_k, self.renormalise)
+        weight_dtype = torch.float32 if self.float32_weighting else x.dtype
+        return grouped_experts(x, weights.to(weight_dtype), experts, self.gate_up, self.down, weight_dtype)
