@@ -223,3 +223,25 @@ def test_make_plan_roofline_rows():
     r = make_plan(TOY, TOY_GPU, context=64, activation_reserve_bytes=0)
     assert [p.batch for p in r.roofline][-1] == r.memory.max_concurrency
     assert all(math.isfinite(p.step_s) for p in r.roofline)
+
+
+def test_moe_configs_priced_by_active_and_total_parameters():
+    """Qwen3-MoE's expert width is moe_intermediate_size, not intermediate_size (Qwen3-30B-A3B: 30.5B total,
+    3.3B active, as published); its dense mlp_only_layers leave the MoE layer count; Mixtral 8x7B: 46.7B /
+    12.9B."""
+    from goodserve.sim.model_size import param_count
+    from goodserve.sim.presets import arch_from_hf_config
+
+    qwen = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+            "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False}
+    p = param_count(arch_from_hf_config(qwen))
+    assert (p.total, p.active, p.num_moe_layers) == (30_532_110_336, 3_353_020_416, 48)
+    dense2 = param_count(arch_from_hf_config({**qwen, "mlp_only_layers": [0, 47]}))
+    assert dense2.num_moe_layers == 46
+    assert dense2.total - p.total == 2 * (3 * 2048 * 6144 - 128 * 3 * 2048 * 768 - 2048 * 128)
+    mixtral = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8,
+               "num_experts_per_tok": 2, "vocab_size": 32000, "tie_word_embeddings": False}
+    p = param_count(arch_from_hf_config(mixtral))
+    assert (p.total, p.active) == (46_702_792_704, 12_879_925_248)

@@ -138,8 +138,8 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
     """Build an :class:`ArchSpec` from a parsed HF ``config.json``.
 
     The dense shapes come from :meth:`ModelConfig.from_hf_config`, the engine loader's parser, with its
-    defaults (e.g. ``max_position_embeddings`` 2048 when absent). On top, this reads DeepSeek-V2/V3 (MLA,
-    ``n_routed_experts``) and Mixtral (``num_local_experts``, experts as wide as ``intermediate_size``).
+    defaults (e.g. ``max_position_embeddings`` 2048 when absent), experts included (Mixtral, Qwen3-MoE with
+    its dense ``mlp_only_layers``). On top, this reads DeepSeek-V2/V3 (MLA, ``n_routed_experts``).
 
     Raises:
         ValueError: A required key is missing.
@@ -161,9 +161,11 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
                    num_shared_experts=int(cfg.get("n_shared_experts") or 0),
                    moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                    first_k_dense_layers=int(cfg.get("first_k_dense_replace") or 0))
-    elif cfg.get("num_local_experts"):  # Mixtral style
-        moe = dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                   moe_intermediate_size=base.intermediate_size)
+    elif base.num_experts:  # Mixtral, Qwen3-MoE: as the engine's loader parsed them
+        moe = dict(num_experts=base.num_experts, num_experts_per_tok=base.num_experts_per_tok,
+                   moe_intermediate_size=base.moe_intermediate_size,
+                   # dense layers are priced by count, wherever they sit
+                   first_k_dense_layers=len(base.dense_mlp_layers))
     return ArchSpec(
         name=name, num_hidden_layers=base.num_hidden_layers, hidden_size=base.hidden_size,
         num_attention_heads=base.num_attention_heads, num_key_value_heads=base.num_key_value_heads,
