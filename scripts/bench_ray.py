@@ -220,6 +220,9 @@ def main() -> int:
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
     p.add_argument("--output-len", type=int, default=16, help="prefix-repetition: output tokens")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per replica (default: sized from memory); small enough that not every prefix "
+                        "fits on every replica makes the run memory-bound")
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:150"])
     p.add_argument("--kv-settle-s", type=float, default=10.0,
                    help="seconds to wait for the router's KV index to agree with the replicas' /metrics")
@@ -243,7 +246,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     real = []
     if not args.skip_real:
-        ray = ["--ray", "--replicas", "2", "--num-cpus-per-replica", "1"]
+        ray = ["--ray", "--replicas", "2", "--num-cpus-per-replica", "1",
+               *(["--num-blocks", str(args.num_blocks)] if args.num_blocks else [])]
         real = [run_real(f"ray2-{routing}", ray + ["--routing", routing], args) for routing in routings]
         if not args.skip_one_instance:
             real.append(run_real("one-2-threads", ["--num-threads", "2"], args))
