@@ -9,27 +9,16 @@ import torch
 import transformers
 
 from goodserve import LLM, SamplingParams
-from tiny_models import make_tiny_gguf, make_tiny_hf_model, tiny_hf_config
+from tiny_models import EQUALITY_PROMPTS, hf_greedy, make_tiny_gguf, make_tiny_hf_model, tiny_hf_config
 
-PROMPTS = [[100 + (7 * i + 3 * j) % 4000 for j in range(n)] for i, n in enumerate((5, 17, 33, 48))]
+PROMPTS = EQUALITY_PROMPTS
 NEW = 12
-
-
-def _hf_greedy(model_dir, prompts):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)
-            refs.append(out[0, len(p):].tolist())
-    return refs
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "mistral"])
 def test_tiny_hf_dir_matches_hf(tmp_path, arch):
     model_dir = make_tiny_hf_model(tmp_path, arch)
-    refs = _hf_greedy(model_dir, PROMPTS)
+    refs = hf_greedy(model_dir, PROMPTS, NEW)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     for budget, num_blocks in ((512, 64), (7, 64), (16, 16)):
         llm = LLM(model_dir, dtype="float32", block_size=4, num_blocks=num_blocks,
@@ -51,7 +40,7 @@ def test_tiny_gguf_matches_its_weights(tmp_path):
     hf.load_state_dict(state, strict=False)
     hf.tie_weights()
     hf.save_pretrained(hf_dir)
-    refs = _hf_greedy(str(hf_dir), PROMPTS[:2])
+    refs = hf_greedy(str(hf_dir), PROMPTS[:2], NEW)
     llm = LLM(path, dtype="float32", num_blocks=64, log_stats_interval=0)
     outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
                         use_tqdm=False)

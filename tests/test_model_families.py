@@ -24,23 +24,12 @@ from goodserve.models.config_support import check_gguf_metadata, check_gguf_tens
 from goodserve.models.gguf_file import _expected_gguf_names
 from goodserve.models.loader import load_model
 from goodserve.models.quant import BlockQuantized
-from tiny_models import make_tiny_gguf, make_tiny_hf_model, tiny_hf_config
+from tiny_models import EQUALITY_PROMPTS, hf_greedy, make_tiny_gguf, make_tiny_hf_model, tiny_hf_config
 
-PROMPTS = [[100 + (7 * i + 3 * j) % 4000 for j in range(n)] for i, n in enumerate((5, 17, 33, 48))]
+PROMPTS = EQUALITY_PROMPTS
 NEW = 12
 FAMILIES = ["qwen3", "phi3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-
-
-def _hf_greedy(model_dir, prompts):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)
-            refs.append(out[0, len(p):].tolist())
-    return refs
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -49,7 +38,7 @@ def test_hf_dir_matches_hf(tmp_path, arch):
     prompt, a budget of 7 that chunks every prefill beside the others' decodes (C02), and a pool of 16 blocks
     of 4 tokens that forces preemption and recompute (C03)."""
     model_dir = make_tiny_hf_model(tmp_path, arch)
-    refs = _hf_greedy(model_dir, PROMPTS)
+    refs = hf_greedy(model_dir, PROMPTS, NEW)
     for budget, num_blocks in ((512, 64), (7, 64), (16, 16)):
         llm = LLM(model_dir, dtype="float32", block_size=4, num_blocks=num_blocks,
                   max_num_batched_tokens=budget, log_stats_interval=0)
@@ -66,7 +55,7 @@ def test_hf_dir_matches_hf(tmp_path, arch):
 def test_qwen3_on_the_torch_attention_backend(tmp_path):
     """The portable attention backend (any device) gives the same tokens as HF for Qwen3's normed q/k."""
     model_dir = make_tiny_hf_model(tmp_path, "qwen3")
-    refs = _hf_greedy(model_dir, PROMPTS)
+    refs = hf_greedy(model_dir, PROMPTS, NEW)
     llm = LLM(model_dir, dtype="float32", block_size=4, num_blocks=64, max_num_batched_tokens=16,
               attention_backend="torch", log_stats_interval=0)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == refs
@@ -103,7 +92,7 @@ def test_gguf_matches_its_hf_twin(tmp_path, arch, tie, qtype):
     attention.sliding_window; optionally Q8_0 blocks) gives the same greedy tokens as HF on the weights it
     encodes, chunked (budget 7)."""
     path, state = make_tiny_gguf(tmp_path, arch, tie=tie, qtype=qtype)
-    refs = _hf_greedy(_hf_twin(tmp_path, arch, tie, state), PROMPTS)
+    refs = hf_greedy(_hf_twin(tmp_path, arch, tie, state), PROMPTS, NEW)
     llm = LLM(path, dtype="float32", block_size=4, num_blocks=64, max_num_batched_tokens=7, log_stats_interval=0)
     model = llm.engine.config.model
     assert (model.architecture, model.head_dim, model.qk_norm, model.sliding_window) == \

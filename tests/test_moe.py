@@ -23,23 +23,12 @@ from goodserve.config import ModelConfig
 from goodserve.models.loader import load_model
 from goodserve.models.moe import DOWN, GATE_UP, ROUTER, grouped_experts, route
 from goodserve.models.config_support import check_gguf_metadata
-from tiny_models import make_tiny_gguf, make_tiny_hf_model, tiny_hf_config
+from tiny_models import EQUALITY_PROMPTS, hf_greedy, make_tiny_gguf, make_tiny_hf_model, tiny_hf_config
 
-PROMPTS = [[100 + (7 * i + 3 * j) % 4000 for j in range(n)] for i, n in enumerate((5, 17, 33, 48))]
+PROMPTS = EQUALITY_PROMPTS
 NEW = 12
 FAMILIES = ["mixtral", "qwen3_moe"]
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-
-
-def _hf_greedy(model_dir, prompts):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs = []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)
-            refs.append(out[0, len(p):].tolist())
-    return refs
 
 
 def _engine(model_dir, **kwargs):
@@ -52,7 +41,7 @@ def test_hf_dir_matches_hf(tmp_path, arch):
     a budget of 7 that chunks every prefill beside the others' decodes, and a pool of 16 blocks of 4 tokens
     that forces preemption and recompute."""
     model_dir = make_tiny_hf_model(tmp_path, arch)
-    refs = _hf_greedy(model_dir, PROMPTS)
+    refs = hf_greedy(model_dir, PROMPTS, NEW)
     assert len({tuple(r) for r in refs}) == len(refs)  # the prompts' continuations differ
     for budget, num_blocks in ((512, 64), (7, 64), (16, 16)):
         llm = _engine(model_dir, num_blocks=num_blocks, max_num_batched_tokens=budget)
@@ -72,7 +61,7 @@ def test_alone_equals_batched_with_others(tmp_path, arch):
     """On the portable attention backend, each request alone gives HF's tokens, and the same tokens when it
     shares every step with the other requests (its experts' rows grouped with theirs)."""
     model_dir = make_tiny_hf_model(tmp_path, arch)
-    refs = _hf_greedy(model_dir, PROMPTS)
+    refs = hf_greedy(model_dir, PROMPTS, NEW)
     llm = _engine(model_dir, num_blocks=64, max_num_batched_tokens=16, attention_backend="torch")
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
     assert alone == refs
@@ -86,7 +75,7 @@ def test_qwen3_moe_variants_match_hf(tmp_path, overrides):
     """Qwen3-MoE without renormalised top-k weights, and with a dense MLP on some layers (``mlp_only_layers``;
     ``decoder_sparse_step`` 2 makes layer 0 dense), give HF's tokens, chunked."""
     model_dir = make_tiny_hf_model(tmp_path, "qwen3_moe", overrides=overrides)
-    refs = _hf_greedy(model_dir, PROMPTS)
+    refs = hf_greedy(model_dir, PROMPTS, NEW)
     llm = _engine(model_dir, num_blocks=64, max_num_batched_tokens=7)
     model = llm.engine.config.model
     dense = {"mlp_only_layers": (1,), "decoder_sparse_step": (0,)}.get(next(iter(overrides)), ())
@@ -122,7 +111,7 @@ def test_qwen3moe_gguf_matches_its_hf_twin(tmp_path, qtype):
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()
     hf.save_pretrained(tmp_path / "hf-twin")
-    refs = _hf_greedy(str(tmp_path / "hf-twin"), PROMPTS)
+    refs = hf_greedy(str(tmp_path / "hf-twin"), PROMPTS, NEW)
     assert len({tuple(r) for r in refs}) == len(refs)
     llm = _engine(path, num_blocks=64, max_num_batched_tokens=7)
     model = llm.engine.config.model

@@ -26,6 +26,24 @@ ARCHES = ("llama", "qwen2", "llama3", "mistral", "qwen3", "phi3", "mixtral", "qw
 SMOLLM2_VOCAB = 49152
 
 
+#: Prompts of 5, 17, 33 and 48 token ids (100-4099) for the greedy-equality tests against transformers.
+EQUALITY_PROMPTS = [[100 + (7 * i + 3 * j) % 4000 for j in range(n)] for i, n in enumerate((5, 17, 33, 48))]
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly ``new_tokens`` long (float32, one at a time)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+            refs.append(out[0, len(p):].tolist())
+    return refs
+
+
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer() -> Any:
     """The SmolLM2 tokenizer read from the default GGUF (cached; ~0.5 s the first time)."""
