@@ -19,7 +19,7 @@ client's stream with an OpenAI error event (``code`` 503) and ``[DONE]``. Every 
 probed every ``health_interval`` seconds (logged at DEBUG; a backend going down or coming back at WARNING),
 which brings a restarted backend back. A client that leaves during a stream closes the upstream stream (the
 backend aborts the request). In P/D mode a client that leaves during a hop closes that hop's upstream request
-too (the backend sees the disconnect and aborts it, C23), and once the prefill hop has published a handle that
+too (the backend sees the disconnect and aborts it), and once the prefill hop has published a handle that
 no consumer will pull (the client left, no decode instance took it, or it answered an error) the router asks
 the producer to free the hold at once (``POST /v1/kv_transfer/release``, checked against the handle's lease)
 instead of leaving it to the producer's timeout. In-flight counters are released in ``finally`` blocks,

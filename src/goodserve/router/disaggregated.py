@@ -2,7 +2,7 @@
 what the router does when the request dies between or during them.
 
 A hop whose client disconnects is cancelled: its upstream request is closed, the backend sees the
-disconnect and aborts (a producer frees the prompt's blocks at once, C23). Once the prefill hop has
+disconnect and aborts (a producer frees the prompt's blocks at once). Once the prefill hop has
 published a handle, the producer holds the prompt's blocks for a consumer; whenever no consumer will pull
 them (the client left, no decode instance took the request, or it answered an error) the router asks the
 producer to free them at once (``POST /v1/kv_transfer/release`` with the handle, checked there against its
