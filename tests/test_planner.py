@@ -34,23 +34,23 @@ def toy_params() -> int:
      ("SmolLM2-135M", 2 * 30 * 3 * 64 * 2), ("DeepSeek-V2", (512 + 64) * 60 * 2)],
 )
 def test_kv_bytes_per_token_bf16(name, expected):
-    assert kv_bytes_per_token(load_arch(name), 2) == expected
+    assert kv_bytes_per_token(load_arch(name), "bfloat16") == expected
 
 
 def test_kv_bytes_matches_model_config_and_dtypes():
     arch = load_arch("llama-3-8b")  # case-insensitive
-    assert kv_bytes_per_token(arch, 2) == arch.to_model_config().kv_bytes_per_token(2)
-    assert kv_bytes_per_token(arch, 1) == 65_536
-    assert kv_bytes_per_token(arch, 4) == 262_144
+    assert kv_bytes_per_token(arch, "bfloat16") == arch.to_model_config().kv_cache_spec("bfloat16").bytes_per_token()
+    assert kv_bytes_per_token(arch, "float8") == 65_536
+    assert kv_bytes_per_token(arch, "float32") == 262_144
 
 
 def test_kv_bytes_under_tp():
     arch = load_arch("Llama-3-70B")  # 8 KV heads
-    assert kv_bytes_per_token(arch, 2, tp=4) == 327_680 // 4
-    assert kv_bytes_per_token(arch, 2, tp=16) == 327_680 // 8  # one replicated head per GPU
-    assert kv_bytes_per_token(load_arch("DeepSeek-V2"), 2, tp=8) == 69_120  # MLA latent is replicated
+    assert kv_bytes_per_token(arch, "bfloat16", tp=4) == 327_680 // 4
+    assert kv_bytes_per_token(arch, "bfloat16", tp=16) == 327_680 // 8  # one replicated head per GPU
+    assert kv_bytes_per_token(load_arch("DeepSeek-V2"), "bfloat16", tp=8) == 69_120  # MLA latent is replicated
     with pytest.raises(ValueError, match="KV heads"):
-        kv_bytes_per_token(arch, 2, tp=3)
+        kv_bytes_per_token(arch, "bfloat16", tp=3)
 
 
 def test_param_counts():
@@ -116,9 +116,9 @@ def test_roofline_compute_bound_at_large_batch():
 
 def test_moe_reads_only_touched_experts():
     ds = load_arch("DeepSeek-V2")
-    b1 = decode_bytes(ds, 1, 1, 2)
+    b1 = decode_bytes(ds, 1, 1, "bfloat16")
     assert b1 < weights_bytes(ds, 2) / 5  # ~21B active of 236B
-    assert decode_bytes(ds, 4096, 1, 2) == pytest.approx(weights_bytes(ds, 2) + 4096 * 69_120, rel=1e-3)
+    assert decode_bytes(ds, 4096, 1, "bfloat16") == pytest.approx(weights_bytes(ds, 2) + 4096 * 69_120, rel=1e-3)
 
 
 def test_max_batch_for_tpot():
@@ -160,7 +160,7 @@ def test_load_from_hf_config(tmp_path):
         arch = load_arch(str(source))
         assert arch.attention_bias and arch.head_dim == 128
         assert param_count(arch).total == param_count(PRESETS["qwen2.5-7b"]).total
-        assert kv_bytes_per_token(arch, 2) == 57_344
+        assert kv_bytes_per_token(arch, "bfloat16") == 57_344
 
 
 def test_presets_parse_config_json_with_the_loaders_parser():
@@ -173,7 +173,7 @@ def test_presets_parse_config_json_with_the_loaders_parser():
     arch, model = arch_from_hf_config(cfg, "toy"), ModelConfig.from_hf_config(cfg)
     assert (arch.head_dim, arch.num_key_value_heads, arch.max_position_embeddings) == (16, 4, 2048)
     assert arch.attention_bias and model.architecture == "qwen2"  # model_type from the class name
-    assert arch.to_model_config().kv_bytes_per_token(2) == model.kv_bytes_per_token(2)
+    assert arch.to_model_config().kv_cache_spec("bfloat16") == model.kv_cache_spec("bfloat16")
     del cfg["intermediate_size"]
     with pytest.raises(ValueError, match="toy: config.json lacks 'intermediate_size'"):
         arch_from_hf_config(cfg, "toy")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from goodserve.kv_cache.spec import KVCacheSpec, dense_spec
 from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KVTransferConfig
 from goodserve.kv_transfer.params import KVTransferParams
@@ -127,9 +128,14 @@ class ModelConfig:
         """Whether layer ``layer``'s MLP is the mixture of experts (else the dense SwiGLU)."""
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """KV-cache bytes one token occupies: ``2 · L · n_kv · d_head · b_dtype`` (PagedAttention, §3)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+    def kv_cache_spec(self, kv_dtype: str) -> KVCacheSpec:
+        """The model's KV-cache groups with every element in ``kv_dtype`` (a key of
+        :data:`~goodserve.kv_cache.spec.KV_DTYPE_BYTES`): what a token costs, :mod:`goodserve.kv_cache.spec`.
+
+        Raises:
+            ValueError: an unknown ``kv_dtype``.
+        """
+        return dense_spec(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, kv_dtype)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> "ModelConfig":

@@ -65,8 +65,8 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
         ValueError: if the pool cannot hold a single block, or ``max_model_len`` asks for more tokens than
             the model's sliding window.
     """
-    dtype_bytes = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
-    bytes_per_token = model.kv_bytes_per_token(dtype_bytes) + (draft.kv_bytes_per_token(dtype_bytes) if draft else 0)
+    spec = model.kv_cache_spec(args.dtype)
+    bytes_per_token = spec.bytes_per_token() + (draft.kv_cache_spec(args.dtype).bytes_per_token() if draft else 0)
     bytes_per_block = bytes_per_token * args.block_size
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
@@ -81,8 +81,8 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
         logger.warning("KV pool of %d blocks holds %d tokens, fewer than max_model_len %d: "
                        "capping max_model_len to %d", num_blocks, pool_tokens, max_model_len, pool_tokens)
         max_model_len = pool_tokens
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at %d tokens: %.2f",
-                num_blocks, args.block_size, pool_tokens, num_blocks * bytes_per_block / 2**20,
+    logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at %d tokens: %.2f",
+                spec.describe(), num_blocks, args.block_size, pool_tokens, num_blocks * bytes_per_block / 2**20,
                 max_model_len, pool_tokens / max_model_len)
     return num_blocks, max_model_len
 

@@ -36,7 +36,7 @@ import numpy as np
 from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.step_time import StepCoefficients
 from goodserve.sim.hardware import HardwareSpec
-from goodserve.sim.model_size import dtype_bytes, kv_bytes_per_token, param_count
+from goodserve.sim.model_size import kv_bytes_per_token, param_count
 from goodserve.sim.presets import ArchSpec
 from goodserve.sim.roofline import decode_bytes
 
@@ -87,7 +87,6 @@ class RooflineCostModel:
                  overhead_s: float | None = None) -> None:
         self.arch, self.hw, self.dtype, self.tp = arch, hw, dtype, tp
         self.overhead_s = hw.step_overhead_s if overhead_s is None else overhead_s
-        self._nbytes = dtype_bytes(dtype)
         self._peak = hw.peak_flops(dtype)
         pc = param_count(arch)
         lm_head = arch.vocab_size * arch.hidden_size
@@ -99,12 +98,12 @@ class RooflineCostModel:
         else:
             d_qk = d_v = arch.head_dim
         self._flops_per_pair = 2 * arch.num_attention_heads * (d_qk + d_v) * arch.num_hidden_layers / tp
-        self._kv_bytes_per_token = kv_bytes_per_token(arch, self._nbytes, tp)
+        self._kv_bytes_per_token = kv_bytes_per_token(arch, dtype, tp)
 
     def gemm_time(self, shape: StepShape) -> float:
         """Seconds of the projections, MLPs and LM head: weights read once, FLOPs per token."""
         flops = shape.num_tokens * self._body_flops_per_token + shape.num_sampled * self._lm_head_flops_per_token
-        weight_bytes = decode_bytes(self.arch, max(1, shape.num_tokens), 0, self._nbytes, self.tp)
+        weight_bytes = decode_bytes(self.arch, max(1, shape.num_tokens), 0, self.dtype, self.tp)
         return max(flops / self._peak, weight_bytes / self.hw.mem_bandwidth)
 
     def attention_time(self, shape: StepShape) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from goodserve.kv_cache.spec import KVCacheSpec, dense_spec, mla_spec
 from goodserve.sim.presets import ArchSpec
 
 #: Bytes per element of each dtype the planner models, named as the engine's ``--dtype`` names them.
@@ -124,21 +125,32 @@ def kv_heads_per_gpu(arch: ArchSpec, tp: int) -> int:
     raise ValueError(f"--tp {tp} cannot split {n_kv} KV heads evenly; use a divisor or multiple of {n_kv}")
 
 
-def kv_bytes_per_token(arch: ArchSpec, dtype_nbytes: int, tp: int = 1) -> int:
-    """KV-cache bytes one token occupies on one GPU.
+def kv_cache_spec(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> KVCacheSpec:
+    """The KV-cache groups of ``arch`` on one GPU, every element in ``kv_dtype``: the engine's own formula
+    (:mod:`goodserve.kv_cache.spec`), with the KV heads of this GPU under tensor parallelism.
+
+    MLA caches the latent ``c_KV`` and the decoupled RoPE key, replicated across TP ranks (DeepSeek-V2 §2.1).
+
+    Raises:
+        ValueError: an unknown ``kv_dtype``, or a ``tp`` that cannot split the KV heads.
+    """
+    if arch.is_mla:
+        return mla_spec(arch.num_hidden_layers, arch.kv_lora_rank, arch.qk_rope_head_dim, kv_dtype)
+    return dense_spec(arch.num_hidden_layers, kv_heads_per_gpu(arch, tp), arch.head_dim, kv_dtype)
+
+
+def kv_bytes_per_token(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> int:
+    """KV-cache bytes one token occupies on one GPU (:func:`kv_cache_spec`).
 
     Standard/GQA attention: ``2 · L · n_kv · d_head · b`` (PagedAttention §3), with ``n_kv`` the heads on
-    this GPU. MLA: ``(d_c + d_h^R) · L · b`` -- the latent ``c_KV`` and the decoupled RoPE key, no factor 2
-    because K and V are both re-projected from the latent (DeepSeek-V2 §2.1); replicated across TP ranks.
+    this GPU. MLA: ``(d_c + d_h^R) · L · b`` (DeepSeek-V2 §2.1). An ``int8`` row adds its float32 scale.
 
     Args:
         arch: The model.
-        dtype_nbytes: Bytes per cached element.
+        kv_dtype: Dtype of every cached element (a key of :data:`~goodserve.kv_cache.spec.KV_DTYPE_BYTES`).
         tp: Tensor-parallel degree.
 
     Returns:
         Bytes per token per GPU. Llama-3-8B in bfloat16: 131,072; DeepSeek-V2 in bfloat16: 69,120.
     """
-    if arch.is_mla:
-        return (arch.kv_lora_rank + arch.qk_rope_head_dim) * arch.num_hidden_layers * dtype_nbytes
-    return 2 * arch.num_hidden_layers * kv_heads_per_gpu(arch, tp) * arch.head_dim * dtype_nbytes
+    return kv_cache_spec(arch, kv_dtype, tp).bytes_per_token()

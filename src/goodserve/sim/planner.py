@@ -112,7 +112,7 @@ def plan_memory(
         raise ValueError(f"activation reserve must be >= 0 bytes, got {activation_reserve_bytes}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    kv_token = kv_bytes_per_token(arch, nbytes, tp)  # validates tp
+    kv_token = kv_bytes_per_token(arch, dtype, tp)  # validates tp
     total_weights = weights_bytes(arch, nbytes)
     weights = math.ceil(total_weights / tp)
     usable = int(hw.mem_capacity * gpu_memory_utilization)

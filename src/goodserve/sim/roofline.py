@@ -81,8 +81,10 @@ def expected_experts_touched(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** batch)
 
 
-def decode_bytes(arch: ArchSpec, batch: int, context: int, dtype_nbytes: int, tp: int = 1) -> float:
-    """Bytes per GPU one decode step reads: the weight shard plus ``batch · context`` tokens of KV.
+def decode_bytes(arch: ArchSpec, batch: int, context: int, dtype: str, tp: int = 1,
+                 kv_dtype: Optional[str] = None) -> float:
+    """Bytes per GPU one decode step reads: the weight shard in ``dtype`` plus ``batch · context`` tokens of KV
+    in ``kv_dtype`` (default: ``dtype``).
 
     Every weight is streamed once per step (an upper bound: an untied embedding table is only gathered).
     For MoE only the experts the batch routes to are read, see :func:`expected_experts_touched`.
@@ -92,8 +94,8 @@ def decode_bytes(arch: ArchSpec, batch: int, context: int, dtype_nbytes: int, tp
     if pc.num_moe_layers:
         untouched = arch.num_experts - expected_experts_touched(arch.num_experts, arch.num_experts_per_tok, batch)
         params -= pc.num_moe_layers * untouched * pc.routed_expert
-    kv = batch * context * kv_bytes_per_token(arch, dtype_nbytes, tp)
-    return params * dtype_nbytes / tp + kv
+    kv = batch * context * kv_bytes_per_token(arch, kv_dtype or dtype, tp)
+    return params * dtype_bytes(dtype) / tp + kv
 
 
 def decode_step(
@@ -109,7 +111,7 @@ def decode_step(
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be >= 1, got {batch}, {context}")
     flops = decode_flops(arch, batch, context, tp)
-    nbytes = decode_bytes(arch, batch, context, dtype_bytes(dtype), tp)
+    nbytes = decode_bytes(arch, batch, context, dtype, tp)
     compute_s = flops / hw.peak_flops(dtype)
     memory_s = nbytes / hw.mem_bandwidth
     return RooflinePoint(batch, flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + hw.step_overhead_s)

@@ -22,7 +22,7 @@ from goodserve.config_flags import add_scheduler_flags, split_choices
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, NoisyCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
-from goodserve.sim.model_size import DTYPE_BYTES, dtype_bytes, kv_bytes_per_token, parse_dtype
+from goodserve.sim.model_size import DTYPE_BYTES, kv_bytes_per_token, parse_dtype
 from goodserve.sim.planner import plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
@@ -266,7 +266,7 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str, policy: s
         if args.replicas != 1:
             raise ValueError("--replicas applies to colocated serving; with --disaggregate give P:D instead")
         disagg = Disaggregation(p, d, args.link_bandwidth * 1e9,
-                                kv_bytes_per_token(arch, dtype_bytes(args.dtype), args.tp))
+                                kv_bytes_per_token(arch, args.dtype, args.tp))
     return ClusterConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
