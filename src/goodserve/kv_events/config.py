@@ -4,9 +4,10 @@ shape: ``enable_kv_cache_events``, ``publisher``, ``endpoint``, ``replay_endpoin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Optional
+
+from goodserve.json_flag import parse_json_object
 
 PUBLISHERS = ("zmq", "null")
 
@@ -64,14 +65,4 @@ class KVEventsConfig:
         """
         if text is None:
             return None
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"--kv-events-config: unknown key(s) {unknown}; known: {sorted(known)}")
-        return cls(**raw)
+        return cls(**parse_json_object("--kv-events-config", text, [f.name for f in fields(cls)]))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
+
+from goodserve.json_flag import parse_json_object
 
 KV_ROLES = ("producer", "consumer", "both")
 
@@ -64,16 +65,8 @@ class KVTransferConfig:
         Raises:
             ValueError: on malformed JSON, an unknown key, or a bad value.
         """
-        try:
-            extra = json.loads(config_json) if config_json else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        if not isinstance(extra, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        known = {"engine_id", "host", "port", "timeout", "ucx_net_devices", "backends", "connector"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"--kv-transfer-config: unknown key(s) {unknown}; known: {sorted(known)}")
+        extra = parse_json_object("--kv-transfer-config", config_json, (
+            "engine_id", "host", "port", "timeout", "ucx_net_devices", "backends", "connector")) if config_json else {}
         if "backends" in extra:
             extra["backends"] = tuple(extra["backends"])
         if timeout is not None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional, Union
+
+from goodserve.json_flag import parse_json_object
 
 #: Proposers: prompt lookup over the request's own tokens, or a smaller model sharing the tokenizer.
 METHODS = ("ngram", "draft_model")
@@ -67,16 +68,8 @@ class SpeculativeConfig:
             if length is not None:
                 raise ValueError("--speculative-length needs --speculative-config")
             return None
-        try:
-            fields = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(fields, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        known = {"method", "num_speculative_tokens", "length", "prompt_lookup_min", "prompt_lookup_max", "model"}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}")
+        fields = parse_json_object("--speculative-config", text, ("method", "num_speculative_tokens", "length",
+                                                                  "prompt_lookup_min", "prompt_lookup_max", "model"))
         if "method" not in fields or "num_speculative_tokens" not in fields:
             raise ValueError("--speculative-config needs 'method' and 'num_speculative_tokens'")
         if length is not None:
