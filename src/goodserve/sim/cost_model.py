@@ -11,7 +11,10 @@ returns seconds. Three are provided:
     are read **once per step** whatever the batch (this is why batching pays);
   - attention: every new token at position ``p`` attends to the ``p + 1`` tokens up to itself
     (``2 · n_heads · (d_qk + d_v)`` FLOPs per query-key pair, causal), and every request's K/V context
-    (``num_computed_tokens + num_new_tokens`` tokens) is read once per step.
+    (``num_computed_tokens + num_new_tokens`` tokens) is read once per step, at the cache's
+    ``kv_bytes_per_token`` in its own dtype. The step's shape carries only totals over requests, so a
+    sliding-window layer is priced here as if it read the whole context (an upper bound; the planner's
+    :func:`~goodserve.sim.roofline.decode_bytes` caps each sliding layer at its window).
 
   The LM head runs only for tokens that sample (``ScheduledRequest.sample``), as in the real runner. A
   per-step overhead (``HardwareSpec.step_overhead_s``: scheduling, input preparation, launches) is added.
@@ -78,13 +81,15 @@ class RooflineCostModel:
     Args:
         arch: The model.
         hw: The accelerator.
-        dtype: Weights, KV and compute dtype (``"bfloat16"``, ``"float8"``, ``"float32"``).
+        dtype: Weights and compute dtype (``"bfloat16"``, ``"float8"``, ``"float32"``).
         tp: Tensor-parallel degree (FLOPs and bytes are per GPU).
         overhead_s: Per-step overhead; ``None`` takes ``hw.step_overhead_s``.
+        kv_dtype: Dtype of the cached elements (a key of :data:`~goodserve.kv_cache.spec.KV_DTYPE_BYTES`);
+            ``None`` means ``dtype``.
     """
 
     def __init__(self, arch: ArchSpec, hw: HardwareSpec, dtype: str = "bfloat16", tp: int = 1,
-                 overhead_s: float | None = None) -> None:
+                 overhead_s: float | None = None, kv_dtype: str | None = None) -> None:
         self.arch, self.hw, self.dtype, self.tp = arch, hw, dtype, tp
         self.overhead_s = hw.step_overhead_s if overhead_s is None else overhead_s
         self._peak = hw.peak_flops(dtype)
@@ -98,7 +103,7 @@ class RooflineCostModel:
         else:
             d_qk = d_v = arch.head_dim
         self._flops_per_pair = 2 * arch.num_attention_heads * (d_qk + d_v) * arch.num_hidden_layers / tp
-        self._kv_bytes_per_token = kv_bytes_per_token(arch, dtype, tp)
+        self._kv_bytes_per_token = kv_bytes_per_token(arch, kv_dtype or dtype, tp)
 
     def gemm_time(self, shape: StepShape) -> float:
         """Seconds of the projections, MLPs and LM head: weights read once, FLOPs per token."""

@@ -9,13 +9,15 @@ Sources:
       SOSP 2023, §3.
     * MLA caches one compressed latent plus a shared RoPE key per layer, ``(d_c + d_h^R) · L`` elements:
       DeepSeek-AI, "DeepSeek-V2", arXiv:2405.04434, §2.1 (Table 1).
+    * A sliding-window layer only ever reads the last ``W`` tokens (Jiang et al., "Mistral 7B", 2023, §2;
+      Gemma Team, "Gemma 3 Technical Report", 2025, §2: five local layers of 1024 tokens per global one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from goodserve.kv_cache.spec import KVCacheSpec, dense_spec, mla_spec
+from goodserve.kv_cache.spec import KVCacheGroup, KVCacheSpec, mla_spec
 from goodserve.sim.presets import ArchSpec
 
 #: Bytes per element of each dtype the planner models, named as the engine's ``--dtype`` names them.
@@ -129,21 +131,32 @@ def kv_cache_spec(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> KVCacheSpec:
     """The KV-cache groups of ``arch`` on one GPU, every element in ``kv_dtype``: the engine's own formula
     (:mod:`goodserve.kv_cache.spec`), with the KV heads of this GPU under tensor parallelism.
 
-    MLA caches the latent ``c_KV`` and the decoupled RoPE key, replicated across TP ranks (DeepSeek-V2 §2.1).
+    A model with sliding layers gets a ``full`` group of its global layers (if any) and a ``sliding`` group
+    of ``num_sliding_layers`` layers with its window. MLA caches the latent ``c_KV`` and the decoupled RoPE
+    key, replicated across TP ranks (DeepSeek-V2 §2.1).
 
     Raises:
         ValueError: an unknown ``kv_dtype``, or a ``tp`` that cannot split the KV heads.
     """
     if arch.is_mla:
         return mla_spec(arch.num_hidden_layers, arch.kv_lora_rank, arch.qk_rope_head_dim, kv_dtype)
-    return dense_spec(arch.num_hidden_layers, kv_heads_per_gpu(arch, tp), arch.head_dim, kv_dtype)
+    n_kv = kv_heads_per_gpu(arch, tp)
+    num_full = arch.num_hidden_layers - arch.num_sliding_layers
+    groups = []
+    if num_full:
+        groups.append(KVCacheGroup("full", num_full, n_kv, arch.head_dim))
+    if arch.num_sliding_layers:
+        groups.append(KVCacheGroup("sliding", arch.num_sliding_layers, n_kv, arch.head_dim, arch.sliding_window))
+    return KVCacheSpec(kv_dtype, tuple(groups))
 
 
 def kv_bytes_per_token(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> int:
-    """KV-cache bytes one token occupies on one GPU (:func:`kv_cache_spec`).
+    """KV-cache bytes one token occupies on one GPU while it is inside every window (:func:`kv_cache_spec`).
 
     Standard/GQA attention: ``2 · L · n_kv · d_head · b`` (PagedAttention §3), with ``n_kv`` the heads on
     this GPU. MLA: ``(d_c + d_h^R) · L · b`` (DeepSeek-V2 §2.1). An ``int8`` row adds its float32 scale.
+    Windows do not shrink this figure; what a whole request keeps is
+    :meth:`~goodserve.kv_cache.spec.KVCacheSpec.bytes_for_request`.
 
     Args:
         arch: The model.
@@ -154,3 +167,14 @@ def kv_bytes_per_token(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> int:
         Bytes per token per GPU. Llama-3-8B in bfloat16: 131,072; DeepSeek-V2 in bfloat16: 69,120.
     """
     return kv_cache_spec(arch, kv_dtype, tp).bytes_per_token()
+
+
+def kv_bytes_read(arch: ArchSpec, context: int, kv_dtype: str, tp: int = 1) -> int:
+    """KV bytes one query at ``context`` tokens reads on one GPU: every cached token of a full or MLA layer,
+    at most the window's ``W`` tokens of a sliding one (Mistral 7B §2).
+
+    Raises:
+        ValueError: as :func:`kv_cache_spec`.
+    """
+    spec = kv_cache_spec(arch, kv_dtype, tp)
+    return sum(g.bytes_per_token(kv_dtype) * min(context, g.window or context) for g in spec.groups)

@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import Any, Optional, TextIO
 
+from goodserve.kv_cache.spec import KV_DTYPE_BYTES
 from goodserve.sim.hardware import GIB, HARDWARE, get_hardware
 from goodserve.sim.model_size import DTYPE_BYTES, parse_dtype
 from goodserve.sim.planner import PlanReport, make_plan
@@ -34,6 +35,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="h100", choices=list(HARDWARE), help="accelerator (default: h100)")
     p.add_argument("--dtype", default="bfloat16", type=parse_dtype, choices=list(DTYPE_BYTES),
                    help="weights and KV dtype (default: bfloat16; bf16, fp8, fp32 also accepted)")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
     p.add_argument("--context", type=int, default=4096, help="tokens per request, prompt + output (default: 4096)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -46,6 +48,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plot-dir", default=None, help="write PNG plots here (needs matplotlib)")
     p.set_defaults(func=run_plan)
     return p
+
+
+def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--kv-cache-dtype`` (shared by ``plan`` and ``simulate``): the dtype of every cached element, a key
+    of :data:`~goodserve.kv_cache.spec.KV_DTYPE_BYTES`; ``None`` (the default) means ``--dtype``."""
+    p.add_argument("--kv-cache-dtype", default=None, type=parse_dtype, choices=list(KV_DTYPE_BYTES),
+                   help="dtype of the cached K/V elements; int8 rows carry a float32 scale per token and head "
+                        "(default: --dtype)")
 
 
 def _gib(n: float) -> str:
@@ -64,18 +74,19 @@ def format_report(r: PlanReport) -> str:
     params = f"{r.params.total:,} ({r.params.total / 1e9:.2f} B)"
     if r.params.active != r.params.total:
         params += f"; active per token {r.params.active:,} ({r.params.active / 1e9:.2f} B, MoE)"
-    kv_note = "MLA latent (d_c + d_rope)·L·b" if a.is_mla else "2·L·n_kv·d_head·b"
     summary = [
         ("model", f"{a.name}  (L={a.num_hidden_layers}, H={a.hidden_size}, heads={a.num_attention_heads}, "
                   f"kv_heads={a.num_key_value_heads}, head_dim={a.head_dim})"),
-        ("hardware", f"{hw.description or hw.name}  x{r.tp} (TP), {r.dtype}"),
+        ("hardware", f"{hw.description or hw.name}  x{r.tp} (TP), {r.dtype}, KV cache {r.kv_cache_dtype}"),
         ("parameters", params),
         ("weights", f"{_gib(m.weights * r.tp)} total, {_gib(m.weights)} per GPU"),
-        ("KV bytes / token", f"{m.kv_bytes_per_token:,} per GPU  [{kv_note}]"),
+        ("KV bytes / token", f"{m.kv_bytes_per_token:,} per GPU  [{m.kv_spec.describe()}]"),
         ("GPU memory", f"{_gib(m.capacity)} x {m.usable / m.capacity:.2f} = {_gib(m.usable)} usable"),
         ("activation reserve", _gib(m.activation_reserve)),
-        ("KV pool", f"{_gib(m.pool_bytes)} = {m.num_blocks:,} blocks x {m.block_size} = {m.pool_tokens:,} tokens"),
-        ("KV / request", f"{_gib(m.kv_bytes_per_request)} at context {m.context:,}"),
+        ("KV pool", f"{_gib(m.pool_bytes)} = {m.num_blocks:,} blocks x {m.block_size} = {m.pool_tokens:,} tokens"
+                    + (" of every layer" if len(m.kv_spec.groups) > 1 else "")),
+        ("KV / request", f"{m.kv_bytes_per_request:,} B ({_gib(m.kv_bytes_per_request)}) at context {m.context:,}"
+                         + (", windows applied" if any(g.window for g in m.kv_spec.groups) else "")),
         ("max concurrency", f"{m.max_concurrency:,} requests of {m.context:,} tokens"),
     ]
     width = max(len(k) for k, _ in summary)
@@ -114,6 +125,7 @@ def run_plan(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
             arch, get_hardware(args.hardware), dtype=args.dtype, tp=args.tp, context=args.context,
             gpu_memory_utilization=args.gpu_memory_utilization, tpot_budget_s=args.tpot_budget_ms / 1e3,
             activation_reserve_bytes=int(args.activation_reserve_gib * GIB), block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     except ValueError as exc:
         print(f"goodserve plan: error: {exc}", file=sys.stderr)

@@ -55,7 +55,8 @@ def plot_kv_per_request(r: PlanReport, path: PathLike) -> Path:
     top = max(m.context, r.arch.max_position_embeddings)
     contexts = [c for c in batch_sizes(top) if c >= 128] or [top]
     fig, ax = plt.subplots(figsize=(7, 5))
-    ax.plot(contexts, [c * m.kv_bytes_per_token / GIB for c in contexts], marker="o", label="KV per request")
+    ax.plot(contexts, [m.kv_spec.bytes_for_request(c, m.block_size) / GIB for c in contexts], marker="o",
+            label="KV per request")
     ax.axhline(m.pool_bytes / GIB, color="tab:green", label=f"KV pool {m.pool_bytes / GIB:.1f} GiB")
     for n in (8, 64, 512):
         ax.axhline(m.pool_bytes / n / GIB, color="tab:green", ls=":", lw=0.8)
@@ -78,7 +79,7 @@ def plot_decode_throughput(r: PlanReport, path: PathLike) -> Path:
     max_batch = r.roofline_max_batch
     step = max(1, max_batch // 200)
     batches = sorted(set(range(1, max_batch + 1, step)) | {max_batch})
-    points = [decode_step(r.arch, r.hw, b, r.memory.context, r.dtype, r.tp) for b in batches]
+    points = [decode_step(r.arch, r.hw, b, r.memory.context, r.dtype, r.tp, r.kv_cache_dtype) for b in batches]
     fig, ax = plt.subplots(figsize=(7, 5))
     ax.plot(batches, [p.tokens_per_s for p in points], color="tab:blue", label="throughput")
     ax.set_xlabel("batch size (concurrent decoding requests)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from goodserve.sim.hardware import HardwareSpec
-from goodserve.sim.model_size import dtype_bytes, kv_bytes_per_token, param_count
+from goodserve.sim.model_size import dtype_bytes, kv_bytes_read, param_count
 from goodserve.sim.presets import ArchSpec
 
 
@@ -62,8 +62,9 @@ def decode_flops(arch: ArchSpec, batch: int, context: int, tp: int = 1) -> float
     """FLOPs per GPU of one decode step: ``batch · (2 · matmul params + attention) / tp``.
 
     Matmul params are the active parameters minus an untied input embedding (a lookup, not a GEMM).
-    Attention per token and layer is ``2 · n_heads · (d_qk + d_v) · context`` (scores and weighted sum);
-    for MLA with the up-projections absorbed, ``d_qk = d_c + d_h^R`` and ``d_v = d_c`` (DeepSeek-V2 §2.1).
+    Attention per token and layer is ``2 · n_heads · (d_qk + d_v) · context`` (scores and weighted sum),
+    ``min(context, W)`` in place of ``context`` on a sliding-window layer (Mistral 7B §2); for MLA with the
+    up-projections absorbed, ``d_qk = d_c + d_h^R`` and ``d_v = d_c`` (DeepSeek-V2 §2.1).
     """
     pc = param_count(arch)
     matmul_params = pc.active - (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size)
@@ -71,7 +72,7 @@ def decode_flops(arch: ArchSpec, batch: int, context: int, tp: int = 1) -> float
         d_qk, d_v = arch.kv_lora_rank + arch.qk_rope_head_dim, arch.kv_lora_rank
     else:
         d_qk = d_v = arch.head_dim
-    attn = 2 * arch.num_attention_heads * (d_qk + d_v) * context * arch.num_hidden_layers
+    attn = 2 * arch.num_attention_heads * (d_qk + d_v) * arch.attended_tokens(context)
     return batch * (2 * matmul_params + attn) / tp
 
 
@@ -83,8 +84,10 @@ def expected_experts_touched(num_experts: int, top_k: int, batch: int) -> float:
 
 def decode_bytes(arch: ArchSpec, batch: int, context: int, dtype: str, tp: int = 1,
                  kv_dtype: Optional[str] = None) -> float:
-    """Bytes per GPU one decode step reads: the weight shard in ``dtype`` plus ``batch · context`` tokens of KV
-    in ``kv_dtype`` (default: ``dtype``).
+    """Bytes per GPU one decode step reads: the weight shard in ``dtype`` plus, for each of ``batch`` requests,
+    the KV a query at ``context`` tokens reads in ``kv_dtype`` (default: ``dtype``): ``context`` tokens of
+    every full or MLA layer, at most the window of every sliding one
+    (:func:`~goodserve.sim.model_size.kv_bytes_read`).
 
     Every weight is streamed once per step (an upper bound: an untied embedding table is only gathered).
     For MoE only the experts the batch routes to are read, see :func:`expected_experts_touched`.
@@ -94,16 +97,18 @@ def decode_bytes(arch: ArchSpec, batch: int, context: int, dtype: str, tp: int =
     if pc.num_moe_layers:
         untouched = arch.num_experts - expected_experts_touched(arch.num_experts, arch.num_experts_per_tok, batch)
         params -= pc.num_moe_layers * untouched * pc.routed_expert
-    kv = batch * context * kv_bytes_per_token(arch, kv_dtype or dtype, tp)
+    kv = batch * kv_bytes_read(arch, context, kv_dtype or dtype, tp)
     return params * dtype_bytes(dtype) / tp + kv
 
 
 def decode_step(
-    arch: ArchSpec, hw: HardwareSpec, batch: int, context: int, dtype: str = "bfloat16", tp: int = 1
+    arch: ArchSpec, hw: HardwareSpec, batch: int, context: int, dtype: str = "bfloat16", tp: int = 1,
+    kv_dtype: Optional[str] = None,
 ) -> RooflinePoint:
     """Roofline time of one decode step: ``max(FLOPs / peak, bytes / bandwidth) + overhead``.
 
-    Tensor-parallel all-reduces are not modelled.
+    Compute runs in ``dtype``; the KV cache is read in ``kv_dtype`` (default: ``dtype``). Tensor-parallel
+    all-reduces are not modelled.
 
     Raises:
         ValueError: ``batch`` or ``context`` below 1, unknown dtype.
@@ -111,7 +116,7 @@ def decode_step(
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be >= 1, got {batch}, {context}")
     flops = decode_flops(arch, batch, context, tp)
-    nbytes = decode_bytes(arch, batch, context, dtype, tp)
+    nbytes = decode_bytes(arch, batch, context, dtype, tp, kv_dtype)
     compute_s = flops / hw.peak_flops(dtype)
     memory_s = nbytes / hw.mem_bandwidth
     return RooflinePoint(batch, flops, nbytes, compute_s, memory_s, max(compute_s, memory_s) + hw.step_overhead_s)
@@ -128,15 +133,15 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 def decode_roofline(
     arch: ArchSpec, hw: HardwareSpec, context: int, max_batch: int, dtype: str = "bfloat16", tp: int = 1,
-    batches: Optional[list[int]] = None,
+    batches: Optional[list[int]] = None, kv_dtype: Optional[str] = None,
 ) -> list[RooflinePoint]:
     """Decode step time for each batch size in ``batches`` (default :func:`batch_sizes` of ``max_batch``)."""
-    return [decode_step(arch, hw, b, context, dtype, tp) for b in (batches or batch_sizes(max_batch))]
+    return [decode_step(arch, hw, b, context, dtype, tp, kv_dtype) for b in (batches or batch_sizes(max_batch))]
 
 
 def max_batch_for_tpot(
     arch: ArchSpec, hw: HardwareSpec, context: int, tpot_budget_s: float, max_batch: int,
-    dtype: str = "bfloat16", tp: int = 1,
+    dtype: str = "bfloat16", tp: int = 1, kv_dtype: Optional[str] = None,
 ) -> int:
     """Largest batch ``<= max_batch`` whose decode TPOT stays within ``tpot_budget_s`` seconds.
 
@@ -153,7 +158,7 @@ def max_batch_for_tpot(
     lo, hi = 0, max_batch  # invariant: lo meets the budget (0 trivially), answers lie in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if decode_step(arch, hw, mid, context, dtype, tp).step_s <= tpot_budget_s:
+        if decode_step(arch, hw, mid, context, dtype, tp, kv_dtype).step_s <= tpot_budget_s:
             lo = mid
         else:
             hi = mid - 1

@@ -23,6 +23,7 @@ from goodserve.spec.config import SpeculativeConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, NoisyCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
 from goodserve.sim.model_size import DTYPE_BYTES, kv_bytes_per_token, parse_dtype
+from goodserve.sim.plan_cli import add_kv_cache_dtype_argument
 from goodserve.sim.planner import plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
 from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_bench_runs
@@ -54,6 +55,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="h100", choices=list(HARDWARE), help="accelerator (default: h100)")
     p.add_argument("--dtype", default="bfloat16", type=parse_dtype, choices=list(DTYPE_BYTES),
                    help="weights/KV dtype (default: bfloat16; bf16, fp8, fp32 also accepted)")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per instance (default: 1)")
     p.add_argument("--cost-model", default=None,
                    help="JSON from `goodserve profile`: fitted step times instead of the roofline")
@@ -237,7 +239,8 @@ def build_cost_model(args: argparse.Namespace, arch: ArchSpec) -> CostModel:
     if args.cost_model:
         model: CostModel = LinearCostModel.load(args.cost_model)
     else:
-        model = RooflineCostModel(arch, get_hardware(args.hardware), args.dtype, args.tp)
+        model = RooflineCostModel(arch, get_hardware(args.hardware), args.dtype, args.tp,
+                                  kv_dtype=getattr(args, "kv_cache_dtype", None))
     noise, drift = getattr(args, "step_noise", 0.0), getattr(args, "step_drift", 0.0)
     stall_p, stall_s = parse_stall(getattr(args, "step_stall", None))
     if noise or drift or stall_p:
@@ -253,12 +256,13 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str, policy: s
         ValueError: bad flags, or weights that leave no KV pool (from the planner).
     """
     max_model_len = args.max_model_len or arch.max_position_embeddings
+    kv_dtype = getattr(args, "kv_cache_dtype", None) or args.dtype
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
     else:
         num_blocks = plan_memory(arch, get_hardware(args.hardware), args.dtype, args.tp, context=max_model_len,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
-                                 block_size=args.block_size).num_blocks
+                                 block_size=args.block_size, kv_cache_dtype=kv_dtype).num_blocks
     max_model_len = min(max_model_len, num_blocks * args.block_size)
     disagg = None
     if args.disaggregate:
@@ -266,7 +270,7 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str, policy: s
         if args.replicas != 1:
             raise ValueError("--replicas applies to colocated serving; with --disaggregate give P:D instead")
         disagg = Disaggregation(p, d, args.link_bandwidth * 1e9,
-                                kv_bytes_per_token(arch, args.dtype, args.tp))
+                                kv_bytes_per_token(arch, kv_dtype, args.tp))
     return ClusterConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
@@ -393,7 +397,7 @@ def _report(args: argparse.Namespace, arch: ArchSpec, results: list[RunResult], 
     for text in comparisons:
         print(text, file=out)
     meta = {"model": arch.name, "hardware": args.hardware, "cost_model": args.cost_model, "dtype": args.dtype,
-            "tp": args.tp, "replay": args.replay, "dataset": None if args.replay else args.dataset,
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", None) or args.dtype, "tp": args.tp, "replay": args.replay, "dataset": None if args.replay else args.dataset,
             "num_prompts": None if args.replay else args.num_prompts, "seed": None if args.replay else args.seed,
             "slos": slos, "argv": sys.argv[1:]}
     if args.save_result:
