@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from goodserve.kv_cache.spec import KVCacheSpec, dense_spec
+from goodserve.kv_cache.spec import KVCacheSpec, dense_spec, mla_spec
 from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KVTransferConfig
 from goodserve.kv_transfer.params import KVTransferParams
@@ -36,6 +36,8 @@ HF_CLASS_TO_MODEL_TYPE = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 #: transformers' defaults, for keys a ``config.json`` leaves out, where a model type's config class differs from
 #: ``LlamaConfig`` (the defaults :meth:`ModelConfig.from_hf_config` otherwise takes).
@@ -46,7 +48,11 @@ HF_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
                 "rms_norm_eps": 1e-5, "num_local_experts": 8, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
+    **{kind: {"num_key_value_heads": 32, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+              "qk_rope_head_dim": 64, "v_head_dim": 128} for kind in ("deepseek_v2", "deepseek_v3")},
 }
+#: HF ``model_type`` values whose attention is multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, §2.1).
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 #: Keys of a HF ``config.json`` that :meth:`ModelConfig.from_hf_config` cannot do without.
 HF_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
@@ -66,7 +72,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM2; the
-    Mixtral and Qwen3-MoE mixtures of experts).
+    Mixtral and Qwen3-MoE mixtures of experts) or of DeepSeek-V2 with multi-head latent attention (MLA).
 
     Attributes:
         architecture: Family name, e.g. ``"llama"`` or ``"qwen2"``.
@@ -98,6 +104,14 @@ class ModelConfig:
             Qwen3-MoE's ``norm_topk_prob``).
         dense_mlp_layers: Layers of a mixture-of-experts model whose MLP is the dense SwiGLU of width
             ``intermediate_size`` (Qwen3-MoE's ``mlp_only_layers`` and those ``decoder_sparse_step`` skips).
+        kv_lora_rank: MLA only (``None`` otherwise): width ``d_c`` of the compressed KV latent ``c_KV`` each
+            layer caches per token (DeepSeek-V2 §2.1.2); K and V are re-projected from it by ``kv_b_proj``.
+        q_lora_rank: MLA: width ``d_c'`` of the compressed query (``q_a_proj`` / ``q_b_proj``), or ``None`` for a
+            full-rank ``q_proj``.
+        qk_nope_head_dim: MLA: per-head width ``d_h`` of the query/key part without RoPE.
+        qk_rope_head_dim: MLA: width ``d_h^R`` of the decoupled RoPE part of each query head and of the one
+            RoPE key shared by all heads (§2.1.3); cached beside ``c_KV``.
+        v_head_dim: MLA: per-head value width. For MLA ``head_dim`` is ``qk_nope_head_dim + qk_rope_head_dim``.
     """
 
     architecture: str
@@ -123,6 +137,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_mlp_layers: tuple[int, ...] = ()
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is MLA: one latent row per layer and token is cached, not per-head K and V."""
+        return self.kv_lora_rank is not None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else the dense SwiGLU)."""
@@ -135,6 +159,8 @@ class ModelConfig:
         Raises:
             ValueError: an unknown ``kv_dtype``.
         """
+        if self.is_mla:
+            return mla_spec(self.num_hidden_layers, self.kv_lora_rank, self.qk_rope_head_dim, kv_dtype)
         return dense_spec(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, kv_dtype)
 
     @classmethod
@@ -150,7 +176,9 @@ class ModelConfig:
         on for a Qwen2-family ``model_type`` (their q/k/v projections always carry a bias), always off for
         ``mistral`` (transformers' Mistral has no biases and ignores the key), else the config's
         ``attention_bias`` (default off). ``qk_norm`` is on for a Qwen3-family ``model_type``.
-        ``sliding_window`` is the window transformers applies (:func:`hf_sliding_window`).
+        ``sliding_window`` is the window transformers applies (:func:`hf_sliding_window`). For an MLA
+        ``model_type`` (:data:`MLA_MODEL_TYPES`) the latent widths are read and ``head_dim`` is
+        ``qk_nope_head_dim + qk_rope_head_dim`` (transformers' own ``head_dim`` there is the RoPE width).
 
         Args:
             cfg: The ``config.json`` contents.
@@ -180,6 +208,13 @@ class ModelConfig:
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense_layers = tuple(i for i in range(num_layers) if experts and model_type == "qwen3_moe" and (
             i in (cfg.get("mlp_only_layers") or ()) or (i + 1) % step != 0))
+        mla: dict[str, Any] = {}
+        if model_type in MLA_MODEL_TYPES:
+            q_rank = cfg.get("q_lora_rank")
+            mla = dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=None if q_rank is None else int(q_rank),
+                       qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                       v_head_dim=int(cfg["v_head_dim"]))
+            cfg = {**cfg, "head_dim": mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]}
         return cls(
             architecture=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -205,6 +240,7 @@ class ModelConfig:
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
             norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", True)),
             dense_mlp_layers=dense_layers,
+            **mla,
         )
 
 

@@ -106,8 +106,51 @@ def _window_problem(value: Any) -> Optional[str]:
 _NOT_READ = "transformers' class for this model_type does not read it, so the reference output ignores it too"
 _METADATA = "metadata: no effect on the computed tokens"
 
-#: HF ``config.json`` keys of the ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``mixtral`` and ``qwen3_moe``
-#: model types (SmolLM2 is ``llama``).
+
+def _mla_rope_problem(value: Any) -> Optional[str]:
+    """What of DeepSeek-V2's RoPE dict the MLA model does not compute (it implements the default RoPE only)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "expected a dict"
+    kind = value.get("rope_type", value.get("type", "default"))
+    return None if kind == "default" else (f"rope_type {kind!r} is not implemented for multi-head latent attention "
+                                           "(supported: default)")
+
+
+_DENSE_ONLY = "read only by the MoE layers, which a dense config (first_k_dense_replace >= num_hidden_layers) has not"
+#: DeepSeek-V2 (``deepseek_v2``): multi-head latent attention and dense layers (:mod:`goodserve.models.deepseek_v2`);
+#: a config with MoE layers is refused by :func:`goodserve.models.hf_dir.check_deepseek_v2_layers`.
+DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
+    *(FieldRule(key, "implemented", what, ("deepseek_v2",), _positive_int) for key, what in (
+        ("kv_lora_rank", "width of the cached KV latent c_KV (DeepSeek-V2 §2.1.2)"),
+        ("qk_nope_head_dim", "per-head query/key width without RoPE"),
+        ("qk_rope_head_dim", "decoupled RoPE width of each query head and of the shared cached key (§2.1.3)"),
+        ("v_head_dim", "per-head value width"))),
+    FieldRule("q_lora_rank", "implemented", "low-rank query (q_a_proj, q_a_layernorm, q_b_proj); null: q_proj",
+              ("deepseek_v2",), lambda v: None if v is None else _positive_int(v)),
+    FieldRule("first_k_dense_replace", "implemented", "leading dense layers; fewer than num_hidden_layers (MoE "
+              "layers) is refused", ("deepseek_v2",)),
+    FieldRule("head_dim", "ignored", "transformers sets it to qk_rope_head_dim whatever the file says",
+              ("deepseek_v2",)),
+    FieldRule("qk_head_dim", "ignored", "derived: qk_nope_head_dim + qk_rope_head_dim", ("deepseek_v2",)),
+    FieldRule("num_key_value_heads", "ignored", "MLA caches one latent per token, no KV heads; every head's K and V "
+              "are re-projected from it", ("deepseek_v2",)),
+    FieldRule("rope_scaling", "implemented", "default RoPE; yarn and others refused", ("deepseek_v2",),
+              _mla_rope_problem),
+    FieldRule("rope_parameters", "implemented", "rope_theta with default RoPE; yarn and others refused",
+              ("deepseek_v2",), _mla_rope_problem),
+    FieldRule("attention_bias", "refused", "q_a / kv_a / o_proj biases are not implemented", ("deepseek_v2",),
+              _refuse_if_set("attention biases on a deepseek_v2 model are not implemented")),
+    FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("deepseek_v2",),
+              _refuse_if_set("MLP biases are not implemented")),
+    *(FieldRule(key, "ignored", _DENSE_ONLY, ("deepseek_v2",)) for key in (
+        "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
+        "topk_method", "n_group", "topk_group", "routed_scaling_factor", "output_router_logits")),
+)
+
+#: HF ``config.json`` keys of the ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``mixtral``, ``qwen3_moe``
+#: and ``deepseek_v2`` model types (SmolLM2 is ``llama``).
 HF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "required shape") for key in HF_REQUIRED_KEYS),
     FieldRule("num_key_value_heads", "implemented", "GQA / MQA; default num_attention_heads (qwen3: 32)"),
@@ -183,6 +226,7 @@ HF_RULES: tuple[FieldRule, ...] = (
               ("qwen3_moe",), _positive_int),
     FieldRule("mlp_only_layers", "implemented", "layers that run the dense MLP (intermediate_size wide)",
               ("qwen3_moe",)),
+    *DEEPSEEK_V2_RULES,
     FieldRule("router_jitter_noise", "ignored", "transformers applies it only in training", ("mixtral",)),
     FieldRule("output_router_logits", "ignored", "router logits feed the training loss only; the tokens are the "
               "same", ("mixtral", "qwen3_moe")),
