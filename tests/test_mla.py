@@ -6,7 +6,7 @@ queries) must give transformers' greedy tokens exactly in float32: batched, chun
 prefix hits, and alone vs beside other requests. The cache holds one latent row of ``kv_lora_rank +
 qk_rope_head_dim`` elements per layer and token (DeepSeek-V2 §2.1.2), and the bytes the runner allocates are
 the ``mla`` spec's. Decodes attend with ``W_UK`` absorbed into the query; that must equal the expanded
-attention. What is not implemented (MoE layers, yarn RoPE, DeepSeek-V3, native kernels, KV transfer) is
+attention. What is not implemented (MoE layers, RoPE scalings other than yarn, DeepSeek-V3, native kernels, KV transfer) is
 refused by name before any weight is read.
 """
 
@@ -31,23 +31,27 @@ PROMPTS = EQUALITY_PROMPTS
 NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 RANK, ROPE, NOPE, V, LAYERS = 16, 8, 16, 16, 2
+ATTN_STD = 0.15
 
 
 def make_tiny_deepseek_v2(tmp_path, q_lora_rank=None, seed=0, overrides=None) -> str:
     """A random tiny dense DeepSeek-V2 saved with ``save_pretrained`` and the SmolLM2 tokenizer; norm weights
-    randomized (HF initializes them to ones). Returns the directory."""
+    randomized (HF initializes them to ones) and attention weights larger than HF's init (std ``ATTN_STD``,
+    not 0.02), so that attention is far from uniform. Returns the directory."""
     cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=RANK, q_lora_rank=q_lora_rank,
                qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=V, first_k_dense_replace=LAYERS,
                max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-               tie_word_embeddings=False, rope_theta=10000.0, **(overrides or {}))
+               tie_word_embeddings=False, **(overrides or {}))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV2Config(**cfg), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-    out = Path(tmp_path) / f"tiny-deepseek-v2-q{q_lora_rank}-{seed}"
+            elif ".self_attn." in name:  # peaked attention, so the tokens depend on what it attends to
+                param.copy_(ATTN_STD * torch.randn_like(param))
+    out = Path(tmp_path) / f"tiny-deepseek-v2-q{q_lora_rank}-{seed}{'-' + '-'.join(overrides) if overrides else ''}"
     model.eval().save_pretrained(out)
     smollm2_tokenizer().save_pretrained(out)
     return str(out)
@@ -97,6 +101,22 @@ def test_prefix_hits_and_batched_with_others(tmp_path):
     cached = [o.metrics.num_cached_tokens for o in outs]
     assert all(c > 0 for c in cached[:4]) and cached[4] >= 48, cached
     llm.engine.core.scheduler.kv_cache_manager.check_integrity()
+
+
+def test_yarn_rope_matches_hf(tmp_path):
+    """YaRN-scaled RoPE as DeepSeek-V2 ships it (NTK-by-parts frequencies, cos/sin scaled by mscale / mscale_all_dim,
+    softmax temperature mscale_all_dim squared), here with an original context of 16 tokens that the prompts
+    pass, gives HF's greedy tokens, chunked."""
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "mscale": 0.5,
+            "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 1, "rope_theta": 10000.0}
+    model_dir = make_tiny_deepseek_v2(tmp_path, 12, overrides={"rope_parameters": yarn})
+    refs = hf_greedy(model_dir, PROMPTS, NEW)
+    llm = _engine(model_dir, num_blocks=64, max_num_batched_tokens=7)
+    model = llm.engine.config.model
+    assert model.rope_scaling["rope_type"] == "yarn" and model.rope_scaling["original_max_position_embeddings"] == 16
+    assert _tokens(llm, PROMPTS) == refs
+    plain = make_tiny_deepseek_v2(tmp_path, 12)  # the same weights without yarn decode differently
+    assert hf_greedy(plain, PROMPTS, NEW) != refs
 
 
 def test_cache_is_one_latent_row_per_layer_and_token(tmp_path):
@@ -202,8 +222,10 @@ DENSE = {**REQUIRED, "model_type": "deepseek_v2", "first_k_dense_replace": 4, "k
                                             r"DeepSeek-V2 are not supported yet; dense \(first_k_dense_replace >= "
                                             r"num_hidden_layers=4\) is"),
     ({k: v for k, v in DENSE.items() if k != "first_k_dense_replace"}, "first_k_dense_replace=0"),
-    ({**DENSE, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}},
-     "rope_type 'yarn' is not implemented for multi-head latent attention"),
+    ({**DENSE, "rope_scaling": {"type": "dynamic", "factor": 4.0}},
+     "rope_type 'dynamic' is not implemented for multi-head latent attention"),
+    ({**DENSE, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}},
+     "rope_type 'yarn' needs 'factor'"),
     ({**DENSE, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
      "rope_type 'linear' is not implemented for multi-head latent attention"),
     ({**DENSE, "attention_bias": True}, "attention biases on a deepseek_v2 model are not implemented"),

@@ -86,7 +86,8 @@ class ModelConfig:
         max_position_embeddings: The model's context length in tokens.
         rms_norm_eps: Epsilon of RMSNorm.
         rope_theta: RoPE base frequency.
-        rope_scaling: HF-style rope scaling dict (``rope_type`` ``"llama3"`` is supported) or ``None``.
+        rope_scaling: HF-style rope scaling dict (``rope_type`` ``"llama3"`` is supported; ``"yarn"`` for MLA) or
+            ``None``.
         attention_bias: Whether q/k/v projections carry a bias (Qwen2).
         tie_word_embeddings: Whether the LM head shares the embedding matrix.
         sliding_window: Attention window ``W`` in tokens that at least one layer of the checkpoint applies (a
@@ -307,7 +308,8 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
 
     ``rope_scaling`` wins over ``rope_parameters`` as in transformers; for ``llama3`` scaling the
     pretraining length is the dict's ``original_max_position_embeddings``, else ``max_position_embeddings``
-    (transformers' ``standardize_rope_params``; a top-level key of that name does not reach Llama's RoPE).
+    (transformers' ``standardize_rope_params``; a top-level key of that name does not reach Llama's RoPE); for
+    ``yarn`` a top-level ``original_max_position_embeddings`` wins over the dict's, as that function does.
     """
     params = cfg.get("rope_parameters")
     scaling = cfg.get("rope_scaling")
@@ -324,6 +326,9 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
             scaling = None
         elif scaling["rope_type"] == "llama3":
             scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings") or 2048)
+        elif scaling["rope_type"] == "yarn":  # a top-level key wins here (DeepSeek-V2's config class keeps it)
+            scaling["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings") or scaling.get(
+                "original_max_position_embeddings") or cfg.get("max_position_embeddings") or 2048)
     return float(theta if theta is not None else 10000.0), scaling
 
 

@@ -108,14 +108,18 @@ _METADATA = "metadata: no effect on the computed tokens"
 
 
 def _mla_rope_problem(value: Any) -> Optional[str]:
-    """What of DeepSeek-V2's RoPE dict the MLA model does not compute (it implements the default RoPE only)."""
+    """What of DeepSeek-V2's RoPE dict the MLA model does not compute (default and yarn are implemented)."""
     if value is None:
         return None
     if not isinstance(value, dict):
         return "expected a dict"
     kind = value.get("rope_type", value.get("type", "default"))
-    return None if kind == "default" else (f"rope_type {kind!r} is not implemented for multi-head latent attention "
-                                           "(supported: default)")
+    if kind not in ("default", "yarn"):
+        return f"rope_type {kind!r} is not implemented for multi-head latent attention (supported: default, yarn)"
+    if kind == "yarn" and not value.get("factor"):
+        return "rope_type 'yarn' needs 'factor'"
+    factor = value.get("partial_rotary_factor")
+    return None if factor is None or float(factor) == 1.0 else "partial_rotary_factor != 1 is not implemented"
 
 
 _DENSE_ONLY = "read only by the MoE layers, which a dense config (first_k_dense_replace >= num_hidden_layers) has not"
@@ -136,10 +140,12 @@ DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
     FieldRule("qk_head_dim", "ignored", "derived: qk_nope_head_dim + qk_rope_head_dim", ("deepseek_v2",)),
     FieldRule("num_key_value_heads", "ignored", "MLA caches one latent per token, no KV heads; every head's K and V "
               "are re-projected from it", ("deepseek_v2",)),
-    FieldRule("rope_scaling", "implemented", "default RoPE; yarn and others refused", ("deepseek_v2",),
-              _mla_rope_problem),
-    FieldRule("rope_parameters", "implemented", "rope_theta with default RoPE; yarn and others refused",
+    FieldRule("rope_scaling", "implemented", "default or yarn RoPE (with mscale / mscale_all_dim); others refused",
               ("deepseek_v2",), _mla_rope_problem),
+    FieldRule("rope_parameters", "implemented", "rope_theta with default or yarn RoPE; others refused",
+              ("deepseek_v2",), _mla_rope_problem),
+    FieldRule("original_max_position_embeddings", "implemented", "yarn's pretraining length (wins over the rope "
+              "dict's, as in transformers)", ("deepseek_v2",)),
     FieldRule("attention_bias", "refused", "q_a / kv_a / o_proj biases are not implemented", ("deepseek_v2",),
               _refuse_if_set("attention biases on a deepseek_v2 model are not implemented")),
     FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("deepseek_v2",),

@@ -28,7 +28,8 @@ from goodserve.config import ModelConfig
 from goodserve.models.attention import AttentionMetadata
 from goodserve.models.linear import dense_linear
 from goodserve.models.llama import RMSNorm, _rms_norm, add_rms_norm
-from goodserve.models.mla import MLA_NORM_EPS, MLAAttentionBackend, apply_rope_interleaved, mla_rope_cis
+from goodserve.models.mla import (MLA_NORM_EPS, MLAAttentionBackend, apply_rope_interleaved, mla_rope_cis,
+                                 mla_softmax_scale)
 from goodserve.models.quant import BlockQuantized, dequantize_rows, make_linear
 
 
@@ -52,7 +53,7 @@ class MLADecoderLayer(nn.Module):
         c = config
         self.num_heads, self.rank = c.num_attention_heads, c.kv_lora_rank
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        self.scale = (self.nope + self.rope) ** -0.5
+        self.scale = mla_softmax_scale(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # Made by DeepseekV2ForCausalLM.load_weights: q_proj (or q_a_proj, q_a_norm, q_b_proj), kv_a_proj,

@@ -20,13 +20,15 @@ Two exact ways to attend, used as the paper suggests (§2.1.2, "absorbed" projec
   when the chunk is long: every query would otherwise pay ``kv_lora_rank``-wide dot products).
 
 Both are the same sums as transformers' ``DeepseekV2Attention`` (which expands K/V for every step), up to
-float rounding. The softmax scale is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``. RoPE is applied to
-``q_pe`` and ``k^R`` in the interleaved (complex-pair) layout transformers' DeepSeek-V2 uses. No native
+float rounding. The softmax scale is ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (with YaRN's temperature
+when the config scales RoPE by YaRN, :func:`mla_softmax_scale`). RoPE is applied to ``q_pe`` and ``k^R`` in the
+interleaved (complex-pair) layout transformers' DeepSeek-V2 uses. No native
 kernel here: the portable PyTorch path runs on any device.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -40,17 +42,70 @@ from goodserve.models.attention import AttentionMetadata
 MLA_NORM_EPS = 1e-6
 
 
-def mla_rope_cis(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
-    """``[max_position_embeddings, qk_rope_head_dim // 2]`` complex64 ``exp(i · p · inv_freq)`` of every position.
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 · mscale · ln(factor) + 1`` (1 for ``factor <= 1``; Peng et al. 2023, §3.4)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
-    ``inv_freq = 1 / theta ** (2j / qk_rope_head_dim)`` (RoPE, Su et al. 2021; default scaling only, others are
-    refused by :mod:`goodserve.models.config_support`), computed in float32 as transformers does.
+
+def _yarn_inv_freq(dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN's "NTK-by-parts" inverse frequencies ``[dim // 2]`` (Peng et al. 2023, §3.2), as transformers computes
+    them: dimensions rotating more than ``beta_fast`` times over the original context keep their frequency, those
+    rotating fewer than ``beta_slow`` times are divided by ``factor``, a linear ramp between."""
+    factor, orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def mla_rope_cis(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``[max_position_embeddings, qk_rope_head_dim // 2]`` complex64 ``a · exp(i · p · inv_freq)`` of every position.
+
+    Default RoPE (Su et al. 2021): ``inv_freq = 1 / theta ** (2j / qk_rope_head_dim)``, ``a = 1``. YaRN (the
+    scaling DeepSeek-V2 ships with, §3.1.1): :func:`_yarn_inv_freq`, and ``a`` the config's
+    ``attention_factor``, else ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)`` with both
+    given, else ``yarn_mscale(factor)``. Computed in float32 as transformers does.
+
+    Raises:
+        ValueError: for another rope scaling type (:mod:`goodserve.models.config_support` refuses it first).
     """
     dim = config.qk_rope_head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    factor = 1.0
+    if kind == "default":
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim))
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(dim, config.rope_theta, scaling)
+        f, mscale, mscale_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+        factor = scaling.get("attention_factor") or (
+            yarn_mscale(f, mscale) / yarn_mscale(f, mscale_all) if mscale and mscale_all else yarn_mscale(f))
+    else:
+        raise ValueError(f"rope_type {kind!r} is not implemented for multi-head latent attention (default, yarn)")
     freqs = torch.arange(config.max_position_embeddings, device="cpu").float()[:, None] * inv_freq[None, :]
-    cis = torch.polar(torch.ones_like(freqs), freqs)
+    cis = torch.polar(torch.ones_like(freqs), freqs) * float(factor)
     return cis if device is None else cis.to(device)
+
+
+def mla_softmax_scale(config: ModelConfig) -> float:
+    """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` under
+    YaRN with ``mscale_all_dim`` (DeepSeek-V2's long-context temperature, as transformers applies it)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(scaling["factor"]), scaling["mscale_all_dim"]) ** 2
+    return scale
 
 
 def apply_rope_interleaved(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
