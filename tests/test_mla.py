@@ -1,17 +1,19 @@
 """DeepSeek-V2 with multi-head latent attention (MLA) on the engine, against HF ``transformers``.
 
-Tiny random DeepSeek-V2 checkpoints (dense layers: ``first_k_dense_replace = num_hidden_layers``;
+Tiny random DeepSeek-V2 checkpoints (dense layers: ``first_k_dense_replace = num_hidden_layers``, and
+DeepSeekMoE variants;
 ``kv_lora_rank`` 16, ``qk_rope_head_dim`` 8, ``qk_nope_head_dim`` 16, ``v_head_dim`` 16; full-rank and low-rank
 queries) must give transformers' greedy tokens exactly in float32: batched, chunked prefill, preempted,
 prefix hits, and alone vs beside other requests. The cache holds one latent row of ``kv_lora_rank +
 qk_rope_head_dim`` elements per layer and token (DeepSeek-V2 §2.1.2), and the bytes the runner allocates are
 the ``mla`` spec's. Decodes attend with ``W_UK`` absorbed into the query; that must equal the expanded
-attention. What is not implemented (MoE layers, RoPE scalings other than yarn, DeepSeek-V3, native kernels, KV transfer) is
+attention. What is not implemented (other routings, RoPE scalings other than yarn, DeepSeek-V3, native kernels, KV transfer) is
 refused by name before any weight is read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -38,11 +40,11 @@ def make_tiny_deepseek_v2(tmp_path, q_lora_rank=None, seed=0, overrides=None) ->
     """A random tiny dense DeepSeek-V2 saved with ``save_pretrained`` and the SmolLM2 tokenizer; norm weights
     randomized (HF initializes them to ones) and attention weights larger than HF's init (std ``ATTN_STD``,
     not 0.02), so that attention is far from uniform. Returns the directory."""
-    cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+    cfg = {**dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=RANK, q_lora_rank=q_lora_rank,
                qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=V, first_k_dense_replace=LAYERS,
                max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-               tie_word_embeddings=False, **(overrides or {}))
+               tie_word_embeddings=False), **(overrides or {})}
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV2Config(**cfg), dtype=torch.float32)
     with torch.no_grad():
@@ -51,7 +53,12 @@ def make_tiny_deepseek_v2(tmp_path, q_lora_rank=None, seed=0, overrides=None) ->
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif ".self_attn." in name:  # peaked attention, so the tokens depend on what it attends to
                 param.copy_(ATTN_STD * torch.randn_like(param))
-    out = Path(tmp_path) / f"tiny-deepseek-v2-q{q_lora_rank}-{seed}{'-' + '-'.join(overrides) if overrides else ''}"
+            elif name.endswith("mlp.gate.weight"):  # the MoE router: routing far from uniform
+                param.copy_(torch.randn_like(param))
+            elif ".experts." in name:  # routed experts strong enough that their mix decides the tokens
+                param.copy_(0.2 * torch.randn_like(param))
+    tag = hashlib.sha1(repr(sorted((overrides or {}).items())).encode()).hexdigest()[:8]
+    out = Path(tmp_path) / f"tiny-deepseek-v2-q{q_lora_rank}-{seed}-{tag}"
     model.eval().save_pretrained(out)
     smollm2_tokenizer().save_pretrained(out)
     return str(out)
@@ -101,6 +108,27 @@ def test_prefix_hits_and_batched_with_others(tmp_path):
     cached = [o.metrics.num_cached_tokens for o in outs]
     assert all(c > 0 for c in cached[:4]) and cached[4] >= 48, cached
     llm.engine.core.scheduler.kv_cache_manager.check_integrity()
+
+
+MOE = {"first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+       "moe_intermediate_size": 32, "routed_scaling_factor": 2.0}
+
+
+@pytest.mark.parametrize("overrides", [MOE, {**MOE, "n_shared_experts": 0, "topk_method": "group_limited_greedy",
+                                              "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}])
+def test_deepseek_moe_matches_hf(tmp_path, overrides):
+    """DeepSeekMoE after a dense first layer (§2.2: 8 routed experts of width 32, softmax top-k, scaled by
+    routed_scaling_factor, plus a shared expert; or group-limited routing, 2 of 4 groups, without a shared
+    expert) gives HF's greedy tokens, chunked and preempted."""
+    model_dir = make_tiny_deepseek_v2(tmp_path, 12, overrides=overrides)
+    refs = hf_greedy(model_dir, PROMPTS, NEW)
+    for budget, num_blocks in ((7, 64), (16, 16)):
+        llm = _engine(model_dir, num_blocks=num_blocks, max_num_batched_tokens=budget)
+        model = llm.engine.config.model
+        assert (model.num_experts, model.dense_mlp_layers, model.routed_scaling_factor) == (8, (0,), 2.0)
+        assert model.expert_groups == ((4, 2) if "n_group" in overrides else (1, 1))
+        assert _tokens(llm, PROMPTS) == refs, (overrides, budget)
+        llm.engine.core.scheduler.kv_cache_manager.check_integrity()
 
 
 def test_yarn_rope_matches_hf(tmp_path):
@@ -208,7 +236,11 @@ def test_defaults_of_left_out_keys_are_transformers():
         (theirs.kv_lora_rank, theirs.q_lora_rank, theirs.qk_nope_head_dim, theirs.qk_rope_head_dim,
          theirs.v_head_dim, theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"],
          theirs.max_position_embeddings, theirs.qk_nope_head_dim + theirs.qk_rope_head_dim)
-    assert ours.is_mla and ours.num_experts == 0
+    assert ours.is_mla and (ours.num_experts, ours.num_shared_experts, ours.moe_intermediate_size) == \
+        (theirs.n_routed_experts, theirs.n_shared_experts, theirs.moe_intermediate_size)
+    assert ours.dense_mlp_layers == () and not ours.norm_topk_prob  # first_k_dense_replace 0: every layer MoE
+    dense = ModelConfig.from_hf_config({**REQUIRED, "model_type": "deepseek_v2", "first_k_dense_replace": 4})
+    assert (dense.num_experts, dense.num_shared_experts) == (0, 0)
     assert ModelConfig.from_hf_config({**REQUIRED, "architectures": ["DeepseekV2ForCausalLM"]}) == ours
     assert ours.kv_cache_spec("bfloat16").bytes_per_token() == 4 * (512 + 64) * 2
 
@@ -218,10 +250,11 @@ DENSE = {**REQUIRED, "model_type": "deepseek_v2", "first_k_dense_replace": 4, "k
 
 
 @pytest.mark.parametrize("cfg, match", [
-    ({**DENSE, "first_k_dense_replace": 1}, r"first_k_dense_replace=1 is not supported: the MoE layers of "
-                                            r"DeepSeek-V2 are not supported yet; dense \(first_k_dense_replace >= "
-                                            r"num_hidden_layers=4\) is"),
-    ({k: v for k, v in DENSE.items() if k != "first_k_dense_replace"}, "first_k_dense_replace=0"),
+    ({**DENSE, "first_k_dense_replace": 1, "norm_topk_prob": True}, "norm_topk_prob=True is not supported"),
+    ({**DENSE, "first_k_dense_replace": 1, "topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported"),
+    ({**DENSE, "first_k_dense_replace": 1, "n_routed_experts": 6, "topk_method": "group_limited_greedy",
+      "n_group": 4, "topk_group": 2}, "n_group=4, topk_group=2 is not supported"),
+    ({**DENSE, "first_k_dense_replace": 1, "num_experts_per_tok": None}, "num_experts_per_tok=0 is not supported"),
     ({**DENSE, "rope_scaling": {"type": "dynamic", "factor": 4.0}},
      "rope_type 'dynamic' is not implemented for multi-head latent attention"),
     ({**DENSE, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096}},

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from goodserve.config_deepseek import hf_deepseek_fields
 from goodserve.kv_cache.spec import KVCacheSpec, dense_spec, mla_spec
 from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KVTransferConfig
@@ -49,7 +50,8 @@ HF_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
     **{kind: {"num_key_value_heads": 32, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-              "qk_rope_head_dim": 64, "v_head_dim": 128} for kind in ("deepseek_v2", "deepseek_v3")},
+              "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+              "moe_intermediate_size": 1407, "norm_topk_prob": False} for kind in ("deepseek_v2", "deepseek_v3")},
 }
 #: HF ``model_type`` values whose attention is multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, §2.1).
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -113,6 +115,11 @@ class ModelConfig:
         qk_rope_head_dim: MLA: width ``d_h^R`` of the decoupled RoPE part of each query head and of the one
             RoPE key shared by all heads (§2.1.3); cached beside ``c_KV``.
         v_head_dim: MLA: per-head value width. For MLA ``head_dim`` is ``qk_nope_head_dim + qk_rope_head_dim``.
+        num_shared_experts: DeepSeekMoE: always-on experts, one SwiGLU of ``num_shared_experts *
+            moe_intermediate_size`` added to the routed experts' output (DeepSeek-V2 §2.2.1).
+        routed_scaling_factor: DeepSeekMoE: factor on the routed experts' softmax weights.
+        expert_groups: DeepSeekMoE ``(n_group, topk_group)``: experts are routed only within the ``topk_group``
+            groups of highest best score (``group_limited_greedy``, §2.2.2); ``(1, 1)``: no grouping.
     """
 
     architecture: str
@@ -143,6 +150,9 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    num_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    expert_groups: tuple[int, int] = (1, 1)
 
     @property
     def is_mla(self) -> bool:
@@ -210,12 +220,9 @@ class ModelConfig:
         dense_layers = tuple(i for i in range(num_layers) if experts and model_type == "qwen3_moe" and (
             i in (cfg.get("mlp_only_layers") or ()) or (i + 1) % step != 0))
         mla: dict[str, Any] = {}
-        if model_type in MLA_MODEL_TYPES:
-            q_rank = cfg.get("q_lora_rank")
-            mla = dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=None if q_rank is None else int(q_rank),
-                       qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-                       v_head_dim=int(cfg["v_head_dim"]))
-            cfg = {**cfg, "head_dim": mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]}
+        if model_type in MLA_MODEL_TYPES:  # latent attention and DeepSeekMoE
+            mla, experts, dense_layers = hf_deepseek_fields(cfg)
+            cfg = {**cfg, "head_dim": mla.pop("head_dim")}
         return cls(
             architecture=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -306,10 +313,10 @@ def unique_ids(ids: list[int]) -> tuple[int, ...]:
 def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
     """RoPE base and scaling dict from either the transformers-4 or the transformers-5 config layout.
 
-    ``rope_scaling`` wins over ``rope_parameters`` as in transformers; for ``llama3`` scaling the
-    pretraining length is the dict's ``original_max_position_embeddings``, else ``max_position_embeddings``
-    (transformers' ``standardize_rope_params``; a top-level key of that name does not reach Llama's RoPE); for
-    ``yarn`` a top-level ``original_max_position_embeddings`` wins over the dict's, as that function does.
+    ``rope_scaling`` wins over ``rope_parameters`` as in transformers; for ``llama3`` and ``yarn`` (DeepSeek-V2)
+    scaling the pretraining length is the dict's ``original_max_position_embeddings``, else
+    ``max_position_embeddings`` (transformers' ``standardize_rope_params``; a top-level key of that name does not
+    reach Llama's or DeepSeek-V2's RoPE).
     """
     params = cfg.get("rope_parameters")
     scaling = cfg.get("rope_scaling")
@@ -324,11 +331,8 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
             scaling["rope_type"] = scaling["type"]
         if scaling.get("rope_type", "default") == "default":
             scaling = None
-        elif scaling["rope_type"] == "llama3":
+        elif scaling["rope_type"] in ("llama3", "yarn"):
             scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings") or 2048)
-        elif scaling["rope_type"] == "yarn":  # a top-level key wins here (DeepSeek-V2's config class keeps it)
-            scaling["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings") or scaling.get(
-                "original_max_position_embeddings") or cfg.get("max_position_embeddings") or 2048)
     return float(theta if theta is not None else 10000.0), scaling
 
 

@@ -122,9 +122,8 @@ def _mla_rope_problem(value: Any) -> Optional[str]:
     return None if factor is None or float(factor) == 1.0 else "partial_rotary_factor != 1 is not implemented"
 
 
-_DENSE_ONLY = "read only by the MoE layers, which a dense config (first_k_dense_replace >= num_hidden_layers) has not"
-#: DeepSeek-V2 (``deepseek_v2``): multi-head latent attention and dense layers (:mod:`goodserve.models.deepseek_v2`);
-#: a config with MoE layers is refused by :func:`goodserve.models.hf_dir.check_deepseek_v2_layers`.
+#: DeepSeek-V2 (``deepseek_v2``): multi-head latent attention and DeepSeekMoE (:mod:`goodserve.models.deepseek_v2`);
+#: uneven expert groups are refused by :func:`goodserve.models.hf_dir.check_deepseek_v2_groups`.
 DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", what, ("deepseek_v2",), _positive_int) for key, what in (
         ("kv_lora_rank", "width of the cached KV latent c_KV (DeepSeek-V2 §2.1.2)"),
@@ -133,8 +132,23 @@ DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
         ("v_head_dim", "per-head value width"))),
     FieldRule("q_lora_rank", "implemented", "low-rank query (q_a_proj, q_a_layernorm, q_b_proj); null: q_proj",
               ("deepseek_v2",), lambda v: None if v is None else _positive_int(v)),
-    FieldRule("first_k_dense_replace", "implemented", "leading dense layers; fewer than num_hidden_layers (MoE "
-              "layers) is refused", ("deepseek_v2",)),
+    FieldRule("first_k_dense_replace", "implemented", "leading layers with the dense MLP; MoE layers after",
+              ("deepseek_v2",)),
+    FieldRule("n_routed_experts", "implemented", "routed experts per MoE layer", ("deepseek_v2",), _positive_int),
+    FieldRule("num_experts_per_tok", "implemented", "top-k routing (float32 softmax, then top k; 1..n_routed_experts "
+              "checked with a MoE layer)", ("deepseek_v2",)),
+    FieldRule("moe_intermediate_size", "implemented", "SwiGLU width of one routed or shared expert", ("deepseek_v2",)),
+    FieldRule("n_shared_experts", "implemented", "always-on experts: one SwiGLU n_shared_experts times as wide",
+              ("deepseek_v2",)),
+    FieldRule("routed_scaling_factor", "implemented", "factor on the routed experts' weights", ("deepseek_v2",)),
+    FieldRule("topk_method", "implemented", "greedy, group_limited_greedy", ("deepseek_v2",),
+              _only(("greedy", "group_limited_greedy"), "only greedy and group_limited_greedy are implemented")),
+    FieldRule("n_group", "implemented", "expert groups of group_limited_greedy", ("deepseek_v2",)),
+    FieldRule("topk_group", "implemented", "groups a token routes within (group_limited_greedy)", ("deepseek_v2",)),
+    FieldRule("norm_topk_prob", "refused", "transformers' DeepSeek-V2 never renormalises the top-k weights, DeepSeek's "
+              "own code does with it true: only false is unambiguous", ("deepseek_v2",),
+              _refuse_if_set("renormalised top-k weights are not implemented for deepseek_v2")),
+    FieldRule("output_router_logits", "ignored", "router logits feed the training loss only", ("deepseek_v2",)),
     FieldRule("head_dim", "ignored", "transformers sets it to qk_rope_head_dim whatever the file says",
               ("deepseek_v2",)),
     FieldRule("qk_head_dim", "ignored", "derived: qk_nope_head_dim + qk_rope_head_dim", ("deepseek_v2",)),
@@ -144,16 +158,12 @@ DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
               ("deepseek_v2",), _mla_rope_problem),
     FieldRule("rope_parameters", "implemented", "rope_theta with default or yarn RoPE; others refused",
               ("deepseek_v2",), _mla_rope_problem),
-    FieldRule("original_max_position_embeddings", "implemented", "yarn's pretraining length (wins over the rope "
-              "dict's, as in transformers)", ("deepseek_v2",)),
     FieldRule("attention_bias", "refused", "q_a / kv_a / o_proj biases are not implemented", ("deepseek_v2",),
               _refuse_if_set("attention biases on a deepseek_v2 model are not implemented")),
     FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("deepseek_v2",),
               _refuse_if_set("MLP biases are not implemented")),
-    *(FieldRule(key, "ignored", _DENSE_ONLY, ("deepseek_v2",)) for key in (
-        "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
-        "topk_method", "n_group", "topk_group", "routed_scaling_factor", "output_router_logits")),
 )
+
 
 #: HF ``config.json`` keys of the ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``mixtral``, ``qwen3_moe``
 #: and ``deepseek_v2`` model types (SmolLM2 is ``llama``).

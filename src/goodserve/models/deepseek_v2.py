@@ -1,9 +1,10 @@
-"""DeepSeek-V2 (dense layers) over a flat token batch and a paged latent KV cache.
+"""DeepSeek-V2 over a flat token batch and a paged latent KV cache.
 
 The decoder of DeepSeek-V2 (arXiv:2405.04434): pre-norm layers whose attention is multi-head latent
 attention (§2.1, :mod:`goodserve.models.mla`) and whose MLP is the SwiGLU of ``intermediate_size`` on the
-first ``first_k_dense_replace`` layers (the only layers implemented here: a config with mixture-of-experts
-layers, §2.2, is refused by the loader). Per layer and token::
+first ``first_k_dense_replace`` layers and DeepSeekMoE (§2.2: routed experts of
+:mod:`goodserve.models.moe`, softmax top-k, optionally group-limited, scaled by ``routed_scaling_factor``,
+plus shared experts) on the others. Per layer and token::
 
     q        = q_proj(h)                       or  q_b_proj(RMSNorm(q_a_proj(h)))     [num_heads, nope + rope]
     c_KV,k^R = kv_a_proj_with_mqa(h)           c_KV <- kv_a_layernorm(c_KV)             [kv_lora_rank], [rope]
@@ -30,6 +31,7 @@ from goodserve.models.linear import dense_linear
 from goodserve.models.llama import RMSNorm, _rms_norm, add_rms_norm
 from goodserve.models.mla import (MLA_NORM_EPS, MLAAttentionBackend, apply_rope_interleaved, mla_rope_cis,
                                  mla_softmax_scale)
+from goodserve.models.moe import SparseMoeBlock, hf_layer_names
 from goodserve.models.quant import BlockQuantized, dequantize_rows, make_linear
 
 
@@ -40,15 +42,23 @@ def expected_weight_names(config: ModelConfig) -> set[str]:
     attn = q + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
     parts = [f"self_attn.{p}" for p in attn] + ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
                                                  "post_attention_layernorm"]
+    shared = [f"mlp.shared_experts.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj")]
     for i in range(config.num_hidden_layers):
-        names.update(f"model.layers.{i}.{part}.weight" for part in parts)
+        moe = config.is_moe_layer(i)
+        names.update(f"model.layers.{i}.{part}.weight" for part in parts if not (moe and part.startswith("mlp.")))
+        if moe:
+            names.update(hf_layer_names(config, i))
+            names.update(f"model.layers.{i}.{w}" for w in shared)  # zero rows without shared experts
     return names
 
 
 class MLADecoderLayer(nn.Module):
-    """One pre-norm layer: MLA, then the SwiGLU MLP (gate and up fused into one matmul)."""
+    """One pre-norm layer: MLA, then the SwiGLU MLP (gate and up fused into one matmul) or, with ``moe``, the
+    DeepSeekMoE MLP (§2.2.1): the routed experts (:class:`~goodserve.models.moe.SparseMoeBlock`) plus the shared
+    experts, one SwiGLU of width ``num_shared_experts * moe_intermediate_size`` (``gate_up_proj`` /
+    ``down_proj`` then hold the shared experts)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, moe: bool = False) -> None:
         super().__init__()
         c = config
         self.num_heads, self.rank = c.num_attention_heads, c.kv_lora_rank
@@ -68,7 +78,8 @@ class MLADecoderLayer(nn.Module):
         self.o_proj: Optional[nn.Module] = None
         self.gate_up_proj: Optional[nn.Module] = None
         self.down_proj: Optional[nn.Module] = None
-        self.intermediate_size = c.intermediate_size
+        self.moe = SparseMoeBlock(c) if moe else None
+        self.intermediate_size = c.num_shared_experts * c.moe_intermediate_size if moe else c.intermediate_size
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], cis: torch.Tensor,
                 cache: torch.Tensor, meta: AttentionMetadata,
@@ -101,8 +112,12 @@ class MLADecoderLayer(nn.Module):
         o = attn(q_nope, q_pe, latent, k_pe, cache, self.kv_b, self.scale, meta)  # [n, num_heads, v_head_dim]
         h, residual = add_rms_norm(self.o_proj.forward(o.reshape(n, self.num_heads * self.v_dim)), residual,
                                    self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        out = self.moe.forward(h) if self.moe is not None else None
+        if self.gate_up_proj is None:  # MoE without shared experts
+            return out, residual
         gate, up = self.gate_up_proj.forward(h).split(self.intermediate_size, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up), residual
+        dense = self.down_proj.forward(F.silu(gate) * up)
+        return dense if out is None else out + dense, residual
 
 
 class DeepseekV2ForCausalLM(nn.Module):
@@ -123,7 +138,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(MLADecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(MLADecoderLayer(config, config.is_moe_layer(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Optional[nn.Module] = None
         self.decode_plan = None  # no native one-call decode step for MLA
@@ -168,7 +184,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         def linear(name: str, shape: tuple[int, int]) -> nn.Module:
             return make_linear(take(name, shape), None, dtype, quantization)
 
-        hidden, heads, inter = c.hidden_size, c.num_attention_heads, c.intermediate_size
+        hidden, heads = c.hidden_size, c.num_attention_heads
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.embed_tokens.weight = nn.Parameter(dense("model.embed_tokens.weight", (c.vocab_size, hidden)),
                                                 requires_grad=False)
@@ -189,10 +205,15 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer.kv_b = dense(a + "kv_b_proj.weight", (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
                                ).view(heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
             layer.o_proj = linear(a + "o_proj.weight", (hidden, heads * c.v_head_dim))
-            gate_up = torch.cat([dense(p + "mlp.gate_proj.weight", (inter, hidden)),
-                                 dense(p + "mlp.up_proj.weight", (inter, hidden))])
-            layer.gate_up_proj = make_linear(gate_up, None, dtype, quantization)
-            layer.down_proj = linear(p + "mlp.down_proj.weight", (hidden, inter))
+            mlp, inter = p + "mlp.", layer.intermediate_size
+            if layer.moe is not None:
+                layer.moe.load(lambda name, shape: nn.Parameter(dense(name, shape), requires_grad=False), p)
+                mlp = p + "mlp.shared_experts."
+            if inter:
+                gate_up = torch.cat([dense(mlp + "gate_proj.weight", (inter, hidden)),
+                                     dense(mlp + "up_proj.weight", (inter, hidden))])
+                layer.gate_up_proj = make_linear(gate_up, None, dtype, quantization)
+                layer.down_proj = linear(mlp + "down_proj.weight", (hidden, inter))
             layer.input_layernorm.weight = nn.Parameter(dense(p + "input_layernorm.weight", (hidden,)),
                                                         requires_grad=False)
             layer.post_attention_layernorm.weight = nn.Parameter(

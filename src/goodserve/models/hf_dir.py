@@ -5,8 +5,9 @@ simulator's presets); this module adds what the engine can run: Llama-family dec
 and RMSNorm, every config field checked against :mod:`goodserve.models.config_support` and every tensor
 name against what the model reads, before any weight is read. Qwen3's ``q_norm`` / ``k_norm`` pass as they
 are; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the Llama names; Mixtral's and Qwen3-MoE's
-per-expert tensors are stacked (:func:`goodserve.models.moe.stack_experts`). DeepSeek-V2 (dense layers,
-multi-head latent attention) keeps its own names (:func:`goodserve.models.deepseek_v2.expected_weight_names`).
+per-expert tensors are stacked (:func:`goodserve.models.moe.stack_experts`). DeepSeek-V2 (multi-head
+latent attention, DeepSeekMoE) keeps its own names (:func:`goodserve.models.deepseek_v2.expected_weight_names`),
+its routed experts stacked as the others'.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
         )
     check_hf_config(cfg, model_type)
     if model_type == "deepseek_v2":
-        check_deepseek_v2_layers(cfg)
+        check_deepseek_v2_groups(cfg)
     config = ModelConfig.from_hf_config(cfg, generation_cfg)
     if config.num_experts and not 0 < config.num_experts_per_tok <= config.num_experts:
         raise ValueError(f"config.json num_experts_per_tok={config.num_experts_per_tok} is not supported: expected "
@@ -70,19 +71,20 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
     return config
 
 
-def check_deepseek_v2_layers(cfg: dict[str, Any]) -> None:
-    """Refuse a DeepSeek-V2 config with mixture-of-experts layers: transformers makes layer ``i`` a MoE layer
-    when ``i >= first_k_dense_replace`` (default 0), whatever ``n_routed_experts`` says.
+def check_deepseek_v2_groups(cfg: dict[str, Any]) -> None:
+    """Refuse DeepSeek-V2 group-limited routing whose groups do not cut the experts evenly.
 
     Raises:
-        ValueError: naming ``first_k_dense_replace`` when some layer is a MoE layer.
+        ValueError: naming ``n_group`` / ``topk_group`` when ``topk_method`` is ``group_limited_greedy`` and
+            ``n_routed_experts`` is not a multiple of ``n_group`` or ``topk_group`` is not in ``1..n_group``.
     """
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    layers = int(cfg["num_hidden_layers"])
-    if first_dense < layers:
-        raise ValueError(f"config.json first_k_dense_replace={first_dense} is not supported: the MoE layers of "
-                         "DeepSeek-V2 are not supported yet; dense (first_k_dense_replace >= num_hidden_layers="
-                         f"{layers}) is")
+    if cfg.get("topk_method") != "group_limited_greedy":
+        return
+    experts, groups, top = cfg.get("n_routed_experts", 64), cfg.get("n_group"), cfg.get("topk_group")
+    if not (isinstance(groups, int) and isinstance(top, int) and groups > 0 and experts % groups == 0
+            and 0 < top <= groups):
+        raise ValueError(f"config.json n_group={groups!r}, topk_group={top!r} is not supported: group_limited_greedy "
+                         f"needs n_group dividing n_routed_experts={experts} and 1 <= topk_group <= n_group")
 
 
 def expected_weight_names(config: ModelConfig) -> set[str]:
