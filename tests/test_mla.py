@@ -161,6 +161,51 @@ def test_cache_is_one_latent_row_per_layer_and_token(tmp_path):
     assert spec.bytes_per_token() < model.num_attention_heads * (NOPE + ROPE + V) * LAYERS * 4  # vs expanded K/V
 
 
+def test_pool_sized_and_planned_at_the_mla_formula(tmp_path):
+    """A KV budget in bytes buys ``budget // (block_size * bytes_per_token)`` blocks of the latent cache, and the
+    planner prices the same config.json at the engine's bytes per token."""
+    from goodserve.sim.model_size import kv_bytes_per_token
+    from goodserve.sim.presets import load_arch
+
+    model_dir = make_tiny_deepseek_v2(tmp_path)
+    per_block = 4 * LAYERS * (RANK + ROPE) * 4
+    llm = LLM(model_dir, dtype="float32", block_size=4, log_stats_interval=0, kv_cache_memory=37 * per_block + 5)
+    assert llm.engine.config.cache.num_blocks == 37
+    assert llm.engine.core.runner.kv_cache_bytes == 37 * per_block
+    assert kv_bytes_per_token(load_arch(model_dir), "float32") == per_block // 4
+
+
+def test_ngram_speculation_verifies_over_the_latent_cache(tmp_path):
+    """Under n-gram speculation (drafts verified as chunks over the latent cache, rejected slots freed) the
+    greedy tokens are still HF's, and some drafts are accepted and some rejected."""
+    model_dir = make_tiny_deepseek_v2(tmp_path, 12)
+    base = [100 + (7 * i) % 50 for i in range(30)]
+    prompts = [base * 2, [5, 6, 7, 8] * 10, base + [3, 4]]
+    refs = hf_greedy(model_dir, prompts, 24)
+    llm = _engine(model_dir, num_blocks=128, speculative_config='{"method": "ngram", "num_speculative_tokens": 4}',
+                  speculative_length="3")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == refs
+    stats = llm.engine.make_stats()
+    assert stats.num_spec_draft_tokens_total > stats.num_spec_accepted_tokens_total > 0
+
+
+def test_gguf_deepseek2_refused_by_name(tmp_path):
+    """llama.cpp's ``deepseek2`` GGUFs are not read (their MLA tensors, e.g. ``attn_kv_a_mqa``, are not mapped):
+    refused by the architecture's name before any tensor is read."""
+    import gguf
+
+    path = str(tmp_path / "tiny-deepseek2.gguf")
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'deepseek2'"):
+        load_model(path)
+
+
 def test_mla_never_takes_the_native_one_call_decode(tmp_path, monkeypatch):
     """Under ``attention_backend="auto"`` an MLA model runs its own attention and never the native fused decode
     step (which reads per-head K/V)."""

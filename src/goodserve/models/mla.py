@@ -184,7 +184,12 @@ class MLAAttentionBackend:
 
         Returns:
             ``[num_tokens, num_heads, v_head_dim]``, before ``o_proj``.
+
+        Raises:
+            RuntimeError: if ``meta`` has decodes but no decode groups (built for another backend).
         """
+        if meta.num_decodes and not meta.decode_groups:
+            raise RuntimeError("MLA attention reads decode groups; the metadata was built without them")
         rank = latent.shape[-1]
         nope = q_nope.shape[-1]
         rows = torch.cat([latent, k_pe], dim=-1)  # [num_tokens, kv_lora_rank + qk_rope_head_dim]
