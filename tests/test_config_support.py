@@ -211,6 +211,14 @@ HF_REFUSED = {
     ("num_experts", "mixtral"): 0,
     ("num_experts_per_tok", "mixtral"): 0,
     ("decoder_sparse_step", "qwen3_moe"): 0,
+    **{(key, "deepseek_v2"): 0 for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                           "v_head_dim", "n_routed_experts")},
+    ("rope_scaling", "deepseek_v2"): {"rope_type": "dynamic", "factor": 2.0},
+    ("rope_parameters", "deepseek_v2"): {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0},
+    ("attention_bias", "deepseek_v2"): True,
+    ("mlp_bias", "deepseek_v2"): True,
+    ("topk_method", "deepseek_v2"): "noaux_tc",
+    ("norm_topk_prob", "deepseek_v2"): True,
 }
 
 

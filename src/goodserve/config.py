@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from goodserve.kv_cache.spec import KVCacheSpec, dense_spec
+from goodserve.config_deepseek import hf_deepseek_fields
+from goodserve.kv_cache.spec import KVCacheSpec, dense_spec, mla_spec
 from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KVTransferConfig
 from goodserve.kv_transfer.params import KVTransferParams
@@ -36,6 +37,8 @@ HF_CLASS_TO_MODEL_TYPE = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 #: transformers' defaults, for keys a ``config.json`` leaves out, where a model type's config class differs from
 #: ``LlamaConfig`` (the defaults :meth:`ModelConfig.from_hf_config` otherwise takes).
@@ -46,7 +49,12 @@ HF_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
                 "rms_norm_eps": 1e-5, "num_local_experts": 8, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
+    **{kind: {"num_key_value_heads": 32, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+              "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+              "moe_intermediate_size": 1407, "norm_topk_prob": False} for kind in ("deepseek_v2", "deepseek_v3")},
 }
+#: HF ``model_type`` values whose attention is multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, §2.1).
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 #: Keys of a HF ``config.json`` that :meth:`ModelConfig.from_hf_config` cannot do without.
 HF_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
@@ -66,7 +74,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM2; the
-    Mixtral and Qwen3-MoE mixtures of experts).
+    Mixtral and Qwen3-MoE mixtures of experts) or of DeepSeek-V2 with multi-head latent attention (MLA).
 
     Attributes:
         architecture: Family name, e.g. ``"llama"`` or ``"qwen2"``.
@@ -80,7 +88,8 @@ class ModelConfig:
         max_position_embeddings: The model's context length in tokens.
         rms_norm_eps: Epsilon of RMSNorm.
         rope_theta: RoPE base frequency.
-        rope_scaling: HF-style rope scaling dict (``rope_type`` ``"llama3"`` is supported) or ``None``.
+        rope_scaling: HF-style rope scaling dict (``rope_type`` ``"llama3"`` is supported; ``"yarn"`` for MLA) or
+            ``None``.
         attention_bias: Whether q/k/v projections carry a bias (Qwen2).
         tie_word_embeddings: Whether the LM head shares the embedding matrix.
         sliding_window: Attention window ``W`` in tokens that at least one layer of the checkpoint applies (a
@@ -98,6 +107,19 @@ class ModelConfig:
             Qwen3-MoE's ``norm_topk_prob``).
         dense_mlp_layers: Layers of a mixture-of-experts model whose MLP is the dense SwiGLU of width
             ``intermediate_size`` (Qwen3-MoE's ``mlp_only_layers`` and those ``decoder_sparse_step`` skips).
+        kv_lora_rank: MLA only (``None`` otherwise): width ``d_c`` of the compressed KV latent ``c_KV`` each
+            layer caches per token (DeepSeek-V2 §2.1.2); K and V are re-projected from it by ``kv_b_proj``.
+        q_lora_rank: MLA: width ``d_c'`` of the compressed query (``q_a_proj`` / ``q_b_proj``), or ``None`` for a
+            full-rank ``q_proj``.
+        qk_nope_head_dim: MLA: per-head width ``d_h`` of the query/key part without RoPE.
+        qk_rope_head_dim: MLA: width ``d_h^R`` of the decoupled RoPE part of each query head and of the one
+            RoPE key shared by all heads (§2.1.3); cached beside ``c_KV``.
+        v_head_dim: MLA: per-head value width. For MLA ``head_dim`` is ``qk_nope_head_dim + qk_rope_head_dim``.
+        num_shared_experts: DeepSeekMoE: always-on experts, one SwiGLU of ``num_shared_experts *
+            moe_intermediate_size`` added to the routed experts' output (DeepSeek-V2 §2.2.1).
+        routed_scaling_factor: DeepSeekMoE: factor on the routed experts' softmax weights.
+        expert_groups: DeepSeekMoE ``(n_group, topk_group)``: experts are routed only within the ``topk_group``
+            groups of highest best score (``group_limited_greedy``, §2.2.2); ``(1, 1)``: no grouping.
     """
 
     architecture: str
@@ -123,6 +145,19 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_mlp_layers: tuple[int, ...] = ()
+    kv_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    expert_groups: tuple[int, int] = (1, 1)
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is MLA: one latent row per layer and token is cached, not per-head K and V."""
+        return self.kv_lora_rank is not None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else the dense SwiGLU)."""
@@ -135,6 +170,8 @@ class ModelConfig:
         Raises:
             ValueError: an unknown ``kv_dtype``.
         """
+        if self.is_mla:
+            return mla_spec(self.num_hidden_layers, self.kv_lora_rank, self.qk_rope_head_dim, kv_dtype)
         return dense_spec(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, kv_dtype)
 
     @classmethod
@@ -150,7 +187,9 @@ class ModelConfig:
         on for a Qwen2-family ``model_type`` (their q/k/v projections always carry a bias), always off for
         ``mistral`` (transformers' Mistral has no biases and ignores the key), else the config's
         ``attention_bias`` (default off). ``qk_norm`` is on for a Qwen3-family ``model_type``.
-        ``sliding_window`` is the window transformers applies (:func:`hf_sliding_window`).
+        ``sliding_window`` is the window transformers applies (:func:`hf_sliding_window`). For an MLA
+        ``model_type`` (:data:`MLA_MODEL_TYPES`) the latent widths are read and ``head_dim`` is
+        ``qk_nope_head_dim + qk_rope_head_dim`` (transformers' own ``head_dim`` there is the RoPE width).
 
         Args:
             cfg: The ``config.json`` contents.
@@ -180,6 +219,10 @@ class ModelConfig:
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense_layers = tuple(i for i in range(num_layers) if experts and model_type == "qwen3_moe" and (
             i in (cfg.get("mlp_only_layers") or ()) or (i + 1) % step != 0))
+        mla: dict[str, Any] = {}
+        if model_type in MLA_MODEL_TYPES:  # latent attention and DeepSeekMoE
+            mla, experts, dense_layers = hf_deepseek_fields(cfg)
+            cfg = {**cfg, "head_dim": mla.pop("head_dim")}
         return cls(
             architecture=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -205,6 +248,7 @@ class ModelConfig:
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
             norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", True)),
             dense_mlp_layers=dense_layers,
+            **mla,
         )
 
 
@@ -269,9 +313,10 @@ def unique_ids(ids: list[int]) -> tuple[int, ...]:
 def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
     """RoPE base and scaling dict from either the transformers-4 or the transformers-5 config layout.
 
-    ``rope_scaling`` wins over ``rope_parameters`` as in transformers; for ``llama3`` scaling the
-    pretraining length is the dict's ``original_max_position_embeddings``, else ``max_position_embeddings``
-    (transformers' ``standardize_rope_params``; a top-level key of that name does not reach Llama's RoPE).
+    ``rope_scaling`` wins over ``rope_parameters`` as in transformers; for ``llama3`` and ``yarn`` (DeepSeek-V2)
+    scaling the pretraining length is the dict's ``original_max_position_embeddings``, else
+    ``max_position_embeddings`` (transformers' ``standardize_rope_params``; a top-level key of that name does not
+    reach Llama's or DeepSeek-V2's RoPE).
     """
     params = cfg.get("rope_parameters")
     scaling = cfg.get("rope_scaling")
@@ -286,7 +331,7 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
             scaling["rope_type"] = scaling["type"]
         if scaling.get("rope_type", "default") == "default":
             scaling = None
-        elif scaling["rope_type"] == "llama3":
+        elif scaling["rope_type"] in ("llama3", "yarn"):
             scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings") or 2048)
     return float(theta if theta is not None else 10000.0), scaling
 

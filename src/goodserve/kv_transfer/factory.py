@@ -59,8 +59,12 @@ def create_kv_connector(config: KVTransferConfig, block_size: int,
         ``(scheduler half, worker half)``.
 
     Raises:
+        ValueError: for an MLA model's cache (``(latent, None)`` per layer), before any transport is imported.
         ValueError, ImportError: as :func:`worker_class`, or whatever the worker refuses.
     """
+    if any(kv[1] is None for kv in kv_caches):
+        raise ValueError("KV transfer of a multi-head latent attention cache (DeepSeek-V2: one latent tensor per "
+                         "layer, no V) is not implemented; the connectors move per-layer K and V tensors")
     leases = LeaseTable(config.timeout) if config.is_producer else None
     worker = worker_class(config.connector)(config, kv_caches, leases)
     bound = dataclasses.replace(config, port=worker.port)

@@ -106,8 +106,67 @@ def _window_problem(value: Any) -> Optional[str]:
 _NOT_READ = "transformers' class for this model_type does not read it, so the reference output ignores it too"
 _METADATA = "metadata: no effect on the computed tokens"
 
-#: HF ``config.json`` keys of the ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``mixtral`` and ``qwen3_moe``
-#: model types (SmolLM2 is ``llama``).
+
+def _mla_rope_problem(value: Any) -> Optional[str]:
+    """What of DeepSeek-V2's RoPE dict the MLA model does not compute (default and yarn are implemented)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "expected a dict"
+    kind = value.get("rope_type", value.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        return f"rope_type {kind!r} is not implemented for multi-head latent attention (supported: default, yarn)"
+    if kind == "yarn" and not value.get("factor"):
+        return "rope_type 'yarn' needs 'factor'"
+    factor = value.get("partial_rotary_factor")
+    return None if factor is None or float(factor) == 1.0 else "partial_rotary_factor != 1 is not implemented"
+
+
+#: DeepSeek-V2 (``deepseek_v2``): multi-head latent attention and DeepSeekMoE (:mod:`goodserve.models.deepseek_v2`);
+#: uneven expert groups are refused by :func:`goodserve.models.hf_dir.check_deepseek_v2_groups`.
+DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
+    *(FieldRule(key, "implemented", what, ("deepseek_v2",), _positive_int) for key, what in (
+        ("kv_lora_rank", "width of the cached KV latent c_KV (DeepSeek-V2 §2.1.2)"),
+        ("qk_nope_head_dim", "per-head query/key width without RoPE"),
+        ("qk_rope_head_dim", "decoupled RoPE width of each query head and of the shared cached key (§2.1.3)"),
+        ("v_head_dim", "per-head value width"))),
+    FieldRule("q_lora_rank", "implemented", "low-rank query (q_a_proj, q_a_layernorm, q_b_proj); null: q_proj",
+              ("deepseek_v2",), lambda v: None if v is None else _positive_int(v)),
+    FieldRule("first_k_dense_replace", "implemented", "leading layers with the dense MLP; MoE layers after",
+              ("deepseek_v2",)),
+    FieldRule("n_routed_experts", "implemented", "routed experts per MoE layer", ("deepseek_v2",), _positive_int),
+    FieldRule("num_experts_per_tok", "implemented", "top-k routing (float32 softmax, then top k; 1..n_routed_experts "
+              "checked with a MoE layer)", ("deepseek_v2",)),
+    FieldRule("moe_intermediate_size", "implemented", "SwiGLU width of one routed or shared expert", ("deepseek_v2",)),
+    FieldRule("n_shared_experts", "implemented", "always-on experts: one SwiGLU n_shared_experts times as wide",
+              ("deepseek_v2",)),
+    FieldRule("routed_scaling_factor", "implemented", "factor on the routed experts' weights", ("deepseek_v2",)),
+    FieldRule("topk_method", "implemented", "greedy, group_limited_greedy", ("deepseek_v2",),
+              _only(("greedy", "group_limited_greedy"), "only greedy and group_limited_greedy are implemented")),
+    FieldRule("n_group", "implemented", "expert groups of group_limited_greedy", ("deepseek_v2",)),
+    FieldRule("topk_group", "implemented", "groups a token routes within (group_limited_greedy)", ("deepseek_v2",)),
+    FieldRule("norm_topk_prob", "refused", "transformers' DeepSeek-V2 never renormalises the top-k weights, DeepSeek's "
+              "own code does with it true: only false is unambiguous", ("deepseek_v2",),
+              _refuse_if_set("renormalised top-k weights are not implemented for deepseek_v2")),
+    FieldRule("output_router_logits", "ignored", "router logits feed the training loss only", ("deepseek_v2",)),
+    FieldRule("head_dim", "ignored", "transformers sets it to qk_rope_head_dim whatever the file says",
+              ("deepseek_v2",)),
+    FieldRule("qk_head_dim", "ignored", "derived: qk_nope_head_dim + qk_rope_head_dim", ("deepseek_v2",)),
+    FieldRule("num_key_value_heads", "ignored", "MLA caches one latent per token, no KV heads; every head's K and V "
+              "are re-projected from it", ("deepseek_v2",)),
+    FieldRule("rope_scaling", "implemented", "default or yarn RoPE (with mscale / mscale_all_dim); others refused",
+              ("deepseek_v2",), _mla_rope_problem),
+    FieldRule("rope_parameters", "implemented", "rope_theta with default or yarn RoPE; others refused",
+              ("deepseek_v2",), _mla_rope_problem),
+    FieldRule("attention_bias", "refused", "q_a / kv_a / o_proj biases are not implemented", ("deepseek_v2",),
+              _refuse_if_set("attention biases on a deepseek_v2 model are not implemented")),
+    FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("deepseek_v2",),
+              _refuse_if_set("MLP biases are not implemented")),
+)
+
+
+#: HF ``config.json`` keys of the ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``mixtral``, ``qwen3_moe``
+#: and ``deepseek_v2`` model types (SmolLM2 is ``llama``).
 HF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "required shape") for key in HF_REQUIRED_KEYS),
     FieldRule("num_key_value_heads", "implemented", "GQA / MQA; default num_attention_heads (qwen3: 32)"),
@@ -183,6 +242,7 @@ HF_RULES: tuple[FieldRule, ...] = (
               ("qwen3_moe",), _positive_int),
     FieldRule("mlp_only_layers", "implemented", "layers that run the dense MLP (intermediate_size wide)",
               ("qwen3_moe",)),
+    *DEEPSEEK_V2_RULES,
     FieldRule("router_jitter_noise", "ignored", "transformers applies it only in training", ("mixtral",)),
     FieldRule("output_router_logits", "ignored", "router logits feed the training loss only; the tokens are the "
               "same", ("mixtral", "qwen3_moe")),

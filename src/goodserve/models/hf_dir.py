@@ -5,7 +5,9 @@ simulator's presets); this module adds what the engine can run: Llama-family dec
 and RMSNorm, every config field checked against :mod:`goodserve.models.config_support` and every tensor
 name against what the model reads, before any weight is read. Qwen3's ``q_norm`` / ``k_norm`` pass as they
 are; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the Llama names; Mixtral's and Qwen3-MoE's
-per-expert tensors are stacked (:func:`goodserve.models.moe.stack_experts`).
+per-expert tensors are stacked (:func:`goodserve.models.moe.stack_experts`). DeepSeek-V2 (multi-head
+latent attention, DeepSeekMoE) keeps its own names (:func:`goodserve.models.deepseek_v2.expected_weight_names`),
+its routed experts stacked as the others'.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ from goodserve.config import ModelConfig, hf_model_type
 from goodserve.models.config_support import check_hf_config
 from goodserve.models.checkpoint import (LoadedModel, fused_projection_sizes, load_hf_tokenizer,
                                         split_fused_projections, tokenizer_chat_template, with_tokenizer_eos)
+from goodserve.models.deepseek_v2 import expected_weight_names as mla_weight_names
 from goodserve.models.moe import hf_layer_names, stack_experts
 
 
 #: HF ``model_type`` values we can run (Llama-family decoders with SwiGLU MLPs or mixtures of them, and RMSNorm).
-SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
+SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v2")
+#: Known model types refused with a reason of their own.
+REFUSED_HF_ARCHITECTURES = {
+    "deepseek_v3": "DeepSeek-V3 shares DeepSeek-V2's multi-head latent attention (implemented), but its mixture of "
+                   "experts (sigmoid scores, noaux_tc group routing, e_score_correction_bias) is not implemented",
+}
 
 
 def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> ModelConfig:
@@ -46,12 +54,16 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
             value), or a missing required key.
     """
     model_type = hf_model_type(cfg)
+    if model_type in REFUSED_HF_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {model_type!r}: {REFUSED_HF_ARCHITECTURES[model_type]}")
     if model_type not in SUPPORTED_HF_ARCHITECTURES:
         named = model_type or cfg.get("architectures")
         raise ValueError(
             f"unsupported architecture {named!r}; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
         )
     check_hf_config(cfg, model_type)
+    if model_type == "deepseek_v2":
+        check_deepseek_v2_groups(cfg)
     config = ModelConfig.from_hf_config(cfg, generation_cfg)
     if config.num_experts and not 0 < config.num_experts_per_tok <= config.num_experts:
         raise ValueError(f"config.json num_experts_per_tok={config.num_experts_per_tok} is not supported: expected "
@@ -59,10 +71,28 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
     return config
 
 
+def check_deepseek_v2_groups(cfg: dict[str, Any]) -> None:
+    """Refuse DeepSeek-V2 group-limited routing whose groups do not cut the experts evenly.
+
+    Raises:
+        ValueError: naming ``n_group`` / ``topk_group`` when ``topk_method`` is ``group_limited_greedy`` and
+            ``n_routed_experts`` is not a multiple of ``n_group`` or ``topk_group`` is not in ``1..n_group``.
+    """
+    if cfg.get("topk_method") != "group_limited_greedy":
+        return
+    experts, groups, top = cfg.get("n_routed_experts", 64), cfg.get("n_group"), cfg.get("topk_group")
+    if not (isinstance(groups, int) and isinstance(top, int) and groups > 0 and experts % groups == 0
+            and 0 < top <= groups):
+        raise ValueError(f"config.json n_group={groups!r}, topk_group={top!r} is not supported: group_limited_greedy "
+                         f"needs n_group dividing n_routed_experts={experts} and 1 <= topk_group <= n_group")
+
+
 def expected_weight_names(config: ModelConfig) -> set[str]:
     """HF names of every tensor the checkpoint holds for ``config`` (``lm_head.weight`` included, used when
     untied): Phi-3's fused projections in place of the parts they hold, Qwen3's q/k norms, a mixture-of-experts
     layer's router and per-expert projections in place of the dense MLP's."""
+    if config.is_mla:
+        return mla_weight_names(config)
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]

@@ -34,7 +34,8 @@ from goodserve.config import ModelConfig
 
 #: Per family: the layer's MLP module name, then the expert's gate, up and down projection names.
 HF_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-                   "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+                   "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                   "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj")}
 #: Families whose routing weights stay float32 when they scale the expert outputs (transformers' Mixtral);
 #: the others cast them to the activations' dtype first (Qwen3-MoE).
 FLOAT32_WEIGHTING = ("mixtral",)
@@ -99,17 +100,31 @@ def join_gguf_experts(weights: dict[str, torch.Tensor], config: ModelConfig) -> 
         weights[p + DOWN] = down
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, scaling: float = 1.0,
+          groups: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing from router logits ``[num_tokens, num_experts]``.
+
+    With ``groups = (n_group, topk_group)`` other than ``(1, 1)`` (DeepSeek-V2's ``group_limited_greedy``,
+    arXiv:2405.04434 §2.2.2), the experts are cut into ``n_group`` equal groups and a token picks its top k
+    only among the ``topk_group`` groups whose best probability is highest.
 
     Returns:
         ``(weights, experts)``, each ``[num_tokens, top_k]``: float32 softmax probabilities of the chosen
-        experts (renormalised over the k when ``renormalise``) and their int64 ids, most probable first.
+        experts (renormalised over the k when ``renormalise``), times ``scaling``, and their int64 ids, most
+        probable first.
     """
     probs = torch.softmax(logits.float(), dim=-1)
+    n_group, topk_group = groups
+    if n_group > 1:
+        by_group = probs.view(probs.shape[0], n_group, -1)  # [num_tokens, n_group, experts per group]
+        chosen = by_group.amax(dim=-1).topk(topk_group, dim=-1).indices
+        keep = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, chosen, True)
+        probs = by_group.masked_fill(~keep[..., None], 0.0).view_as(probs)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
     return weights, experts
 
 
@@ -164,6 +179,7 @@ class SparseMoeBlock(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
+        self.scaling, self.groups = config.routed_scaling_factor, config.expert_groups  # DeepSeek-V2 only
         self.float32_weighting = config.architecture in FLOAT32_WEIGHTING
 
     def load(self, dense: Callable[[str, tuple[int, ...]], nn.Parameter], prefix: str) -> None:
@@ -174,6 +190,6 @@ class SparseMoeBlock(nn.Module):
         self.down = dense(prefix + DOWN, tuple(self.down.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(F.linear(x, self.router), self.top_k, self.renormalise)
+        weights, experts = route(F.linear(x, self.router), self.top_k, self.renormalise, self.scaling, self.groups)
         weight_dtype = torch.float32 if self.float32_weighting else x.dtype
         return grouped_experts(x, weights.to(weight_dtype), experts, self.gate_up, self.down, weight_dtype)

@@ -20,7 +20,9 @@ from typing import Any, Optional
 import torch
 
 from goodserve.config import EngineConfig
+from goodserve.models.deepseek_v2 import DeepseekV2ForCausalLM
 from goodserve.models.llama import LlamaForCausalLM
+from goodserve.models.mla import MLAAttentionBackend, check_mla_engine, mla_kv_caches
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from goodserve.runner.sampler import Sampler, SamplerOutput
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
@@ -104,17 +106,24 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         m = config.model
+        if m.is_mla:
+            check_mla_engine(config)
         with torch.device("meta"):  # nothing is allocated until the weights are taken
-            self.model = LlamaForCausalLM(m)
+            self.model = DeepseekV2ForCausalLM(m) if m.is_mla else LlamaForCausalLM(m)
         self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype,
                                 config.quantization, batch_invariant=config.batch_invariant)
         self.model.eval()
-        self.attn = attn_backend or make_attention_backend(config.attention_backend, self.device,
-                                                           config.batch_invariant)
-        shape = (config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        # Zeroed so masked-out slots can never hold NaN bit patterns.
-        self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
-                          for _ in range(m.num_hidden_layers)]
+        if m.is_mla:  # per layer one latent tensor, (latent, None), and attention over it (models/mla.py)
+            self.attn = attn_backend or MLAAttentionBackend()
+            self.kv_caches = mla_kv_caches(m, config.cache.num_blocks, self.block_size, self.dtype, self.device,
+                                           zeroed)
+        else:
+            self.attn = attn_backend or make_attention_backend(config.attention_backend, self.device,
+                                                               config.batch_invariant)
+            shape = (config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+            # Zeroed so masked-out slots can never hold NaN bit patterns.
+            self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
+                              for _ in range(m.num_hidden_layers)]
         self.sampler = Sampler(seed=config.seed)
         self.proposer = make_proposer(config, draft)
         self.requests: dict[str, CachedRequestState] = {}
@@ -122,7 +131,7 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache tensors."""
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        return sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv if t is not None)
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the message's diffs to the runner's per-request state.

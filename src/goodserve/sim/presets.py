@@ -234,7 +234,12 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
                    qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=int(cfg["v_head_dim"]))
         head_dim = nope + rope
     moe: dict[str, Any] = {}
-    if cfg.get("n_routed_experts"):  # DeepSeek style
+    if base.is_mla:  # DeepSeek-V2/V3 as the engine's loader parses them: no MoE layer, no experts
+        if base.num_experts:
+            moe = dict(num_experts=base.num_experts, num_experts_per_tok=base.num_experts_per_tok,
+                       num_shared_experts=base.num_shared_experts, moe_intermediate_size=base.moe_intermediate_size,
+                       first_k_dense_layers=len(base.dense_mlp_layers))
+    elif cfg.get("n_routed_experts"):  # DeepSeek style
         moe = dict(num_experts=int(cfg["n_routed_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                    num_shared_experts=int(cfg.get("n_shared_experts") or 0),
                    moe_intermediate_size=int(cfg["moe_intermediate_size"]),
