@@ -125,7 +125,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        check_kv_cache_dtype(self.kv_cache_dtype)
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # raises on a bad or mismatched value
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -276,10 +276,16 @@ def check_kv_cache_dtype(asked: str) -> None:
 def resolve_kv_cache_dtype(asked: str, dtype: str) -> str:
     """``--kv-cache-dtype`` resolved against the resolved activation ``dtype``: ``auto`` is ``dtype``.
 
+    A float cache holds the activations' own dtype (the attention kernels read K/V in q's dtype), so
+    ``bfloat16`` / ``float32`` must equal ``dtype``; ``int8`` goes with either.
+
     Raises:
-        ValueError: for a value :func:`check_kv_cache_dtype` refuses.
+        ValueError: for a value :func:`check_kv_cache_dtype` refuses, or a float KV dtype other than ``dtype``.
     """
     check_kv_cache_dtype(asked)
+    if asked not in ("auto", "int8") and dtype != "auto" and asked != dtype:
+        raise ValueError(f"--kv-cache-dtype {asked} with --dtype {dtype} is not implemented: a float KV cache "
+                         f"holds the activations' dtype; use --kv-cache-dtype auto or int8")
     return dtype if asked == "auto" else asked
 
 
