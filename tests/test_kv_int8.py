@@ -10,19 +10,25 @@ torch reference agree on an int8 cache to 1.2e-6. The tests assert 3% and 1e-5.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+
+import httpx
 
 import pytest
 import torch
 
 from goodserve.config import KV_CACHE_DTYPES
 from goodserve.engine.args import EngineArgs, resolve_batch_invariant
+from goodserve.engine.async_engine import AsyncEngine
 from goodserve.engine.engine import Engine
 from goodserve.kv_cache.spec import INT8_SCALE_BYTES, kv_row_bytes
 from goodserve.models import native
 from goodserve.models.attention import AttentionMetadata, NativeAttentionBackend, TorchAttentionBackend
 from goodserve.models.kv_quant import QMAX, cache_shape, dequantize, quantize
 from goodserve.sampling_params import SamplingParams
+from goodserve.server.app import build_app
+from server_fixtures import ServerThread, metric_samples
 from tiny_models import EQUALITY_PROMPTS, make_tiny_hf_model
 
 H, KV, D, BS, NB = 9, 3, 64, 16, 128
@@ -193,8 +199,10 @@ def test_engine_int8_cache_prefix_hit(tiny_llama, backend):
 
 @pytest.mark.parametrize("dtype, kv", [("float32", "int8"), ("float32", "auto"), ("float32", "float32"),
                                        ("bfloat16", "auto"), ("bfloat16", "bfloat16"), ("bfloat16", "int8")])
-def test_pool_bytes_per_token_follow_the_spec(tiny_llama, dtype, kv):
-    eng = _engine(tiny_llama, kv, "torch", dtype=dtype, num_blocks=10)
+def test_pool_bytes_per_token_follow_the_spec(tiny_llama, dtype, kv, caplog):
+    """The runner allocates ``num_blocks * block_size * spec.bytes_per_token()`` bytes; the log line says so."""
+    with caplog.at_level(logging.INFO, logger="goodserve.engine.engine"):
+        eng = _engine(tiny_llama, kv, "torch", dtype=dtype, num_blocks=10)
     m, cfg = eng.config.model, eng.config
     resolved = dtype if kv == "auto" else kv
     assert cfg.kv_dtype == resolved
@@ -204,6 +212,36 @@ def test_pool_bytes_per_token_follow_the_spec(tiny_llama, dtype, kv):
     assert expected == 2 * m.num_hidden_layers * m.num_key_value_heads * (
         m.head_dim + 4 if resolved == "int8" else m.head_dim * (4 if resolved == "float32" else 2))
     assert eng.core.runner.kv_cache_bytes == 10 * 4 * spec.bytes_per_token()
+    assert f"KV cache ({spec.describe()}): 10 blocks x 4 tokens" in caplog.text
+    assert f"{10 * 4 * spec.bytes_per_token() / 2**20:.1f} MiB" in caplog.text
+
+
+def test_metrics_report_the_spec_bytes_per_token(tiny_llama):
+    eng = AsyncEngine(_engine(tiny_llama, "int8", "torch", num_blocks=10))
+    try:
+        with ServerThread(build_app(eng, served_model_name="tiny")) as srv, httpx.Client(base_url=srv.base_url) as http:
+            got = metric_samples(http)[("goodserve:kv_cache_bytes_per_token", frozenset())]
+    finally:
+        eng.shutdown()
+    m = eng.engine.config.model
+    assert got == m.kv_cache_spec("int8").bytes_per_token() == eng.engine.core.runner.kv_cache_bytes / (10 * 4)
+
+
+def test_connector_layout_of_an_int8_pool(tiny_llama):
+    """The NIXL connector's layout (strides in bytes, rows moved per token) holds for int8 caches: a pulled
+    token moves exactly the spec's int8 bytes per token."""
+    from goodserve.kv_transfer.nixl_connector import _Layout
+
+    eng = _engine(tiny_llama, "int8", "torch", num_blocks=10)
+    m = eng.config.model
+    layout = _Layout.of("p0", eng.core.runner.kv_caches)
+    assert layout.dtype == "torch.int8"
+    assert layout.token_bytes == m.num_key_value_heads * (m.head_dim + INT8_SCALE_BYTES)
+    assert layout.block_bytes == 4 * layout.token_bytes
+    descs = layout.descs([3, 7, 1], 0, 10)  # 10 tokens over 3 blocks of 4
+    assert int(descs[:, 1].sum()) == 10 * m.kv_cache_spec("int8").bytes_per_token()
+    fp32 = _Layout.of("c0", _engine(tiny_llama, "float32", "torch", num_blocks=10).core.runner.kv_caches)
+    assert "KV layouts differ" in fp32.compatible(layout)
 
 
 def test_int8_pool_holds_more_blocks_in_the_same_memory(tiny_llama):

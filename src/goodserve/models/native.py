@@ -104,7 +104,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     cache_dtype = torch.int8 if k_cache.dtype == torch.int8 else q.dtype
     if q.dtype not in _DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
-        raise ValueError(f"q must be one of {list(_DTYPES)} and the caches q's dtype or int8 (both alike)")
+        raise ValueError(f"q and the caches must share a dtype among {list(_DTYPES)}, or the caches both be "
+                         "int8 (rows with their scales)")
     if cache_dtype == torch.int8:
         cache_head_dim -= INT8_SCALE_BYTES
     if cache_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:

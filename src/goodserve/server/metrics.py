@@ -67,9 +67,18 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
+        config = getattr(getattr(engine, "engine", None), "config", None)  # None: a stand-in without one
+        #: What one cached token of the served model costs (:mod:`goodserve.kv_cache.spec`), in its KV dtype.
+        self._kv_bytes_per_token = None if config is None else \
+            config.model.kv_cache_spec(config.kv_dtype).bytes_per_token()
 
     def collect(self) -> Iterable[Metric]:
         s = self._engine.stats
+        if self._kv_bytes_per_token is not None:
+            yield GaugeMetricFamily(PREFIX + "kv_cache_bytes_per_token",
+                                    "Bytes one token occupies in the served model's KV cache (every layer's K and V "
+                                    "rows, an int8 row's float32 scale included; a draft model's cache is extra).",
+                                    value=self._kv_bytes_per_token)
         yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch.",
                                 value=s.num_running)
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission.",
