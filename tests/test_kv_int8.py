@@ -78,10 +78,12 @@ def _attend(backend, kv_dtype: str, decode_lens: list[int], prefills: list[tuple
         if computed:
             meta = AttentionMetadata.build(BS, [], [], [(0, computed, table)], torch.tensor(slots(table, 0, computed)),
                                            torch.device("cpu"))
-            TorchAttentionBackend()(torch.randn(computed, H, D, generator=g), 2 * torch.randn(computed, KV, D, generator=g),
-                                    torch.randn(computed, KV, D, generator=g), k_cache, v_cache, meta)
+            q, k, v = (torch.randn(computed, H, D, generator=g), 2 * torch.randn(computed, KV, D, generator=g),
+                       torch.randn(computed, KV, D, generator=g))
+            TorchAttentionBackend()(q, k, v, k_cache, v_cache, meta)
     n = sum(new for _, new in reqs)
-    q, k, v = torch.randn(n, H, D, generator=g), 2 * torch.randn(n, KV, D, generator=g), torch.randn(n, KV, D, generator=g)
+    q, k, v = (torch.randn(n, H, D, generator=g), 2 * torch.randn(n, KV, D, generator=g),
+               torch.randn(n, KV, D, generator=g))
     slot_mapping = torch.tensor([s for t, (c, new) in zip(tables, reqs) for s in slots(t, c, c + new)])
     nd = len(decode_lens)
     meta = AttentionMetadata.build(BS, tables[:nd], list(decode_lens),

@@ -84,8 +84,9 @@ class EngineArgs:
             tokens; overrides the JSON's ``length``.
 
     Raises:
-        ValueError: on an unknown dtype (``kv_cache_dtype`` included: fp8 is refused by name), device, policy or mode, a size below 1, a negative interval, an SLO
-            that is not a positive number, or ``shed_load`` without the ``slo`` policy.
+        ValueError: on an unknown dtype (``kv_cache_dtype`` included: fp8 is refused by name, and a float
+            ``kv_cache_dtype`` other than ``dtype``), device, policy or mode, a size below 1, a negative
+            interval, an SLO that is not a positive number, or ``shed_load`` without the ``slo`` policy.
     """
 
     model: Optional[str] = None

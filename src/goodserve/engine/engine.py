@@ -164,6 +164,12 @@ class Engine:
         self._counter = 0
 
     @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes one token occupies in the model's KV cache, in the resolved KV dtype (the spec's formula,
+        :mod:`goodserve.kv_cache.spec`; a draft model's cache, under speculation, is extra)."""
+        return self.config.model.kv_cache_spec(self.config.kv_dtype).bytes_per_token()
+
+    @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 

@@ -67,10 +67,9 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
-        config = getattr(getattr(engine, "engine", None), "config", None)  # None: a stand-in without one
-        #: What one cached token of the served model costs (:mod:`goodserve.kv_cache.spec`), in its KV dtype.
-        self._kv_bytes_per_token = None if config is None else \
-            config.model.kv_cache_spec(config.kv_dtype).bytes_per_token()
+        # What one cached token costs (Engine.kv_cache_bytes_per_token); None for an engine that does not say.
+        per_token = getattr(getattr(engine, "engine", None), "kv_cache_bytes_per_token", None)
+        self._kv_bytes_per_token = per_token if isinstance(per_token, int) else None
 
     def collect(self) -> Iterable[Metric]:
         s = self._engine.stats

@@ -1,5 +1,5 @@
-// Float32 / bfloat16 (and int8 KV-cache code) element access shared by the kernels: values are computed in float32 and rounded to
-// the activation dtype on store (round to nearest even, as PyTorch rounds).
+// Float32 / bfloat16 element access shared by the kernels (and int8 KV-cache codes, read only): values are
+// computed in float32 and rounded to the activation dtype on store (round to nearest even, as PyTorch rounds).
 #pragma once
 
 #include <cstdint>

@@ -64,6 +64,8 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, 
                                 int64_t split_tokens, int64_t num_splits, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
               seq_lens.is_contiguous() && runs.is_contiguous() && code(q) == 1);
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "the AMX attention kernel reads bfloat16 caches (an int8 KV cache is not implemented there)");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   check(goodserve_paged_attention_rows(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr<int32_t>(block_tables),
                                        ptr<int32_t>(seq_lens), ptr<int32_t>(runs), out.data_ptr(), q.size(0),
