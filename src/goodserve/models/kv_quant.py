@@ -10,8 +10,8 @@ it unchanged, and move :func:`goodserve.kv_cache.spec.kv_row_bytes` bytes per ro
 Quantisation. Symmetric absmax per row (token and KV head): ``scale = max|x| / 127`` and
 ``code = round(x / scale)`` in ``[-127, 127]``; an all-zero row has scale 0. This is llama.cpp's q8_0
 applied to a whole head row rather than to blocks of 32; KIVI (Liu et al. 2024) and KVQuant (Hooper et al.
-2024) quantise K per channel to reach fewer bits, which int8 does not need. The relative error of an
-element is at most ``0.5 / 127`` of its row's absmax.
+2024) quantise K per channel to reach fewer bits, which int8 does not need. An element's error is at
+most half a step, ``0.5 / 127`` of its row's absmax.
 
 Readers: :func:`dequantize` for the torch reference backend (gathered context only, never the whole
 cache); the native decode kernel (``csrc/paged_decode_attention.cpp``) reads codes and scale in place.
