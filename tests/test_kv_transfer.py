@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from goodserve import LLM, SamplingParams
 from goodserve.config import CacheConfig, SchedulerConfig
@@ -420,3 +421,52 @@ def test_router_answers_503_at_once_when_the_decode_instance_is_down(producer):
         assert time.monotonic() - t0 < 2.0
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     _wait_released(producer.base_url, timeout=3 + 5)
+
+
+@pytest.fixture(scope="module")
+def producer_int8(tiny_model):
+    srv = ServeProcess(tiny_model, "--kv-role", "producer", "--kv-transfer-timeout", "3", "--kv-cache-dtype", "int8")
+    yield srv
+    srv.close()
+
+
+def test_disaggregated_on_int8_pools(tiny_model, producer_int8, consumer):
+    """P/D between int8 pools (rows ``[.., head_dim + 4]`` with their scales): the consumer's blocks are the
+    producer's bytes, the bytes moved per pulled token are the spec's int8 bytes per token, the output is the
+    colocated int8 engine's; a float32 consumer refuses the int8 producer's layout by name."""
+    prompt = "The capital of France is a city where many people live"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ref = LLM(tiny_model, dtype="float32", kv_cache_dtype="int8", block_size=BS, num_blocks=64,
+              log_stats_interval=0).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                             use_tqdm=False)[0]
+    eng = AsyncEngine(Engine(_args(tiny_model, kv_role="consumer", kv_transfer_timeout=3, kv_cache_dtype="int8")))
+    try:
+        with ServerThread(build_app(eng, served_model_name="tiny")) as srv, httpx.Client(base_url=srv.base_url) as http:
+            before = metric_samples(http)
+            handle, out = _disaggregated(producer_int8.base_url, srv.base_url, body)
+            assert out["choices"][0]["text"] == ref.text
+            moved = metric_samples(http)[("goodserve:kv_transfer_bytes_sum", frozenset())] - \
+                before[("goodserve:kv_transfer_bytes_sum", frozenset())]
+            m = eng.engine.config.model
+            assert moved == m.kv_cache_spec("int8").bytes_per_token() * (handle["remote_num_tokens"] - 1)
+            local = Engine(_args(tiny_model, kv_cache_dtype="int8"))
+            local.add_request(prompt, SamplingParams(temperature=0, max_tokens=2), request_id="ref")
+            local.step()
+            ref_ids = local.core.scheduler.kv_cache_manager.get_block_ids("ref")
+            full = (len(local.tokenize(prompt)) - 1) // BS
+            probe = Request("probe", local.tokenize(prompt) + [0], SamplingParams(max_tokens=1), 0.0)
+            got_ids = eng.call(lambda e: e.core.scheduler.kv_cache_manager.get_computed_blocks(probe)[0])
+            assert len(got_ids) == full > 0
+            for (k, v), (rk, rv) in zip(eng.engine.core.runner.kv_caches, local.core.runner.kv_caches):
+                assert k.dtype == torch.int8 and k[got_ids].equal(rk[ref_ids[:full]]) and \
+                    v[got_ids].equal(rv[ref_ids[:full]])
+            wait_idle(eng)
+    finally:
+        eng.shutdown()
+    first = httpx.post(producer_int8.base_url + "/v1/completions", timeout=60,  # to the float32 consumer
+                       json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    r = httpx.post(consumer.base_url + "/v1/completions", timeout=60,
+                   json={**body, "kv_transfer_params": first.json()["kv_transfer_params"]})
+    assert r.status_code == 500 and "KV layouts differ" in r.json()["error"]["message"], r.text
+    wait_idle(consumer.engine)
+    _wait_released(producer_int8.base_url)

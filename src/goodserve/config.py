@@ -71,6 +71,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "native")
 #: re-quantizing weights the file does not hold that way.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
+#: ``--kv-cache-dtype`` values: ``auto`` (the activation ``--dtype``), ``bfloat16``, ``float32``, or ``int8``
+#: (symmetric absmax quantisation per token and KV head, one float32 scale per row: the cache layout of
+#: :mod:`goodserve.models.kv_quant`). No fp8: see :func:`goodserve.engine.args.resolve_kv_cache_dtype`.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM2; the
@@ -436,6 +441,8 @@ class EngineConfig:
             batch (``goodserve.models.invariant``): a request's tokens depend on its prompt and seed alone.
         fused_decode_step: Decode-only steps of a model with a decode plan run every layer in one native call
             (``LlamaForCausalLM.decode_in_one_call``; the same bits as the layer-by-layer path).
+        kv_cache_dtype: The dtype of the cached K/V: one of :data:`KV_CACHE_DTYPES`, ``auto`` being ``dtype``
+            (:attr:`kv_dtype` resolves it).
         device: ``"cpu"`` or ``"cuda"``.
         seed: Seed of the engine-wide generator used by unseeded sampled requests.
         log_stats_interval: Seconds between periodic stats log lines (``0`` disables them).
@@ -455,6 +462,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     batch_invariant: bool = False
     fused_decode_step: bool = True
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     log_stats_interval: float = 10.0
@@ -463,6 +471,11 @@ class EngineConfig:
     slo_tpot: Optional[float] = None
     speculative: Optional[SpeculativeConfig] = None
     kv_events: Optional[KVEventsConfig] = None
+
+    @property
+    def kv_dtype(self) -> str:
+        """The cached K/V's dtype, resolved: ``"float32"``, ``"bfloat16"`` or ``"int8"``."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def request_options(self, priority: int = 0, cache_salt: Optional[str] = None, slo_ttft: Any = UNSET,
                         slo_tpot: Any = UNSET, slo_class: Optional[str] = None,

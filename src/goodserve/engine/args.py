@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from goodserve.config import (ATTENTION_BACKENDS, QUANTIZATIONS, SCHEDULING_MODES, SCHEDULING_POLICIES, CacheConfig,
-                              SchedulerConfig)
+from goodserve.config import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_MODES,
+                              SCHEDULING_POLICIES, CacheConfig, SchedulerConfig)
 from goodserve.config_flags import add_scheduler_flags
 from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KV_ROLES, KVTransferConfig
@@ -36,6 +36,8 @@ class EngineArgs:
             native block kernel where the CPU has AVX-512 VNNI, else Q4 on PyTorch's int4 CPU kernel;
             everything else in ``dtype``), ``"none"`` (dequantize to ``dtype``), ``"int4"``
             / ``"int8"`` (every linear layer on that kernel, re-quantizing what the file holds otherwise).
+        kv_cache_dtype: The cached K/V's dtype (:func:`resolve_kv_cache_dtype`): ``"auto"`` (default: ``dtype``),
+            ``"bfloat16"``, ``"float32"`` or ``"int8"`` (absmax per token and KV head, a float32 scale per row).
         device: ``"cpu"`` or ``"cuda"``; ``None`` picks CUDA when available.
         attention_backend: ``"auto"`` (default: decodes attended in place over the block table by the
             native CPU kernel where it builds, else PyTorch), ``"torch"`` or ``"native"``
@@ -82,13 +84,15 @@ class EngineArgs:
             tokens; overrides the JSON's ``length``.
 
     Raises:
-        ValueError: on an unknown dtype, device, policy or mode, a size below 1, a negative interval, an SLO
-            that is not a positive number, or ``shed_load`` without the ``slo`` policy.
+        ValueError: on an unknown dtype (``kv_cache_dtype`` included: fp8 is refused by name, and a float
+            ``kv_cache_dtype`` other than ``dtype``), device, policy or mode, a size below 1, a negative
+            interval, an SLO that is not a positive number, or ``shed_load`` without the ``slo`` policy.
     """
 
     model: Optional[str] = None
     dtype: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: Optional[str] = None
     attention_backend: str = "auto"
     batch_invariant: Optional[bool] = None
@@ -122,6 +126,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # raises on a bad or mismatched value
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -179,6 +184,9 @@ class EngineArgs:
                        help="auto (default): a GGUF's Q4_0/Q4_1/Q8_0 weights as they are, on the native block "
                             "kernel (AVX-512 VNNI) or PyTorch's int4 CPU kernel (bfloat16 only); none: dequantize "
                             "to --dtype; int4/int8: every linear layer on PyTorch's kernel")
+        g.add_argument("--kv-cache-dtype", default="auto",
+                       help="dtype of the cached K/V: auto (default: --dtype), bfloat16, float32, or int8 "
+                            "(a float32 scale per token and KV head: about half of bfloat16's bytes per token)")
         g.add_argument("--device", default=None, choices=["cpu", "cuda"])
         g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                        help="auto (default): decodes read the paged KV cache in place with the native CPU "
@@ -241,6 +249,47 @@ def resolve_dtype(asked: str, device: str) -> str:
     return "bfloat16" if onednn_has_bfloat16() else "float32"
 
 
+#: Names of fp8 that ``--kv-cache-dtype`` refuses with a reason rather than as merely unknown.
+_FP8_NAMES = ("fp8", "float8", "fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2")
+
+
+def check_kv_cache_dtype(asked: str) -> None:
+    """Refuse a ``--kv-cache-dtype`` outside :data:`~goodserve.config.KV_CACHE_DTYPES`.
+
+    fp8 is refused by name: torch's CPU kernels have no fp8 matmul or arithmetic path worth using (an fp8
+    cache would be upcast element by element on every read, with nothing gained over int8), whereas int8
+    with one float32 scale per token and KV head (absmax, as llama.cpp's q8_0 KV cache; KIVI, Liu et al.
+    2024, and KVQuant, Hooper et al. 2024, study finer schemes) is read by the native decode kernel as
+    integers and scaled once per row: the CPU choice.
+
+    Raises:
+        ValueError: naming the choices (and, for fp8, why it is not one).
+    """
+    if asked in KV_CACHE_DTYPES:
+        return
+    if str(asked).lower() in _FP8_NAMES:
+        raise ValueError(f"kv_cache_dtype {asked!r} is not supported: torch's CPU kernels have no fp8 matmul or "
+                         f"arithmetic path worth using; use int8 (a float32 scale per token and KV head). "
+                         f"Choices: {', '.join(KV_CACHE_DTYPES)}")
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {asked!r}")
+
+
+def resolve_kv_cache_dtype(asked: str, dtype: str) -> str:
+    """``--kv-cache-dtype`` resolved against the resolved activation ``dtype``: ``auto`` is ``dtype``.
+
+    A float cache holds the activations' own dtype (the attention kernels read K/V in q's dtype), so
+    ``bfloat16`` / ``float32`` must equal ``dtype``; ``int8`` goes with either.
+
+    Raises:
+        ValueError: for a value :func:`check_kv_cache_dtype` refuses, or a float KV dtype other than ``dtype``.
+    """
+    check_kv_cache_dtype(asked)
+    if asked not in ("auto", "int8") and dtype != "auto" and asked != dtype:
+        raise ValueError(f"--kv-cache-dtype {asked} with --dtype {dtype} is not implemented: a float KV cache "
+                         f"holds the activations' dtype; use --kv-cache-dtype auto or int8")
+    return dtype if asked == "auto" else asked
+
+
 def batch_invariant_is_cheap(device: str, dtype: str, quantization: str) -> bool:
     """Whether batch-invariant numerics cost little here: a bfloat16 CPU engine whose invariant kernels run on
     AMX (BENCHMARKS.md, issue 34: faster than the default kernels from 16 decodes a step, slower at one),
@@ -254,7 +303,7 @@ def batch_invariant_is_cheap(device: str, dtype: str, quantization: str) -> bool
 
 
 def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quantization: str,
-                            serving: bool = False) -> bool:
+                            serving: bool = False, kv_cache_dtype: str = "auto") -> bool:
     """``--batch-invariant`` resolved. Not given: on for a server (``serving``) where
     :func:`batch_invariant_is_cheap` — a served request's answer then depends on the request alone (case C21),
     and a loaded server's steps run faster on the invariant kernels; off for one-shot use, whose batch-1
@@ -263,10 +312,15 @@ def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quan
     Raises:
         ValueError: when asked for on a device other than the CPU (its kernels, and the invariance of the
             GEMM library the torch path relies on, are checked on the CPU only), or with ``--quantization int4``
-            / ``int8`` (every layer runs on the invariant kernel).
+            / ``int8`` (every layer runs on the invariant kernel), or with an int8 KV cache (the
+            batch-invariant attention kernels read float caches only).
     """
+    int8_kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype) == "int8"
     if asked is None:
-        return serving and batch_invariant_is_cheap(device, dtype, quantization)
+        return serving and not int8_kv and batch_invariant_is_cheap(device, dtype, quantization)
+    if asked and int8_kv:
+        raise ValueError("--batch-invariant is not implemented with --kv-cache-dtype int8 (its attention kernels "
+                         "read bfloat16 or float32 caches); use --kv-cache-dtype auto, or --no-batch-invariant")
     if asked and device.split(":")[0] != "cpu":
         raise ValueError(f"--batch-invariant runs on the CPU only, not on {device}")
     if asked and quantization in ("int4", "int8"):

@@ -19,7 +19,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from goodserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from goodserve.engine.args import EngineArgs, default_kv_cache_memory, resolve_batch_invariant, resolve_dtype
+from goodserve.engine.args import (EngineArgs, default_kv_cache_memory, resolve_batch_invariant, resolve_dtype,
+                                   resolve_kv_cache_dtype)
 from goodserve.engine.chat import render_chat
 from goodserve.engine.core import EngineCore
 from goodserve.engine.output_processor import OutputProcessor
@@ -65,8 +66,9 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
         ValueError: if the pool cannot hold a single block, or ``max_model_len`` asks for more tokens than
             the model's sliding window.
     """
-    spec = model.kv_cache_spec(args.dtype)
-    bytes_per_token = spec.bytes_per_token() + (draft.kv_cache_spec(args.dtype).bytes_per_token() if draft else 0)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype)
+    spec = model.kv_cache_spec(kv_dtype)
+    bytes_per_token = spec.bytes_per_token() + (draft.kv_cache_spec(kv_dtype).bytes_per_token() if draft else 0)
     bytes_per_block = bytes_per_token * args.block_size
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
@@ -143,7 +145,8 @@ class Engine:
                                       shed_load=args.shed_load),
             dtype=args.dtype, quantization=args.quantization, attention_backend=args.attention_backend,
             batch_invariant=resolve_batch_invariant(args.batch_invariant, device, args.dtype, args.quantization,
-                                                    args.serving),
+                                                    args.serving, args.kv_cache_dtype),
+            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype),
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer(), slo_ttft=args.slo_ttft,
             slo_tpot=args.slo_tpot, speculative=speculative, kv_events=kv_events)
@@ -159,6 +162,12 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.stats = EngineStats(args.log_stats_interval)
         self._counter = 0
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes one token occupies in the model's KV cache, in the resolved KV dtype (the spec's formula,
+        :mod:`goodserve.kv_cache.spec`; a draft model's cache, under speculation, is extra)."""
+        return self.config.model.kv_cache_spec(self.config.kv_dtype).bytes_per_token()
 
     @property
     def max_model_len(self) -> int:

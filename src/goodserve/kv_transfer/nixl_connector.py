@@ -10,7 +10,9 @@ tensors once and never copies. Because a one-sided read cannot be refused, every
 metadata and the addresses and strides of its KV tensors.
 
 Bytes moved: for tokens ``[start, end)`` of a request, per layer, K and V each, the filled slots of each
-block: exactly ``2 · L · n_kv · d_head · b_dtype · (end - start)`` bytes.
+block: exactly ``2 · L · n_kv · row · (end - start)`` bytes, ``row`` being a K/V row's bytes
+(:func:`goodserve.kv_cache.spec.kv_row_bytes`: ``d_head · b_dtype``, or ``d_head + 4`` for an int8 cache,
+whose rows carry their float32 scale, :mod:`goodserve.models.kv_quant`).
 
 A READ given up while it runs (past its deadline, or aborted and past it) cannot be recalled: NIXL's
 ``release_xfer_handle`` on an active transfer only *attempts* a cancel (its UCX backend cancels the requests
@@ -76,6 +78,14 @@ class _Layout:
     block_size: int
     dtype: str
 
+    @classmethod
+    def of(cls, agent_name: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> "_Layout":
+        """The layout of contiguous per-layer caches ``[num_blocks, block_size, n_kv, row]`` of any dtype
+        (an int8 cache's ``row`` includes its scale bytes): strides in bytes, the dtype by name."""
+        k0 = kv_caches[0][0]
+        return cls(agent_name, [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches],
+                   k0.stride(0) * k0.element_size(), k0.stride(1) * k0.element_size(), k0.shape[1], str(k0.dtype))
+
     def descs(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
         """NIXL descriptors ``[n, 3]`` (address, length, device id) of tokens ``[start, end)`` held in
         ``block_ids`` (the request's table), per layer, K then V. ``start`` must be block-aligned."""
@@ -96,7 +106,7 @@ class _Layout:
             return (f"KV layouts differ (layers, bytes per token, block size, dtype): producer "
                     f"{(len(other.bases), other.token_bytes, other.block_size, other.dtype)}, consumer "
                     f"{(len(self.bases), self.token_bytes, self.block_size, self.dtype)}; serve the same model "
-                    "with the same --dtype and --block-size on both")
+                    "with the same --dtype, --kv-cache-dtype and --block-size on both")
         return None
 
 
@@ -117,7 +127,7 @@ class NixlConnector(KVConnectorWorker):
     Args:
         config: The instance's settings (``port`` 0: a free one is picked; see :attr:`port`).
         kv_caches: The runner's cache, per layer ``(K, V)``, each ``[num_blocks, block_size, n_kv, head_dim]``
-            and contiguous, on CPU.
+            (int8: ``head_dim + 4``) and contiguous, on CPU.
         leases: The producer's lease table (shared with the scheduler half), which the side channel checks
             every claim and release against; ``None`` on a consumer-only instance.
 
@@ -143,10 +153,7 @@ class NixlConnector(KVConnectorWorker):
         # Held while registered: a READ still running at close keeps the memory it writes alive.
         self._tensors = [t for kv in kv_caches for t in kv]
         self._reg = self.agent.register_memory(self.agent.get_reg_descs(self._tensors))
-        k0 = kv_caches[0][0]
-        self.layout = _Layout(config.engine_id, [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches],
-                              k0.stride(0) * k0.element_size(), k0.stride(1) * k0.element_size(), k0.shape[1],
-                              str(k0.dtype))
+        self.layout = _Layout.of(config.engine_id, kv_caches)
         self._zmq = zmq.Context()
         layout = {"layout": {**self.layout.__dict__},
                   "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode()}

@@ -11,6 +11,11 @@ padding and each group is attended in one vectorised call over its gathered, mas
 chunk is attended on its own, causally, over its cached context plus its own tokens — a chunk with no
 cached context never touches the cache for reading.
 
+A cache may be int8 (``--kv-cache-dtype int8``): ``[num_blocks, block_size, num_kv_heads, head_dim + 4]``,
+each row its codes and float32 scale (:mod:`goodserve.models.kv_quant`). New K/V are quantised as they are
+written; the torch reference dequantizes only the context it gathers for a step, and the native kernel reads
+the codes in place. A prefill chunk without cached context attends over its own unquantised K/V.
+
 ``AttentionBackend`` is the interface a fused kernel replaces; ``TorchAttentionBackend`` is the portable,
 vectorised PyTorch reference, and ``NativeAttentionBackend`` attends decodes in place over the block table
 with a CPU kernel (:mod:`goodserve.models.native`), prefill chunks as the reference does.
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 
 from goodserve.config import ATTENTION_BACKENDS
 from goodserve.models import native
+from goodserve.models.kv_quant import dequantize, is_quantized, write_kv
 
 
 @dataclass
@@ -229,7 +235,8 @@ class AttentionBackend(Protocol):
             q: ``[num_tokens, num_heads, head_dim]``.
             k: ``[num_tokens, num_kv_heads, head_dim]``.
             v: ``[num_tokens, num_kv_heads, head_dim]``.
-            k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+            k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model's dtype, or int8
+                ``[..., head_dim + 4]`` (:mod:`goodserve.models.kv_quant`), written in place.
             v_cache: same shape as ``k_cache``.
             meta: The step's metadata.
 
@@ -316,26 +323,26 @@ class TorchAttentionBackend:
             buf = self._buffers[key] = torch.empty(size, dtype=like.dtype, device=like.device)
         return buf
 
-    def _decode_context(self, cache: torch.Tensor, g: DecodeGroup, name: str) -> torch.Tensor:
+    def _decode_context(self, cache: torch.Tensor, g: DecodeGroup, name: str, dtype: torch.dtype) -> torch.Tensor:
         """``[n, ctx, num_kv_heads, head_dim]`` context of a decode group: the cache itself when the group is
         one request on consecutive blocks, else gathered into a reused buffer; a lone request's is cut to its
-        ``seq_len`` (its group has no mask)."""
+        ``seq_len`` (its group has no mask). An int8 cache's context is dequantized to ``dtype`` once gathered."""
         _, block_size, num_kv_heads, head_dim = cache.shape
         n, nb = g.block_tables.shape
         if g.first_block is not None:
             ctx = cache[g.first_block:g.first_block + nb].view(1, nb * block_size, num_kv_heads, head_dim)
         else:
             ctx = _gather_rows(cache, g.block_tables, self._buffer(name, cache, cache[0].numel() * n * nb))
-        return ctx if g.mask is not None else ctx[:, :g.seq_len]
+        ctx = ctx if g.mask is not None else ctx[:, :g.seq_len]
+        return dequantize(ctx, dtype) if is_quantized(cache) else ctx
 
     #: Whether the backend attends decodes by :class:`DecodeGroup` (else by ``decode_block_tables``).
     uses_decode_groups = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_kv(k_cache, meta.slot_mapping, k)
+        write_kv(v_cache, meta.slot_mapping, v)
         decoded = self._decodes(q[:meta.num_decodes], k_cache, v_cache, meta)
         if not meta.prefills and decoded is not None:
             return decoded
@@ -354,14 +361,14 @@ class TorchAttentionBackend:
         if len(meta.decode_groups) != 1:  # none, or several
             return None
         g = meta.decode_groups[0]
-        return decode_attention(q, self._decode_context(k_cache, g, "k"), self._decode_context(v_cache, g, "v"),
-                                g.mask)
+        return decode_attention(q, self._decode_context(k_cache, g, "k", q.dtype),
+                                self._decode_context(v_cache, g, "v", q.dtype), g.mask)
 
     def _decodes_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata) -> None:
         for g in meta.decode_groups:
-            kd = self._decode_context(k_cache, g, "k")  # [n, ctx, num_kv_heads, head_dim]
-            vd = self._decode_context(v_cache, g, "v")
+            kd = self._decode_context(k_cache, g, "k", q.dtype)  # [n, ctx, num_kv_heads, head_dim]
+            vd = self._decode_context(v_cache, g, "v", q.dtype)
             out[g.start:g.end] = decode_attention(q[g.start:g.end], kd, vd, g.mask)
 
     @staticmethod
@@ -375,8 +382,10 @@ class TorchAttentionBackend:
                 vp = v[chunk.start:chunk.end].transpose(0, 1)
             else:
                 ctx = chunk.mask.shape[1]
-                kp = _gather(k_cache, chunk.block_table)[:, :ctx]  # [num_kv_heads, ctx, head_dim]
+                kp = _gather(k_cache, chunk.block_table)[:, :ctx]  # [num_kv_heads, ctx, head_dim (+ 4 for int8)]
                 vp = _gather(v_cache, chunk.block_table)[:, :ctx]
+                if is_quantized(k_cache):
+                    kp, vp = dequantize(kp, q.dtype), dequantize(vp, q.dtype)
             kp = kp.repeat_interleave(group, dim=0)[None]  # [1, num_heads, ctx, head_dim]
             vp = vp.repeat_interleave(group, dim=0)[None]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None)

@@ -65,6 +65,9 @@ class InvariantAttentionBackend:
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Write ``k``/``v`` into the cache, then attend every token over its context (see
         :class:`~goodserve.models.attention.AttentionBackend` for the shapes)."""
+        if k_cache.dtype == torch.int8:
+            raise RuntimeError("batch-invariant attention is not implemented for an int8 KV cache "
+                               "(--kv-cache-dtype int8 is refused with --batch-invariant)")
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)

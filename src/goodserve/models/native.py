@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from goodserve.kv_cache.spec import INT8_SCALE_BYTES
 from goodserve.models.native_build import load
 
 __all__ = ["load"]  # with the wrappers below
@@ -78,8 +79,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Args:
         q: ``[n, num_heads, head_dim]``; rows may be strided (e.g. a slice of a fused QKV output), each
             row's heads contiguous.
-        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, same dtype as ``q``.
-        v_cache: same shape as ``k_cache``.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, same dtype as ``q``; or an
+            int8 cache ``[num_blocks, block_size, num_kv_heads, head_dim + 4]``, each row its codes then its
+            float32 scale (:mod:`goodserve.models.kv_quant`), read in place: ``q·k = scale_k · Σ q_d k_d`` and
+            V accumulated as ``scale_v · v`` (on the kernel's portable path, not its AVX-512 variants).
+        v_cache: same shape and dtype as ``k_cache``.
         block_tables: ``[n, max_blocks]`` int32; row ``i`` covers request ``i``'s ``seq_lens[i]`` tokens.
         seq_lens: ``[n]`` int32 context length of each request, its new token included (≥ 1).
         max_len: ``max(seq_lens)`` (known to the caller without a read of the tensor).
@@ -98,8 +102,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ops = _ops(q)
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the caches must share a dtype among {list(_DTYPES)}")
+    cache_dtype = torch.int8 if k_cache.dtype == torch.int8 else q.dtype
+    if q.dtype not in _DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
+        raise ValueError(f"q and the caches must share a dtype among {list(_DTYPES)}, or the caches both be "
+                         "int8 (rows with their scales)")
+    if cache_dtype == torch.int8:
+        cache_head_dim -= INT8_SCALE_BYTES
     if cache_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:
         raise ValueError("q, k_cache and v_cache shapes disagree")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 or q.stride(1) != head_dim:

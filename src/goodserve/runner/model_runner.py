@@ -24,6 +24,7 @@ from goodserve.models.deepseek_v2 import DeepseekV2ForCausalLM
 from goodserve.models.llama import LlamaForCausalLM
 from goodserve.models.mla import MLAAttentionBackend, check_mla_engine, mla_kv_caches
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, make_attention_backend
+from goodserve.models.kv_quant import cache_shape
 from goodserve.runner.sampler import Sampler, SamplerOutput
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
 from goodserve.runner.speculative import expand_rows, make_proposer, verify
@@ -33,6 +34,8 @@ from goodserve.scheduler.output import SampledToken, ScheduledRequest, Scheduler
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Torch dtype of the KV cache tensors per resolved ``kv_cache_dtype`` (int8 rows carry their scale bytes).
+KV_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
 @dataclass
@@ -120,17 +123,23 @@ class ModelRunner:
         else:
             self.attn = attn_backend or make_attention_backend(config.attention_backend, self.device,
                                                                config.batch_invariant)
-            shape = (config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-            # Zeroed so masked-out slots can never hold NaN bit patterns.
-            self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
+            # [num_blocks, block_size, num_kv_heads, head_dim] (+ 4 scale bytes per row for int8: models/kv_quant.py)
+            shape = cache_shape(config.cache.num_blocks, self.block_size, m.num_key_value_heads, m.head_dim,
+                                config.kv_dtype)
+            kv_dtype = KV_DTYPES[config.kv_dtype]
+            # Zeroed so masked-out slots can never hold NaN bit patterns (an int8 row's zero scale reads as 0).
+            self.kv_caches = [(zeroed(shape, kv_dtype, self.device), zeroed(shape, kv_dtype, self.device))
                               for _ in range(m.num_hidden_layers)]
+        # The one-call decode step (native.decode_layers) reads float caches only: int8 runs layer by layer.
+        self.fused_decode_step = config.fused_decode_step and config.kv_dtype != "int8"
         self.sampler = Sampler(seed=config.seed)
         self.proposer = make_proposer(config, draft)
         self.requests: dict[str, CachedRequestState] = {}
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes held by the KV cache tensors."""
+        """Bytes held by the KV cache tensors: ``num_blocks * block_size * spec.bytes_per_token()`` of the
+        model's :meth:`~goodserve.config.ModelConfig.kv_cache_spec` in the resolved KV dtype."""
         return sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv if t is not None)
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -186,7 +195,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return {}
         input_ids, positions, meta, ordered = self._prepare_inputs(scheduler_output)
-        if self.config.fused_decode_step and self.model.can_decode_in_one_call(input_ids.shape[0], meta, self.attn):
+        if self.fused_decode_step and self.model.can_decode_in_one_call(input_ids.shape[0], meta, self.attn):
             hidden = self.model.decode_in_one_call(input_ids, positions, self.kv_caches, meta, self.attn)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn)  # [num_tokens, hidden]

@@ -67,9 +67,17 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
+        # What one cached token costs (Engine.kv_cache_bytes_per_token); None for an engine that does not say.
+        per_token = getattr(getattr(engine, "engine", None), "kv_cache_bytes_per_token", None)
+        self._kv_bytes_per_token = per_token if isinstance(per_token, int) else None
 
     def collect(self) -> Iterable[Metric]:
         s = self._engine.stats
+        if self._kv_bytes_per_token is not None:
+            yield GaugeMetricFamily(PREFIX + "kv_cache_bytes_per_token",
+                                    "Bytes one token occupies in the served model's KV cache (every layer's K and V "
+                                    "rows, an int8 row's float32 scale included; a draft model's cache is extra).",
+                                    value=self._kv_bytes_per_token)
         yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the running batch.",
                                 value=s.num_running)
         yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for admission.",

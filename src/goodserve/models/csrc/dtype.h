@@ -1,5 +1,5 @@
-// Float32 / bfloat16 element access shared by the kernels: values are computed in float32 and rounded to
-// the activation dtype on store (round to nearest even, as PyTorch rounds).
+// Float32 / bfloat16 element access shared by the kernels (and int8 KV-cache codes, read only): values are
+// computed in float32 and rounded to the activation dtype on store (round to nearest even, as PyTorch rounds).
 #pragma once
 
 #include <cstdint>
@@ -14,6 +14,7 @@ inline float load(const uint16_t* p) {  // bfloat16 -> float32: the high half of
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+inline float load(const int8_t* p) { return static_cast<float>(*p); }  // an int8 KV cache's code
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float v) {  // float32 -> bfloat16, round to nearest even
   uint32_t u;

@@ -5,6 +5,10 @@
 //
 // Layout (goodserve/models/attention.py): the cache of one layer is [num_blocks, block_size, num_kv_heads,
 // head_dim]; token p of request i lives in block block_tables[i][p / block_size], row p % block_size.
+// An int8 cache (goodserve/models/kv_quant.py) is [num_blocks, block_size, num_kv_heads, head_dim + 4]: each
+// row is head_dim int8 codes then its float32 scale. It is read in place, codes converted to float32 in
+// registers: q.k = scale_k * sum_d q_d * code_d, and V is accumulated as p * scale_v * code. Only the
+// portable path (attend) takes int8 caches; the AVX-512 variants read float32 / bfloat16 caches.
 // Grouped-query attention: the num_heads / num_kv_heads query heads that share a KV head are computed
 // together, so each K and V row is read from memory once per KV head.
 //
@@ -23,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -53,6 +58,23 @@ inline float dot(const float* q, const T* k, int head_dim) {
   return s;
 }
 
+// A cache row: head_dim elements of the activation dtype (no scale), or int8 codes followed by their float32
+// scale (kExtra = 4 bytes past head_dim).
+template <typename C>
+struct Rows {
+  static constexpr int64_t kExtra = 0;
+  static float scale(const C*, int64_t) { return 1.f; }
+};
+template <>
+struct Rows<int8_t> {
+  static constexpr int64_t kExtra = 4;
+  static float scale(const int8_t* row, int64_t head_dim) {
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof s);
+    return s;
+  }
+};
+
 struct Shape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t q_stride;  // elements between two requests' query rows
@@ -74,23 +96,32 @@ void init_item(const Shape& s, const T* q, int64_t i, int64_t h, float scale, fl
 }
 
 // One work item: query heads [h * group, (h + 1) * group) of request i over context tokens [t0, t1).
-// Writes the group's unnormalised accumulators, maxima and sums into acc / mx / sum.
-template <typename T>
-void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+// Writes the group's unnormalised accumulators, maxima and sums into acc / mx / sum. T: the query's dtype;
+// C: the cache's (T, or int8 rows with their scales).
+template <typename T, typename C>
+void attend(const Shape& s, const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
             int64_t i, int64_t h, int64_t t0, int64_t t1, float scale, float* acc, float* mx, float* sum,
             std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& row) {
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim, bs = s.block_size;
-  const int64_t token_stride = s.num_kv_heads * D;
+  const int64_t W = D + Rows<C>::kExtra;  // elements of one cache row
+  const int64_t token_stride = s.num_kv_heads * W;
   init_item(s, q, i, h, scale, qf.data(), acc, mx, sum);
   const int32_t* table = block_tables + i * s.max_blocks;
   for (int64_t start = t0; start < t1;) {
     const int64_t block = table[start / bs], first = start % bs;
     const int64_t n = std::min<int64_t>(bs - first, t1 - start);
-    const int64_t base = (block * bs + first) * token_stride + h * D;
-    const T* kb = k_cache + base;
-    const T* vb = v_cache + base;
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t g = 0; g < group; ++g) scores[g * bs + t] = dot(&qf[g * D], kb + t * token_stride, (int)D);
+    const int64_t base = (block * bs + first) * token_stride + h * W;
+    const C* kb = k_cache + base;
+    const C* vb = v_cache + base;
+    for (int64_t t = 0; t < n; ++t) {
+      const C* kr = kb + t * token_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        if constexpr (Rows<C>::kExtra != 0)
+          scores[g * bs + t] = dot(&qf[g * D], kr, (int)D) * Rows<C>::scale(kr, D);
+        else
+          scores[g * bs + t] = dot(&qf[g * D], kr, (int)D);
+      }
+    }
     for (int64_t g = 0; g < group; ++g) {
       float m = mx[g];
       for (int64_t t = 0; t < n; ++t) m = std::max(m, scores[g * bs + t]);
@@ -105,8 +136,13 @@ void attend(const Shape& s, const T* q, const T* k_cache, const T* v_cache, cons
       mx[g] = m;
     }
     for (int64_t t = 0; t < n; ++t) {
-      const T* vr = vb + t * token_stride;
-      for (int64_t d = 0; d < D; ++d) row[d] = load(vr + d);
+      const C* vr = vb + t * token_stride;
+      if constexpr (Rows<C>::kExtra != 0) {
+        const float sv = Rows<C>::scale(vr, D);
+        for (int64_t d = 0; d < D; ++d) row[d] = load(vr + d) * sv;
+      } else {
+        for (int64_t d = 0; d < D; ++d) row[d] = load(vr + d);
+      }
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * bs + t];
         float* a = acc + g * D;
@@ -306,16 +342,17 @@ FixedFn pick_fixed(int64_t head_dim, int64_t group) {
 }
 #endif
 
-template <typename T>
-void run(const Shape& s, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+template <typename T, typename C>
+void run(const Shape& s, const T* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
          const int32_t* seq_lens, float scale, T* out, int num_threads) {
+  constexpr bool kSame = std::is_same<T, C>::value;  // the AVX-512 variants read caches of q's dtype only
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
   // Per (request, KV head, split): group * D accumulators, then group maxima and group sums.
   const int64_t per_item = group * (D + 2);
   std::vector<float> partial(static_cast<size_t>(s.num_seqs * s.num_kv_heads * s.num_splits * per_item));
 #if defined(__AVX512F__)
-  const FixedFn fixed = pick_fixed<T>(D, group);
-  const bool wide = D % 16 == 0 && D <= 16 * kMaxChunks;
+  const FixedFn fixed = kSame ? pick_fixed<T>(D, group) : nullptr;
+  const bool wide = kSame && D % 16 == 0 && D <= 16 * kMaxChunks;
 #else
   const bool fixed = false;
 #endif
@@ -341,10 +378,12 @@ void run(const Shape& s, const T* q, const T* k_cache, const T* v_cache, const i
         fixed(s, q, k_cache, v_cache, block_tables, i, t0, t1, scale, outs.data());
         continue;
       }
-      if (wide) {
-        attend16(s, q, k_cache, v_cache, block_tables, i, h, t0, t1, scale, p, p + group * D,
-                 p + group * (D + 1), qf, scores);
-        continue;
+      if constexpr (kSame) {
+        if (wide) {
+          attend16(s, q, k_cache, v_cache, block_tables, i, h, t0, t1, scale, p, p + group * D,
+                   p + group * (D + 1), qf, scores);
+          continue;
+        }
       }
 #endif
       attend(s, q, k_cache, v_cache, block_tables, i, h, t0, t1, scale, p, p + group * D, p + group * (D + 1),
@@ -398,6 +437,28 @@ int goodserve_paged_decode_attention(int dtype, const void* q, const void* k_cac
     run(s, static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
         static_cast<const uint16_t*>(v_cache), block_tables, seq_lens, scale, static_cast<uint16_t*>(out),
         num_threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+// The same over an int8 cache: [num_blocks, block_size, num_kv_heads, head_dim + 4] int8, each row head_dim
+// codes then its float32 scale (goodserve/models/kv_quant.py); q and out in dtype. Same return codes.
+int goodserve_paged_decode_attention_q8(int dtype, const void* q, const int8_t* k_cache, const int8_t* v_cache,
+                                        const int32_t* block_tables, const int32_t* seq_lens, void* out,
+                                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                        int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                        int64_t q_stride, int64_t split_tokens, int64_t num_splits, float scale,
+                                        int num_threads) {
+  if (head_dim > 1024) return 2;
+  Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride, split_tokens, num_splits};
+  if (dtype == 0) {
+    run(s, static_cast<const float*>(q), k_cache, v_cache, block_tables, seq_lens, scale, static_cast<float*>(out),
+        num_threads);
+  } else if (dtype == 1) {
+    run(s, static_cast<const uint16_t*>(q), k_cache, v_cache, block_tables, seq_lens, scale,
+        static_cast<uint16_t*>(out), num_threads);
   } else {
     return 1;
   }

@@ -36,6 +36,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               block_tables.is_contiguous() && seq_lens.is_contiguous());
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
+  if (k_cache.scalar_type() == at::kChar) {  // int8 rows with a float32 scale each: [..., head_dim + 4]
+    TORCH_CHECK(v_cache.scalar_type() == at::kChar && k_cache.size(3) == q.size(2) + 4 &&
+                v_cache.sizes() == k_cache.sizes(), "an int8 KV cache is [num_blocks, block_size, num_kv_heads, "
+                "head_dim + 4], K and V alike");
+    check(goodserve_paged_decode_attention_q8(code(q), q.data_ptr(), ptr<int8_t>(k_cache), ptr<int8_t>(v_cache),
+                                              ptr<int32_t>(block_tables), ptr<int32_t>(seq_lens), out.data_ptr(),
+                                              q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+                                              block_tables.size(1), q.stride(0), split_tokens, num_splits,
+                                              static_cast<float>(scale), threads()),
+          "paged attention (int8 cache)");
+    return out;
+  }
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "the KV caches must be int8 or share q's dtype");
   check(goodserve_paged_decode_attention(code(q), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                          ptr<int32_t>(block_tables), ptr<int32_t>(seq_lens), out.data_ptr(),
                                          q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
@@ -50,6 +64,8 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, 
                                 int64_t split_tokens, int64_t num_splits, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous() &&
               seq_lens.is_contiguous() && runs.is_contiguous() && code(q) == 1);
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "the AMX attention kernel reads bfloat16 caches (an int8 KV cache is not implemented there)");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   check(goodserve_paged_attention_rows(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), ptr<int32_t>(block_tables),
                                        ptr<int32_t>(seq_lens), ptr<int32_t>(runs), out.data_ptr(), q.size(0),
