@@ -201,6 +201,7 @@ def test_engine_int8_cache_prefix_hit(tiny_llama, backend):
 
 
 @pytest.mark.parametrize("dtype, kv", [("float32", "int8"), ("float32", "auto"), ("float32", "float32"),
+                                       ("float32", "bfloat16"),
                                        ("bfloat16", "auto"), ("bfloat16", "bfloat16"), ("bfloat16", "int8")])
 def test_pool_bytes_per_token_follow_the_spec(tiny_llama, dtype, kv, caplog):
     """The runner allocates ``num_blocks * block_size * spec.bytes_per_token()`` bytes; the log line says so."""
@@ -269,10 +270,39 @@ def test_bad_kv_cache_dtype_refused_naming_the_choices(bad):
         EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", bad]))
 
 
-def test_float_kv_dtype_other_than_the_activations_refused():
+def test_float32_cache_under_bfloat16_refused():
     with pytest.raises(ValueError, match="not implemented"):
-        EngineArgs(dtype="float32", kv_cache_dtype="bfloat16")
+        EngineArgs(dtype="bfloat16", kv_cache_dtype="float32")
     EngineArgs(dtype="bfloat16", kv_cache_dtype="int8")  # int8 goes with either
+    EngineArgs(dtype="float32", kv_cache_dtype="bfloat16")  # half the bytes under float32 activations
+    with pytest.raises(ValueError, match="bfloat16"):
+        resolve_batch_invariant(True, "cpu", "float32", "auto", kv_cache_dtype="bfloat16")
+
+
+@needs_native
+def test_native_kernel_reads_a_bfloat16_cache_under_float32_queries():
+    """The kernel widens each bfloat16 element in registers: the torch reference on the widened cache."""
+    g = torch.Generator().manual_seed(0)
+    k_cache = (2 * torch.randn(8, BS, KV, D, generator=g)).bfloat16()
+    v_cache = torch.randn(8, BS, KV, D, generator=g).bfloat16()
+    q = torch.randn(2, H, D, generator=g)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    lens = torch.tensor([50, 64], dtype=torch.int32)
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 64)
+    want = native.paged_decode_attention(q, k_cache.float(), v_cache.float(), tables, lens, 64)
+    assert got.dtype == torch.float32 and (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_bfloat16_cache_under_float32(tiny_llama, backend):
+    """``--dtype float32 --kv-cache-dtype bfloat16``: half the bytes, the one-call decode step off, and the
+    fp32-cache run's greedy tokens (measured on these seeds: every one, plain and preempted)."""
+    for budget, num_blocks in (RUNS["plain"], RUNS["preempted"]):
+        kw = dict(max_num_batched_tokens=budget, num_blocks=num_blocks)
+        ref = _generate(_engine(tiny_llama, "float32", backend, **kw), PROMPTS, NEW)
+        eng = _engine(tiny_llama, "bfloat16", backend, **kw)
+        assert eng.core.runner.kv_caches[0][0].dtype == torch.bfloat16 and not eng.core.runner.fused_decode_step
+        assert _agreement(_generate(eng, PROMPTS, NEW), ref) == 1.0
 
 
 def test_batch_invariant_with_int8_cache_refused():

@@ -37,7 +37,8 @@ class EngineArgs:
             everything else in ``dtype``), ``"none"`` (dequantize to ``dtype``), ``"int4"``
             / ``"int8"`` (every linear layer on that kernel, re-quantizing what the file holds otherwise).
         kv_cache_dtype: The cached K/V's dtype (:func:`resolve_kv_cache_dtype`): ``"auto"`` (default: ``dtype``),
-            ``"bfloat16"``, ``"float32"`` or ``"int8"`` (absmax per token and KV head, a float32 scale per row).
+            ``"bfloat16"`` (also under ``float32`` activations), ``"float32"`` or ``"int8"`` (absmax per token and
+            KV head, a float32 scale per row).
         device: ``"cpu"`` or ``"cuda"``; ``None`` picks CUDA when available.
         attention_backend: ``"auto"`` (default: decodes attended in place over the block table by the
             native CPU kernel where it builds, else PyTorch), ``"torch"`` or ``"native"``
@@ -84,8 +85,8 @@ class EngineArgs:
             tokens; overrides the JSON's ``length``.
 
     Raises:
-        ValueError: on an unknown dtype (``kv_cache_dtype`` included: fp8 is refused by name, and a float
-            ``kv_cache_dtype`` other than ``dtype``), device, policy or mode, a size below 1, a negative
+        ValueError: on an unknown dtype (``kv_cache_dtype`` included: fp8 is refused by name, and a float32
+            cache under bfloat16), device, policy or mode, a size below 1, a negative
             interval, an SLO that is not a positive number, or ``shed_load`` without the ``slo`` policy.
     """
 
@@ -277,16 +278,18 @@ def check_kv_cache_dtype(asked: str) -> None:
 def resolve_kv_cache_dtype(asked: str, dtype: str) -> str:
     """``--kv-cache-dtype`` resolved against the resolved activation ``dtype``: ``auto`` is ``dtype``.
 
-    A float cache holds the activations' own dtype (the attention kernels read K/V in q's dtype), so
-    ``bfloat16`` / ``float32`` must equal ``dtype``; ``int8`` goes with either.
+    ``int8`` goes with either activation dtype. A float cache holds the activations' dtype, or ``bfloat16``
+    under ``float32`` activations (half the bytes on a CPU without a fast bfloat16 path: each cached element
+    is rounded once when written and widened when read); a ``float32`` cache under ``bfloat16`` activations
+    would only cost memory and is refused.
 
     Raises:
-        ValueError: for a value :func:`check_kv_cache_dtype` refuses, or a float KV dtype other than ``dtype``.
+        ValueError: for a value :func:`check_kv_cache_dtype` refuses, or a ``float32`` cache under ``bfloat16``.
     """
     check_kv_cache_dtype(asked)
-    if asked not in ("auto", "int8") and dtype != "auto" and asked != dtype:
-        raise ValueError(f"--kv-cache-dtype {asked} with --dtype {dtype} is not implemented: a float KV cache "
-                         f"holds the activations' dtype; use --kv-cache-dtype auto or int8")
+    if asked == "float32" and dtype == "bfloat16":
+        raise ValueError("--kv-cache-dtype float32 with --dtype bfloat16 is not implemented: it would hold "
+                         "bfloat16 activations in twice the bytes; use --kv-cache-dtype auto or int8")
     return dtype if asked == "auto" else asked
 
 
@@ -312,15 +315,17 @@ def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quan
     Raises:
         ValueError: when asked for on a device other than the CPU (its kernels, and the invariance of the
             GEMM library the torch path relies on, are checked on the CPU only), or with ``--quantization int4``
-            / ``int8`` (every layer runs on the invariant kernel), or with an int8 KV cache (the
-            batch-invariant attention kernels read float caches only).
+            / ``int8`` (every layer runs on the invariant kernel), or with a KV cache dtype other than
+            ``dtype`` (the batch-invariant attention kernels read caches of the activations' dtype).
     """
-    int8_kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype) == "int8"
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    other_kv = kv_dtype == "int8" or (dtype != "auto" and kv_dtype != dtype)
     if asked is None:
-        return serving and not int8_kv and batch_invariant_is_cheap(device, dtype, quantization)
-    if asked and int8_kv:
-        raise ValueError("--batch-invariant is not implemented with --kv-cache-dtype int8 (its attention kernels "
-                         "read bfloat16 or float32 caches); use --kv-cache-dtype auto, or --no-batch-invariant")
+        return serving and not other_kv and batch_invariant_is_cheap(device, dtype, quantization)
+    if asked and other_kv:
+        raise ValueError(f"--batch-invariant is not implemented with --kv-cache-dtype {kv_dtype} under --dtype "
+                         f"{dtype} (its attention kernels read caches of the activations' dtype); use "
+                         "--kv-cache-dtype auto, or --no-batch-invariant")
     if asked and device.split(":")[0] != "cpu":
         raise ValueError(f"--batch-invariant runs on the CPU only, not on {device}")
     if asked and quantization in ("int4", "int8"):

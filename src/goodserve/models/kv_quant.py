@@ -76,7 +76,8 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-    """Write new K (or V) rows into their cache slots, quantising them for an int8 cache.
+    """Write new K (or V) rows into their cache slots, quantising them for an int8 cache (rounding them to a
+    bfloat16 cache under float32 activations).
 
     Args:
         cache: ``[num_blocks, block_size, num_kv_heads, width]``, written in place (``width`` is ``head_dim``,
@@ -85,5 +86,5 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -
         x: ``[num_tokens, num_kv_heads, head_dim]``.
     """
     num_kv_heads, width = cache.shape[2], cache.shape[3]
-    rows = quantize(x) if is_quantized(cache) else x
+    rows = quantize(x) if is_quantized(cache) else x.to(cache.dtype)
     cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, rows)

@@ -82,7 +82,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, same dtype as ``q``; or an
             int8 cache ``[num_blocks, block_size, num_kv_heads, head_dim + 4]``, each row its codes then its
             float32 scale (:mod:`goodserve.models.kv_quant`), read in place: ``q·k = scale_k · Σ q_d k_d`` and
-            V accumulated as ``scale_v · v`` (on the kernel's portable path, not its AVX-512 variants).
+            V accumulated as ``scale_v · v`` (on the kernel's portable path, not its AVX-512 variants); or a
+            bfloat16 cache under a float32 ``q`` (widened element by element, on the portable path too).
         v_cache: same shape and dtype as ``k_cache``.
         block_tables: ``[n, max_blocks]`` int32; row ``i`` covers request ``i``'s ``seq_lens[i]`` tokens.
         seq_lens: ``[n]`` int32 context length of each request, its new token included (≥ 1).
@@ -102,10 +103,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ops = _ops(q)
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    cache_dtype = torch.int8 if k_cache.dtype == torch.int8 else q.dtype
+    mixed = q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+    cache_dtype = torch.int8 if k_cache.dtype == torch.int8 else torch.bfloat16 if mixed else q.dtype
     if q.dtype not in _DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
         raise ValueError(f"q and the caches must share a dtype among {list(_DTYPES)}, or the caches both be "
-                         "int8 (rows with their scales)")
+                         "int8 (rows with their scales), or bfloat16 under a float32 q")
     if cache_dtype == torch.int8:
         cache_head_dim -= INT8_SCALE_BYTES
     if cache_head_dim != head_dim or num_heads % num_kv_heads or v_cache.shape != k_cache.shape:

@@ -130,8 +130,9 @@ class ModelRunner:
             # Zeroed so masked-out slots can never hold NaN bit patterns (an int8 row's zero scale reads as 0).
             self.kv_caches = [(zeroed(shape, kv_dtype, self.device), zeroed(shape, kv_dtype, self.device))
                               for _ in range(m.num_hidden_layers)]
-        # The one-call decode step (native.decode_layers) reads float caches only: int8 runs layer by layer.
-        self.fused_decode_step = config.fused_decode_step and config.kv_dtype != "int8"
+        # The one-call decode step (native.decode_layers) reads caches of the activations' dtype only: an int8
+        # (or bfloat16-under-float32) cache runs layer by layer.
+        self.fused_decode_step = config.fused_decode_step and config.kv_dtype == config.dtype
         self.sampler = Sampler(seed=config.seed)
         self.proposer = make_proposer(config, draft)
         self.requests: dict[str, CachedRequestState] = {}

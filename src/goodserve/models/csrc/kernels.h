@@ -20,6 +20,12 @@ int goodserve_paged_decode_attention_q8(int dtype, const void* q, const int8_t* 
                                         int64_t head_dim, int64_t block_size, int64_t max_blocks,
                                         int64_t q_stride, int64_t split_tokens, int64_t num_splits, float scale,
                                         int num_threads);
+int goodserve_paged_decode_attention_bf16_cache(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                                const int32_t* block_tables, const int32_t* seq_lens, float* out,
+                                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                                int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                                int64_t q_stride, int64_t split_tokens, int64_t num_splits,
+                                                float scale, int num_threads);
 int goodserve_paged_attention_rows_supported();
 int goodserve_paged_attention_rows(const void* q, const void* k_cache, const void* v_cache,
                                    const int32_t* block_tables, const int32_t* seq_lens, const int32_t* runs,

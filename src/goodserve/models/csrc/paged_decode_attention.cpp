@@ -443,6 +443,20 @@ int goodserve_paged_decode_attention(int dtype, const void* q, const void* k_cac
   return 0;
 }
 
+// A float32 query over a bfloat16 cache (``--dtype float32 --kv-cache-dtype bfloat16``): the portable path,
+// each cache element widened in registers. Same arguments and return codes, without the dtype code.
+int goodserve_paged_decode_attention_bf16_cache(const float* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                                const int32_t* block_tables, const int32_t* seq_lens, float* out,
+                                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                                int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                                int64_t q_stride, int64_t split_tokens, int64_t num_splits,
+                                                float scale, int num_threads) {
+  if (head_dim > 1024) return 2;
+  Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_stride, split_tokens, num_splits};
+  run(s, q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_threads);
+  return 0;
+}
+
 // The same over an int8 cache: [num_blocks, block_size, num_kv_heads, head_dim + 4] int8, each row head_dim
 // codes then its float32 scale (goodserve/models/kv_quant.py); q and out in dtype. Same return codes.
 int goodserve_paged_decode_attention_q8(int dtype, const void* q, const int8_t* k_cache, const int8_t* v_cache,

@@ -48,8 +48,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
           "paged attention (int8 cache)");
     return out;
   }
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {  // a bfloat16 cache, float32 q
+    TORCH_CHECK(v_cache.scalar_type() == at::kBFloat16 && k_cache.size(3) == q.size(2) &&
+                v_cache.sizes() == k_cache.sizes(), "a bfloat16 KV cache under a float32 query: K and V alike");
+    check(goodserve_paged_decode_attention_bf16_cache(ptr<float>(q), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache),
+                                                      ptr<int32_t>(block_tables), ptr<int32_t>(seq_lens),
+                                                      ptr<float>(out), q.size(0), q.size(1), k_cache.size(2),
+                                                      q.size(2), k_cache.size(1), block_tables.size(1), q.stride(0),
+                                                      split_tokens, num_splits, static_cast<float>(scale), threads()),
+          "paged attention (bfloat16 cache)");
+    return out;
+  }
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "the KV caches must be int8 or share q's dtype");
+              "the KV caches must be int8, share q's dtype, or be bfloat16 under a float32 q");
   check(goodserve_paged_decode_attention(code(q), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                          ptr<int32_t>(block_tables), ptr<int32_t>(seq_lens), out.data_ptr(),
                                          q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
