@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from goodserve.kv_cache.spec import KVCacheSpec, dense_spec
+from goodserve.config_layers import hf_layer_types, hf_rope_per_layer_type
+from goodserve.kv_cache.spec import KVCacheGroup, KVCacheSpec, dense_spec
 from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KVTransferConfig
 from goodserve.kv_transfer.params import KVTransferParams
@@ -36,6 +37,7 @@ HF_CLASS_TO_MODEL_TYPE = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 #: transformers' defaults, for keys a ``config.json`` leaves out, where a model type's config class differs from
 #: ``LlamaConfig`` (the defaults :meth:`ModelConfig.from_hf_config` otherwise takes).
@@ -46,6 +48,9 @@ HF_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
                 "rms_norm_eps": 1e-5, "num_local_experts": 8, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
+    "gemma3_text": {"head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "bos_token_id": 2, "eos_token_id": 1},
 }
 #: Keys of a HF ``config.json`` that :meth:`ModelConfig.from_hf_config` cannot do without.
 HF_REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -66,7 +71,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM2; the
-    Mixtral and Qwen3-MoE mixtures of experts).
+    Mixtral and Qwen3-MoE mixtures of experts) or of Gemma 3 (text).
 
     Attributes:
         architecture: Family name, e.g. ``"llama"`` or ``"qwen2"``.
@@ -84,9 +89,16 @@ class ModelConfig:
         attention_bias: Whether q/k/v projections carry a bias (Qwen2).
         tie_word_embeddings: Whether the LM head shares the embedding matrix.
         sliding_window: Attention window ``W`` in tokens that at least one layer of the checkpoint applies (a
-            token attends to itself and the ``W - 1`` before it, as HF masks ``kv_idx > q_idx - W``), or
-            ``None`` for full attention everywhere. The engine runs full attention, which is exact up to ``W``
-            tokens; :mod:`goodserve.models.config_support` caps ``max_model_len`` to it.
+            token attends to itself and the ``W - 1`` before it, as HF masks ``kv_idx > q_idx - W``; Mistral 7B
+            paper §2), or ``None`` for full attention everywhere. Which layers apply it: ``layer_types``.
+        layer_types: ``"full_attention"`` / ``"sliding_attention"`` per layer, as HF's ``layer_types`` (parsed from
+            a HF config whenever ``sliding_window`` is set); empty: every layer applies ``sliding_window`` (a GGUF's
+            ``attention.sliding_window``, whose placement :mod:`goodserve.models.config_support` does not trust
+            past the window, so it caps ``max_model_len`` there).
+        rope_local_theta: RoPE base of the sliding layers when it differs from ``rope_theta`` (Gemma 3's
+            ``rope_local_base_freq``; those layers take no rope scaling), else ``None``.
+        query_pre_attn_scalar: Attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of
+            ``head_dim ** -0.5`` (Gemma 3), or ``None``.
         bos_token_id: Beginning-of-sequence token id, if any.
         eos_token_ids: Token ids that end generation (EOS and e.g. ``<|eot_id|>``).
         qk_norm: Whether each head of q and of k is RMS-normalised over ``head_dim`` before RoPE, with a
@@ -123,6 +135,15 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_mlp_layers: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The window (tokens) layer ``layer`` attends within, or ``None`` for full causal attention."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else the dense SwiGLU)."""
@@ -132,9 +153,18 @@ class ModelConfig:
         """The model's KV-cache groups with every element in ``kv_dtype`` (a key of
         :data:`~goodserve.kv_cache.spec.KV_DTYPE_BYTES`): what a token costs, :mod:`goodserve.kv_cache.spec`.
 
+        Groups are those the engine runs: one ``sliding`` group when every layer attends within the same window
+        (its blocks before the window are freed as a request advances, :mod:`goodserve.kv_cache.sliding`); else
+        one ``full`` group of every layer, also for a model mixing local and global layers (Gemma 3): their
+        local layers mask to the window but keep every block, saving no memory.
+
         Raises:
             ValueError: an unknown ``kv_dtype``.
         """
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        if len(windows) == 1 and None not in windows:
+            return KVCacheSpec(kv_dtype, (KVCacheGroup("sliding", self.num_hidden_layers, self.num_key_value_heads,
+                                                       self.head_dim, self.sliding_window),))
         return dense_spec(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, kv_dtype)
 
     @classmethod
@@ -150,7 +180,8 @@ class ModelConfig:
         on for a Qwen2-family ``model_type`` (their q/k/v projections always carry a bias), always off for
         ``mistral`` (transformers' Mistral has no biases and ignores the key), else the config's
         ``attention_bias`` (default off). ``qk_norm`` is on for a Qwen3-family ``model_type``.
-        ``sliding_window`` is the window transformers applies (:func:`hf_sliding_window`).
+        ``sliding_window`` is the window transformers applies and ``layer_types`` the layers it applies to
+        (:func:`goodserve.config_layers.hf_layer_types`); Gemma 3's per-layer-type RoPE gives ``rope_local_theta``.
 
         Args:
             cfg: The ``config.json`` contents.
@@ -168,6 +199,10 @@ class ModelConfig:
             raise ValueError(f"config.json lacks {missing[0]!r}")
         model_type = hf_model_type(cfg) or ""
         cfg = {**HF_TYPE_DEFAULTS.get(model_type, {}), **cfg}
+        local_theta = None
+        if model_type == "gemma3_text":
+            cfg, local_theta = hf_rope_per_layer_type(cfg)
+        layer_types = hf_layer_types(cfg, model_type)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         theta, scaling = _hf_rope(cfg)
@@ -199,7 +234,10 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=unique_ids(eos),
-            sliding_window=hf_sliding_window(cfg),
+            sliding_window=int(cfg["sliding_window"]) if layer_types else None,
+            layer_types=layer_types,
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if model_type == "gemma3_text" else None,
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
@@ -219,37 +257,15 @@ def hf_model_type(cfg: dict[str, Any]) -> Optional[str]:
 
 
 def hf_sliding_window(cfg: dict[str, Any]) -> Optional[int]:
-    """The attention window transformers applies to a HF config, in tokens, or ``None`` (full attention).
-
-    As transformers 5 reads it: ``llama`` never applies ``sliding_window``; ``mistral``, ``phi3`` and ``mixtral``
-    apply it to every layer, ``qwen3_moe`` to every layer with ``use_sliding_window`` true; ``qwen2`` and
-    ``qwen3`` apply it only with ``use_sliding_window`` true, on the layers ``layer_types`` marks
-    ``"sliding_attention"`` (by default those at index ``>= max_window_layers``,
-    default 28). Other model types (read only by the simulator) take ``sliding_window`` as given.
+    """The attention window transformers applies to a HF config, in tokens, or ``None`` (full attention): ``W``
+    when at least one layer attends within ``W`` tokens (which ones: :func:`goodserve.config_layers.hf_layer_types`).
 
     Args:
         cfg: The ``config.json`` contents.
-
-    Returns:
-        ``W`` when at least one layer attends within a window of ``W`` tokens, else ``None``.
     """
     model_type = hf_model_type(cfg) or ""
-    window = cfg.get("sliding_window")
-    if not window or model_type == "llama":
-        return None
-    if model_type == "qwen3_moe":  # every layer, with use_sliding_window
-        return int(window) if cfg.get("use_sliding_window", False) else None
-    if model_type.startswith(("qwen2", "qwen3")):
-        if not cfg.get("use_sliding_window", False):
-            return None
-        layer_types = cfg.get("layer_types")
-        if layer_types is None:
-            first = int(cfg.get("max_window_layers", 28))
-            layer_types = ["sliding_attention" if i >= first else "full_attention"
-                           for i in range(int(cfg.get("num_hidden_layers", 0)))]
-        if "sliding_attention" not in layer_types:
-            return None
-    return int(window)
+    cfg = {**HF_TYPE_DEFAULTS.get(model_type, {}), **cfg}
+    return int(cfg["sliding_window"]) if hf_layer_types(cfg, model_type) else None
 
 
 def token_id_list(value: Any) -> list[int]:
@@ -310,6 +326,8 @@ class CacheConfig:
         enable_prefix_caching: Register full blocks by content hash and reuse them across requests.
         enable_kv_events: Record the prefix cache's changes as KV events (:mod:`goodserve.kv_events`; set by
             ``--kv-events-config``, and by the simulator for ``kv-aware`` routing).
+        sliding_window: The window of the model's one ``sliding`` KV-cache group (every layer attends within it,
+            :meth:`ModelConfig.kv_cache_spec`): blocks before it are freed as requests advance; ``None``: none.
     """
 
     num_blocks: int = field(metadata=_flag("--num-blocks", "KV pool size in blocks (default: sized from the memory "
@@ -318,6 +336,7 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "--no-prefix-caching", "do not reuse the KV blocks of shared prompt prefixes"))
     enable_kv_events: bool = False
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

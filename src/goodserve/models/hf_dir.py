@@ -25,7 +25,7 @@ from goodserve.models.moe import hf_layer_names, stack_experts
 
 
 #: HF ``model_type`` values we can run (Llama-family decoders with SwiGLU MLPs or mixtures of them, and RMSNorm).
-SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")
+SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3_text")
 
 
 def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> ModelConfig:
@@ -46,6 +46,9 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
             value), or a missing required key.
     """
     model_type = hf_model_type(cfg)
+    if model_type == "gemma3":
+        raise ValueError("unsupported architecture 'gemma3' (Gemma3ForConditionalGeneration, text and vision): "
+                         "only the text-only Gemma3ForCausalLM ('gemma3_text') is supported")
     if model_type not in SUPPORTED_HF_ARCHITECTURES:
         named = model_type or cfg.get("architectures")
         raise ValueError(
@@ -64,6 +67,11 @@ def expected_weight_names(config: ModelConfig) -> set[str]:
     untied): Phi-3's fused projections in place of the parts they hold, Qwen3's q/k norms, a mixture-of-experts
     layer's router and per-expert projections in place of the dense MLP's."""
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    if config.architecture == "gemma3_text":
+        from goodserve.models.gemma3 import GEMMA3_LAYER_WEIGHTS
+
+        return names | {f"model.layers.{i}.{part}.weight" for i in range(config.num_hidden_layers)
+                        for part in GEMMA3_LAYER_WEIGHTS}
     parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
     parts = [f"{part}.weight" for part in parts]

@@ -20,8 +20,9 @@ from typing import Any, Optional
 import torch
 
 from goodserve.config import EngineConfig
-from goodserve.models.llama import LlamaForCausalLM
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, make_attention_backend
+from goodserve.models.registry import model_class
+from goodserve.models.window_attention import build_windowed
 from goodserve.runner.sampler import Sampler, SamplerOutput
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
 from goodserve.runner.speculative import expand_rows, make_proposer, verify
@@ -105,7 +106,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         m = config.model
         with torch.device("meta"):  # nothing is allocated until the weights are taken
-            self.model = LlamaForCausalLM(m)
+            self.model = model_class(m)(m)
         self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype,
                                 config.quantization, batch_invariant=config.batch_invariant)
         self.model.eval()
@@ -115,6 +116,8 @@ class ModelRunner:
         # Zeroed so masked-out slots can never hold NaN bit patterns.
         self.kv_caches = [(zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
                           for _ in range(m.num_hidden_layers)]
+        #: The windows of the model's sliding layers (each gets its metadata per step).
+        self.windows = sorted({w for w in map(m.layer_window, range(m.num_hidden_layers)) if w is not None})
         self.sampler = Sampler(seed=config.seed)
         self.proposer = make_proposer(config, draft)
         self.requests: dict[str, CachedRequestState] = {}
@@ -269,16 +272,21 @@ class ModelRunner:
             slot_parts.append(self._slots(state.block_ids, start, end))
             chunks.append((s.num_computed_tokens, s.num_new_tokens, state.block_ids))
         dev = self.device
+        decode_tables = [st.block_ids[: p // self.block_size + 1] for st, p in zip(states, positions)]
+        slot_mapping = torch.cat(slot_parts).to(dev)
         meta = AttentionMetadata.build(
             self.block_size,
-            decode_block_tables=[st.block_ids[: p // self.block_size + 1] for st, p in zip(states, positions)],
+            decode_block_tables=decode_tables,
             decode_seq_lens=[p + 1 for p in positions],
             prefill_chunks=chunks,
-            slot_mapping=torch.cat(slot_parts).to(dev),
+            slot_mapping=slot_mapping,
             device=dev,
             decode_groups=getattr(self.attn, "uses_decode_groups", True),
             per_row=getattr(self.attn, "uses_row_tables", False),
         )
+        for window in self.windows:  # the sliding layers' own view of the step
+            meta.windowed[window] = build_windowed(self.block_size, window, decode_tables, [p + 1 for p in positions],
+                                                   chunks, slot_mapping, dev)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos_parts).to(dev), meta, decodes + prefills
 
