@@ -252,3 +252,29 @@ def test_windowed_metadata_never_reads_before_the_window():
     assert chunk.block_table.tolist() == [5, 7, 9]
     assert chunk.mask.tolist()[0] == [False] * 2 + [True] * 8 + [False] * 2  # q 13 sees 6..13 of 4..15
     assert chunk.mask.tolist()[2] == [False] * 4 + [True] * 8  # q 15 sees 8..15
+
+
+def test_ngram_speculation_and_baseline_modes(mistral):
+    """Draft verification (rejected drafts' slots trimmed from a table whose head was freed) under preemption,
+    and the prefill-first and reserve modes, give HF's tokens on the windowed Mistral."""
+    model_dir, refs = mistral
+    for kwargs in (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}', num_blocks=8,
+                        max_num_batched_tokens=16),
+                   dict(scheduler="prefill-first", num_blocks=40, max_num_batched_tokens=128),
+                   dict(scheduler="reserve", num_blocks=64)):
+        llm = LLM(model_dir, dtype="float32", block_size=BS, log_stats_interval=0, **kwargs)
+        assert [o.token_ids for o in llm.generate(EQUALITY_PROMPTS, GREEDY, use_tqdm=False)] == refs, kwargs
+        kv = llm.engine.core.scheduler.kv_cache_manager
+        kv.check_integrity()
+        assert kv.usage == 0
+
+
+def test_disaggregation_of_a_sliding_group_refused():
+    from goodserve.engine.engine import sliding_group_window
+
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    mistral = ModelConfig.from_hf_config({**base, "model_type": "mistral", "sliding_window": W})
+    assert sliding_group_window(mistral, "float32") == W
+    assert sliding_group_window(ModelConfig.from_hf_config({**base, "model_type": "mistral"}), "float32") is None
+    with pytest.raises(ValueError, match="disaggregated serving .* sliding window .* is not implemented"):
+        sliding_group_window(mistral, "float32", kv_transfer=object())
