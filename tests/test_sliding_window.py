@@ -278,3 +278,37 @@ def test_disaggregation_of_a_sliding_group_refused():
     assert sliding_group_window(ModelConfig.from_hf_config({**base, "model_type": "mistral"}), "float32") is None
     with pytest.raises(ValueError, match="disaggregated serving .* sliding window .* is not implemented"):
         sliding_group_window(mistral, "float32", kv_transfer=object())
+
+
+def test_prefix_hit_needs_only_the_window_cached():
+    """vLLM's sliding-window hit rule: with the head blocks of a cached prompt evicted (their hashes gone), a
+    request with the same prompt still hits as far as the blocks its window reads are cached; without a window
+    the same eviction leaves no hit."""
+    for window, expected in ((W, 20), (None, 0)):
+        s = _scheduler(window=window)
+        a, b = create_requests(2, prompt_len=24, max_tokens=1, same_prompt=True)
+        s.add_request(a)
+        run_to_completion(s)
+        kv = s.kv_cache_manager
+        hashes = kv._block_hashes(b)
+        for h in hashes[:2]:  # evict blocks 0 and 1 from the prefix cache
+            kv.block_pool.uncache_block(kv.block_pool.get_cached_block(h))
+        ids, num_hit = kv.get_computed_blocks(b)
+        assert num_hit == expected, window
+        if window:  # position 20 reads 13..20: blocks 3 and 4 (cached); 0..2 are not needed
+            assert ids[:3] == [NULL_BLOCK_ID] * 3 and NULL_BLOCK_ID not in ids[3:] and len(ids) == 5
+        s.add_request(b)
+        run_to_completion(s)
+        assert b.num_cached_tokens == expected
+        assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_longest_hit():
+    sw = SlidingWindow(W, BS)  # a hit of k blocks needs blocks (4k - 7) // 4 .. k - 1
+    assert sw.longest_hit([]) == 0
+    assert sw.longest_hit([True] * 5) == 5
+    assert sw.longest_hit([False, False, True, True, True]) == 5  # k=5 needs blocks 3, 4
+    assert sw.longest_hit([False, False, False, True, True]) == 5
+    assert sw.longest_hit([True, True, False, False, True]) == 2  # k=5 needs block 3
+    assert sw.longest_hit([False, True, True, False]) == 3  # k=3 needs blocks 1, 2
+    assert sw.longest_hit([False, True]) == 0  # k=2 needs blocks 0, 1

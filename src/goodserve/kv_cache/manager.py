@@ -123,6 +123,9 @@ class KVCacheManager:
         Args:
             request: A request with no blocks yet (waiting or preempted).
 
+        With a sliding window only the blocks inside the window of the first computed token must be cached
+        (:meth:`SlidingWindow.longest_hit`); those before it come back as ``NULL_BLOCK_ID``.
+
         Returns:
             ``(block_ids, num_cached_tokens)`` with ``num_cached_tokens == len(block_ids) * block_size``;
             ``([], 0)`` when prefix caching is off or the request asks for prompt logprobs.
@@ -130,6 +133,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt position computed
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding is not None:
+            blocks = [self.block_pool.get_cached_block(h) for h in self._block_hashes(request)[:max_hit_blocks]]
+            k = self.sliding.longest_hit([b is not None for b in blocks])
+            first = self.sliding.first_needed_block(k * self.block_size)
+            return [NULL_BLOCK_ID] * first + [b.block_id for b in blocks[first:k]], k * self.block_size
         hit: list[int] = []
         for block_hash in self._block_hashes(request)[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -166,8 +174,10 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         rid = request.request_id
-        hits = [self.block_pool.blocks[i] for i in (new_computed_blocks or ())]
+        hits = [None if i == NULL_BLOCK_ID else self.block_pool.blocks[i] for i in (new_computed_blocks or ())]
         table = self._req_blocks.get(rid, [])
+        if None in hits and self.sliding is None:
+            raise RuntimeError(f"request {rid}: NULL_BLOCK_ID among prefix hits without a sliding window")
         if hits and table:
             raise RuntimeError(f"request {rid} already holds {len(table)} blocks; prefix hits are only "
                                "valid for a request without blocks")

@@ -9,10 +9,10 @@ runner sees :data:`NULL_BLOCK_ID` there, and its windowed attention starts at th
 never reads such an entry.
 
 A freed block keeps its prefix-cache hash (it joins the free queue like any block a finished request frees),
-so a later request may still hit it while it is not evicted. Prefix hits follow the full-attention rule (every
-block of the matched prefix must be cached); the blocks of a hit that lie before the window of the request's
-first computed token are not referenced at all. This is stricter than vLLM's sliding-window rule (which needs
-only the blocks inside the window at the hit point), never wrong.
+so a later request may still hit it while it is not evicted. A prefix hit of ``k`` blocks needs only the blocks
+the window of its first computed token (position ``k * block_size``) reads to be cached (vLLM's sliding-window
+rule, :meth:`SlidingWindow.longest_hit`): the chained block hashes already say that the tokens before them
+match, and the K/V of the blocks before the window is never read again. Those blocks are not referenced.
 
 No torch here.
 """
@@ -69,6 +69,26 @@ class SlidingWindow:
         ``max_chunk`` of its tokens: a step from position ``c`` holds blocks covering ``[c - W + 1, c + n)``."""
         whole = -(-num_tokens // self.block_size)
         return min(whole, -(-(self.window - 1 + min(max_chunk, num_tokens)) // self.block_size) + 1)
+
+    def longest_hit(self, cached: list[bool]) -> int:
+        """The most leading blocks a request can take as a prefix hit.
+
+        Args:
+            cached: Per full block of the request's tokens that may be hit (in order), whether its chained hash
+                is in the prefix cache.
+
+        Returns:
+            The largest ``k`` (0 when none) such that blocks ``first_needed_block(k * block_size) .. k - 1`` are
+            all cached.
+        """
+        best, run_start = 0, 0  # run_start: first block of the current run of cached blocks
+        for i, hit in enumerate(cached):
+            if not hit:
+                run_start = i + 1
+                continue
+            if run_start <= self.first_needed_block((i + 1) * self.block_size):
+                best = i + 1
+        return best
 
     def keep_hits(self, hits: list[KVBlock], num_hit_tokens: int) -> list[Optional[KVBlock]]:
         """The prefix hits a request whose first computed token is at ``num_hit_tokens`` references: ``None`` for
