@@ -120,11 +120,11 @@ class KVCacheManager:
         is an exact multiple of ``block_size`` can hit at most all blocks but the last. No reference is
         taken: pass the ids to :meth:`allocate_slots` in the same scheduling pass.
 
-        Args:
-            request: A request with no blocks yet (waiting or preempted).
-
         With a sliding window only the blocks inside the window of the first computed token must be cached
         (:meth:`SlidingWindow.longest_hit`); those before it come back as ``NULL_BLOCK_ID``.
+
+        Args:
+            request: A request with no blocks yet (waiting or preempted).
 
         Returns:
             ``(block_ids, num_cached_tokens)`` with ``num_cached_tokens == len(block_ids) * block_size``;
