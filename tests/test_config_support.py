@@ -1,6 +1,6 @@
 """Issue 34: no silent wrong output from a config the engine does not implement.
 
-Every config field the loaders meet is implemented (checked against transformers here), capped (a sliding
+Every config field the loaders meet is implemented (checked against transformers here), capped (a GGUF's sliding
 window: ``max_model_len`` capped to it, where full attention is exact), refused with a ValueError naming the
 field before any weight is read, or ignored for a stated reason (``goodserve.models.config_support``).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from goodserve.config import ModelConfig, hf_sliding_window
+from goodserve.model_config import ModelConfig, hf_sliding_window
 from goodserve.models import config_support
 from goodserve.models.config_support import (GGUF_RULES, HANDLINGS, HF_RULES, check_gguf_metadata, check_gguf_tensors,
                                              resolve_max_model_len)
@@ -125,23 +125,24 @@ def _prompts(lengths):
 
 
 @pytest.mark.parametrize("arch", ["mistral", "phi3"])
-def test_windowed_model_capped_and_equals_hf(tmp_path, caplog, arch):
-    """Issue 34: a Mistral or Phi-3 (every layer windowed) whose sliding_window (24) is shorter than its 1024
-    positions loads with max_model_len capped to 24 (logged), and greedy output filling the window equals
-    transformers' windowed model token for token (fp32); an explicit longer --max-model-len is refused."""
+def test_windowed_model_not_capped_and_equals_hf(tmp_path, caplog, arch):
+    """Issue 31 (was capped, issue 34): a Mistral or Phi-3 (every layer windowed) whose sliding_window (24) is
+    shorter than its 1024 positions is served past the window (windowed attention is implemented; nothing
+    about the window logged), and greedy output past the window equals transformers' windowed model token for
+    token (fp32); an explicit --max-model-len past the window is accepted."""
     window = 24
     model_dir = make_tiny_hf_model(tmp_path, arch, overrides={"sliding_window": window})
     prompts = _prompts((5, 12, 20, 23))
-    news = [window - len(p) for p in prompts]
+    news = [window + 6 - len(p) for p in prompts]
     hf, refs = _hf_greedy(model_dir, prompts, news)
     assert hf.config.sliding_window == window
     with caplog.at_level(logging.WARNING, logger="goodserve.models.config_support"):
         llm, outs = _engine_greedy(model_dir, prompts, news)
-    assert llm.engine.max_model_len == window
-    assert any("capping max_model_len to 24" in m for m in caplog.messages)
+    assert llm.engine.max_model_len > window
+    assert not any("sliding_window" in m for m in caplog.messages)
     assert outs == refs
-    with pytest.raises(ValueError, match="sliding_window=24"):
-        _engine_greedy(model_dir, prompts[:1], [1], max_model_len=window + 1)
+    llm, _ = _engine_greedy(model_dir, prompts[:1], [1], max_model_len=window + 1)
+    assert llm.engine.max_model_len == window + 1
 
 
 def test_qwen2_use_sliding_window_false_keeps_full_context(tmp_path):
@@ -219,6 +220,14 @@ HF_REFUSED = {
     ("mlp_bias", "deepseek_v2"): True,
     ("topk_method", "deepseek_v2"): "noaux_tc",
     ("norm_topk_prob", "deepseek_v2"): True,
+    ("hidden_activation", "gemma3_text"): "gelu",
+    ("sliding_window", "gemma3_text"): 0,
+    ("layer_types", "gemma3_text"): ["linear_attention", "full_attention"],
+    ("rope_parameters", "gemma3_text"): {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "linear", "factor": 2.0}},
+    ("rope_scaling", "gemma3_text"): {"rope_type": "yarn", "factor": 4.0},
+    ("attention_bias", "gemma3_text"): True,
+    ("use_bidirectional_attention", "gemma3_text"): True,
 }
 
 

@@ -25,6 +25,7 @@ from goodserve.engine.chat import render_chat
 from goodserve.engine.core import EngineCore
 from goodserve.engine.output_processor import OutputProcessor
 from goodserve.engine.stats import EngineStats
+from goodserve.kv_cache.sliding import SlidingWindow
 from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.models.config_support import resolve_max_model_len
 from goodserve.models.loader import default_model_path, load_model
@@ -79,7 +80,12 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
             raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {bytes_per_block} bytes")
     max_model_len = resolve_max_model_len(args.max_model_len, model)
     pool_tokens = num_blocks * args.block_size
-    if pool_tokens < max_model_len:
+    # With one sliding group the blocks before the window are freed as a request advances: the pool need only
+    # hold the window and one step's chunk, not max_model_len tokens.
+    window = sliding_group_window(model, args.dtype)
+    window_fits = window is not None and draft is None and args.scheduler != "reserve" and num_blocks >= \
+        SlidingWindow(window, args.block_size).max_blocks(max_model_len, args.max_num_batched_tokens)
+    if pool_tokens < max_model_len and not window_fits:
         logger.warning("KV pool of %d blocks holds %d tokens, fewer than max_model_len %d: "
                        "capping max_model_len to %d", num_blocks, pool_tokens, max_model_len, pool_tokens)
         max_model_len = pool_tokens
@@ -87,6 +93,24 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
                 spec.describe(), num_blocks, args.block_size, pool_tokens, num_blocks * bytes_per_block / 2**20,
                 max_model_len, pool_tokens / max_model_len)
     return num_blocks, max_model_len
+
+
+def sliding_group_window(model: ModelConfig, kv_dtype: str, kv_transfer: Optional[Any] = None) -> Optional[int]:
+    """The window of the model's one ``sliding`` KV-cache group (the KV cache manager frees the blocks before it),
+    or ``None`` when its cache keeps every block (:meth:`ModelConfig.kv_cache_spec`).
+
+    Raises:
+        ValueError: for a sliding group with disaggregated serving (``kv_transfer``): moving a window whose
+            leading blocks were freed is not implemented.
+    """
+    groups = model.kv_cache_spec(kv_dtype).groups
+    if len(groups) != 1 or groups[0].kind != "sliding":
+        return None
+    if kv_transfer is not None:
+        raise ValueError(f"disaggregated serving (--kv-transfer-config) of a model whose every layer attends within "
+                         f"a sliding window ({model.architecture}, window {groups[0].window}) is not implemented; "
+                         "supported: models with full-attention layers")
+    return groups[0].window
 
 
 def _structured_output_compiler(tokenizer: Any, model_config: Any) -> Optional[Any]:
@@ -138,7 +162,8 @@ class Engine:
             model=loaded.config,
             cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
                               enable_prefix_caching=args.enable_prefix_caching,
-                              enable_kv_events=kv_events is not None and kv_events.enabled),
+                              enable_kv_events=kv_events is not None and kv_events.enabled,
+                              sliding_window=sliding_group_window(loaded.config, args.dtype, args.kv_transfer())),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                       policy=args.scheduling_policy, mode=args.scheduler,

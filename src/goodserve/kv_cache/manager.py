@@ -10,6 +10,10 @@ Registration happens in :meth:`KVCacheManager.allocate_slots`, as soon as a bloc
 once the step's tokens are computed. A request admitted later in the *same* step may therefore reuse
 blocks that the step is still writing; this is correct because the runner writes every scheduled
 token's K/V into the paged cache before attention reads it, layer by layer.
+
+With ``sliding_window`` (a model whose every layer attends within that many tokens) the blocks before the
+window of a request's next query are freed as it advances (:mod:`goodserve.kv_cache.sliding`): its table keeps
+``None`` there, read as :data:`~goodserve.kv_cache.sliding.NULL_BLOCK_ID`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Optional
 
 from goodserve.kv_cache.block_pool import BlockPool, KVBlock
 from goodserve.kv_cache.hashing import BlockHash, hash_request_blocks
+from goodserve.kv_cache.sliding import NULL_BLOCK_ID, SlidingWindow
 from goodserve.kv_events.events import BlockRemoved, BlockStored, KVEvent
 from goodserve.request import Request
 
@@ -37,13 +42,15 @@ class KVCacheManager:
         block_size: Token slots per block.
         enable_prefix_caching: Register full blocks by hash and reuse them across requests.
         enable_kv_events: Record the prefix cache's changes as KV events (:meth:`take_kv_events`).
+        sliding_window: Every layer attends within this many tokens: free the blocks before each request's
+            window (``None``: keep every block, full attention).
 
     Raises:
-        ValueError: if ``num_blocks`` or ``block_size`` is below 1.
+        ValueError: if ``num_blocks``, ``block_size`` or ``sliding_window`` is below 1.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 enable_kv_events: bool = False) -> None:
+                 enable_kv_events: bool = False, sliding_window: Optional[int] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -51,7 +58,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         if enable_kv_events:
             self.block_pool.events = []
-        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self.sliding = SlidingWindow(sliding_window, block_size) if sliding_window is not None else None
+        self._req_blocks: dict[str, list[Optional[KVBlock]]] = {}  # None: freed before the window
         self._req_hashes: dict[str, list[BlockHash]] = {}  # chained hashes of the full blocks so far
         self._num_registered: dict[str, int] = {}  # leading blocks of the table already registered
         self.prefix_cache_queries = 0  # prompt tokens looked up, at first admission (tokens)
@@ -79,9 +87,16 @@ class KVCacheManager:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
-        """The request's block table from entry ``start`` on (block ids, first token's block first); ``[]`` if
-        it holds none."""
-        return [b.block_id for b in self._req_blocks.get(request_id, ())[start:]]
+        """The request's block table from entry ``start`` on (block ids, first token's block first; a block freed
+        before a sliding window reads as ``NULL_BLOCK_ID``); ``[]`` if it holds none."""
+        return [NULL_BLOCK_ID if b is None else b.block_id for b in self._req_blocks.get(request_id, ())[start:]]
+
+    def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once, computed ``max_chunk`` tokens a step at
+        most: all of them, or with a sliding window only those the window and one chunk span."""
+        if self.sliding is None:
+            return _cdiv(num_tokens, self.block_size)
+        return self.sliding.max_blocks(num_tokens, max_chunk)
 
     def record_prefix_cache_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one request's prefix-cache lookup in :attr:`prefix_cache_queries` / ``_hits`` (tokens)."""
@@ -105,6 +120,9 @@ class KVCacheManager:
         is an exact multiple of ``block_size`` can hit at most all blocks but the last. No reference is
         taken: pass the ids to :meth:`allocate_slots` in the same scheduling pass.
 
+        With a sliding window only the blocks inside the window of the first computed token must be cached
+        (:meth:`SlidingWindow.longest_hit`); those before it come back as ``NULL_BLOCK_ID``.
+
         Args:
             request: A request with no blocks yet (waiting or preempted).
 
@@ -115,6 +133,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need every prompt position computed
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding is not None:
+            blocks = [self.block_pool.get_cached_block(h) for h in self._block_hashes(request)[:max_hit_blocks]]
+            k = self.sliding.longest_hit([b is not None for b in blocks])
+            first = self.sliding.first_needed_block(k * self.block_size)
+            return [NULL_BLOCK_ID] * first + [b.block_id for b in blocks[first:k]], k * self.block_size
         hit: list[int] = []
         for block_hash in self._block_hashes(request)[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -129,7 +152,9 @@ class KVCacheManager:
         """Grow the request's block table to hold the tokens computed by this step.
 
         After the call the table covers ``request.num_computed_tokens + len(new_computed_blocks) *
-        block_size + num_new_tokens`` slots. All or nothing: on failure nothing changes.
+        block_size + num_new_tokens`` slots. All or nothing: on failure nothing changes, except that with a
+        sliding window the blocks before the window of the step's first query are freed first (they are dead
+        whether or not the step runs), and prefix hits before that window are never taken.
 
         Args:
             request: The request; ``num_computed_tokens`` must not yet include ``new_computed_blocks``.
@@ -149,18 +174,25 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         rid = request.request_id
-        hits = [self.block_pool.blocks[i] for i in (new_computed_blocks or ())]
+        hits = [None if i == NULL_BLOCK_ID else self.block_pool.blocks[i] for i in (new_computed_blocks or ())]
         table = self._req_blocks.get(rid, [])
+        if None in hits and self.sliding is None:
+            raise RuntimeError(f"request {rid}: NULL_BLOCK_ID among prefix hits without a sliding window")
         if hits and table:
             raise RuntimeError(f"request {rid} already holds {len(table)} blocks; prefix hits are only "
                                "valid for a request without blocks")
-        num_slots = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        first_query = request.num_computed_tokens + len(hits) * self.block_size
+        num_slots = first_query + num_new_tokens
+        if self.sliding is not None:
+            self.sliding.drop_before(self.block_pool, table, first_query)
+            hits = self.sliding.keep_hits(hits, first_query)
+        taken = [b for b in hits if b is not None]
         num_needed = max(0, _cdiv(num_slots, self.block_size) - len(table) - len(hits))
-        num_hits_in_free_queue = sum(1 for b in hits if b.ref_cnt == 0)
+        num_hits_in_free_queue = sum(1 for b in taken if b.ref_cnt == 0)
         if num_needed > self.num_free_blocks - num_hits_in_free_queue:
             return None
 
-        self.block_pool.touch(hits)  # before taking new blocks, so a hit is never evicted for them
+        self.block_pool.touch(taken)  # before taking new blocks, so a hit is never evicted for them
         new_blocks = self.block_pool.get_new_blocks(num_needed)
         if rid not in self._req_blocks:
             self._req_blocks[rid] = table
@@ -186,7 +218,7 @@ class KVCacheManager:
         table = self._req_blocks[rid]
         events, run = self.block_pool.events, None  # run: [first, end) of blocks newly cached, for one event
         for i in range(start, num_full_blocks):
-            stored = self.block_pool.cache_full_block(table[i], hashes[i])
+            stored = table[i] is not None and self.block_pool.cache_full_block(table[i], hashes[i])
             if events is not None and stored:
                 run = (run[0] if run else i, i + 1)
             if events is not None and run and (not stored or i == num_full_blocks - 1):
@@ -233,7 +265,7 @@ class KVCacheManager:
         keep = _cdiv(num_tokens, self.block_size)
         if table is None or len(table) <= keep:
             return None
-        tail = table[keep:]
+        tail = [b for b in table[keep:] if b is not None]
         del table[keep:]
         self._num_registered[rid] = min(self._num_registered[rid], keep)
         self.block_pool.free_blocks(reversed(tail))
@@ -256,10 +288,10 @@ class KVCacheManager:
         table = self._req_blocks.pop(rid, [])
         self._req_hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
-        self.block_pool.free_blocks(reversed(table))
+        self.block_pool.free_blocks(b for b in reversed(table) if b is not None)
         if num_valid_tokens is not None:
             for block in table[num_valid_tokens // self.block_size:]:
-                if block.ref_cnt == 0:
+                if block is not None and block.ref_cnt == 0:
                     self.block_pool.uncache_block(block)
 
     def reset_prefix_cache(self) -> None:
@@ -282,7 +314,7 @@ class KVCacheManager:
         pool = self.block_pool
         owners = [0] * pool.num_blocks
         for rid, table in self._req_blocks.items():
-            ids = [b.block_id for b in table]
+            ids = [b.block_id for b in table if b is not None]
             if len(set(ids)) != len(ids):
                 dup = sorted({i for i in ids if ids.count(i) > 1})
                 raise RuntimeError(f"request {rid} owns block(s) {dup} more than once: table {ids}")

@@ -24,7 +24,7 @@ with a CPU kernel (:mod:`goodserve.models.native`), prefill chunks as the refere
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
@@ -123,6 +123,8 @@ class AttentionMetadata:
         row_seq_lens: ``[num_tokens]`` int32, every token's position + 1 (what it attends to); ``None``
             unless built with ``per_row=True``.
         max_row_len: The longest of ``row_seq_lens`` (0 unless built with ``per_row=True``).
+        windowed: Per window ``W`` of the model's sliding layers, the metadata those layers attend with
+            (:func:`goodserve.models.window_attention.build_windowed`); read through :meth:`for_window`.
     """
 
     slot_mapping: torch.Tensor
@@ -135,6 +137,20 @@ class AttentionMetadata:
     row_block_tables: Optional[torch.Tensor] = None
     row_seq_lens: Optional[torch.Tensor] = None
     max_row_len: int = 0
+    windowed: dict[int, "AttentionMetadata"] = field(default_factory=dict)
+
+    def for_window(self, window: Optional[int]) -> "AttentionMetadata":
+        """The metadata a layer attending within ``window`` tokens uses (``None``: full attention, ``self``).
+
+        Raises:
+            RuntimeError: if the step was not built for that window (attending without it would be wrong).
+        """
+        if window is None:
+            return self
+        meta = self.windowed.get(window)
+        if meta is None:
+            raise RuntimeError(f"no attention metadata for a sliding window of {window} tokens in this step")
+        return meta
 
     @classmethod
     def build(cls, block_size: int, decode_block_tables: list[list[int]], decode_seq_lens: list[int],
@@ -377,7 +393,7 @@ class TorchAttentionBackend:
         group = q.shape[1] // k_cache.shape[2]
         for chunk in meta.prefills:
             qp = q[chunk.start:chunk.end].transpose(0, 1)[None]  # [1, num_heads, n, head_dim]
-            if chunk.mask is None:
+            if chunk.block_table is None:  # no cached context: its own tokens (a window's mask, if any)
                 kp = k[chunk.start:chunk.end].transpose(0, 1)  # [num_kv_heads, n, head_dim]
                 vp = v[chunk.start:chunk.end].transpose(0, 1)
             else:
@@ -414,6 +430,8 @@ class NativeAttentionBackend(TorchAttentionBackend):
                  meta: AttentionMetadata) -> Optional[torch.Tensor]:
         if meta.num_decodes == 0:
             return None
+        if meta.decode_block_tables is None:  # metadata in decode groups (a sliding window's): the torch path
+            return super()._decodes(q, k_cache, v_cache, meta)
         return native.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                              meta.max_decode_len)
 

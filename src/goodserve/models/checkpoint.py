@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from goodserve.config import ModelConfig, unique_ids
+from goodserve.model_config import ModelConfig, unique_ids
 from goodserve.models.quant import BlockQuantized
 
 #: Architectures whose checkpoints fuse q/k/v into ``self_attn.qkv_proj`` and gate/up into ``mlp.gate_up_proj``

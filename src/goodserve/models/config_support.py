@@ -16,8 +16,11 @@ WARNING (configs carry free-form metadata); a GGUF key under ``{arch}.`` in no t
 that namespace holds only hyperparameters (ggml ``docs/gguf.md``). GGUF tensors the engine has no use for are
 refused too (:func:`check_gguf_tensors`): a skipped tensor is skipped math.
 
-The engine runs full causal attention on every layer. :func:`exact_context_len` is the one place that says
-how far that is exact for a model; implementing windowed attention changes that function alone.
+Layers attend within the window a HF config gives them (``ModelConfig.layer_window``; the windowed attention
+of :mod:`goodserve.models.window_attention`), so a HF checkpoint's ``sliding_window`` is implemented past the
+window. A GGUF's ``attention.sliding_window`` is applied to every layer too, but that placement is not checked
+against llama.cpp, so :func:`exact_context_len` (the one place that says how far the output is exact) still
+caps ``max_model_len`` to such a window.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from goodserve.config import HF_REQUIRED_KEYS, ModelConfig
+from goodserve.model_config import HF_REQUIRED_KEYS, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -203,11 +206,11 @@ HF_RULES: tuple[FieldRule, ...] = (
     FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("llama",),
               _refuse_if_set("MLP biases are not implemented")),
     FieldRule("mlp_bias", "ignored", _NOT_READ, ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")),
-    FieldRule("sliding_window", "capped", "every layer attends within W tokens: exact up to W",
+    FieldRule("sliding_window", "implemented", "every layer attends within W tokens (q - W < k <= q)",
               ("mistral", "phi3", "mixtral"), _window_problem),
-    FieldRule("sliding_window", "capped", "every layer attends within W tokens with use_sliding_window: exact up "
-              "to W", ("qwen3_moe",), _window_problem),
-    FieldRule("sliding_window", "capped", "applied only with use_sliding_window and a sliding layer: exact up to W",
+    FieldRule("sliding_window", "implemented", "every layer attends within W tokens with use_sliding_window",
+              ("qwen3_moe",), _window_problem),
+    FieldRule("sliding_window", "implemented", "applied only with use_sliding_window, on the sliding layers",
               ("qwen2", "qwen3"), _window_problem),
     FieldRule("sliding_window", "ignored", _NOT_READ, ("llama",)),
     FieldRule("use_sliding_window", "implemented", "false: transformers ignores sliding_window (full context)",
@@ -263,7 +266,48 @@ HF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "ignored", _METADATA) for key in (
         "model_type", "architectures", "transformers_version", "_name_or_path", "is_llama_config",
         "transformers.js_config", "output_attentions", "output_hidden_states", "return_dict")),
+    # Gemma 3 (text): GEMMA3_HF_RULES below, appended (the last rule matching a field and model type wins).
 )
+
+
+def _gemma3_rope_problem(value: Any) -> Optional[str]:
+    """What of Gemma 3's ``rope_parameters`` (flat, or per layer type) the engine does not compute, or ``None``."""
+    if not isinstance(value, dict) or not any(isinstance(v, dict) for v in value.values()):
+        return _rope_problem(value)
+    unknown = set(value) - {"full_attention", "sliding_attention"}
+    if unknown:
+        return f"RoPE parameters for layer types {sorted(unknown)} are not implemented"
+    local = value.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        return "RoPE scaling on the sliding (local) layers is not implemented (global layers: " \
+            f"{', '.join(ROPE_TYPES)})"
+    return _rope_problem({k: v for k, v in (value.get("full_attention") or {}).items() if k != "rope_theta"})
+
+
+GELU_TANH = ("gelu_pytorch_tanh",)
+#: Gemma 3 (text, ``Gemma3ForCausalLM``; :mod:`goodserve.models.gemma3`).
+GEMMA3_HF_RULES: tuple[FieldRule, ...] = tuple(FieldRule(*rule[:2], rule[2], ("gemma3_text",), *rule[3:]) for rule in (
+    ("hidden_activation", "implemented", "GeGLU with the tanh GELU", _only(GELU_TANH, "only gelu_pytorch_tanh is "
+                                                                                      "implemented")),
+    ("hidden_act", "ignored", _NOT_READ),
+    ("query_pre_attn_scalar", "implemented", "attention scores scaled by query_pre_attn_scalar ** -0.5"),
+    ("sliding_window", "implemented", "local layers attend within W tokens (q - W < k <= q)",
+     lambda v: _positive_int(v) and "a window-less gemma3_text (local layers with their own RoPE over the whole "
+     "context) is not implemented; expected a positive int"),
+    ("layer_types", "implemented", "full_attention (global) / sliding_attention (local) per layer",
+     _layer_types_problem),
+    ("sliding_window_pattern", "implemented", "every n-th layer global (when layer_types is absent)"),
+    ("_sliding_window_pattern", "ignored", "transformers writes it beside layer_types, which it reads instead"),
+    ("rope_local_base_freq", "implemented", "RoPE base of the local layers"),
+    ("rope_parameters", "implemented", "per layer type: full_attention (default, linear, llama3), sliding_attention "
+     "(default)", _gemma3_rope_problem),
+    ("rope_scaling", "implemented", "the global layers' scaling: " + ", ".join(ROPE_TYPES), _rope_problem),
+    ("attention_bias", "refused", "attention biases are not implemented for gemma3_text",
+     _refuse_if_set("attention biases on a gemma3_text model are not implemented")),
+    ("use_bidirectional_attention", "refused", "bidirectional attention is not implemented (causal only)",
+     _refuse_if_set("bidirectional attention is not implemented")),
+))
+HF_RULES = HF_RULES + GEMMA3_HF_RULES
 
 
 def _scalar_problem(value: Any) -> Optional[str]:
@@ -392,11 +436,13 @@ def check_gguf_tensors(names: Iterable[str], expected: set[str]) -> None:
 def exact_context_len(model: ModelConfig) -> Optional[int]:
     """The longest sequence, in tokens, whose output the engine computes exactly; ``None``: no limit here.
 
-    The engine attends over the whole sequence on every layer. A window of ``W`` tokens (a token sees itself
-    and the ``W - 1`` before it) equals that while a sequence holds at most ``W`` tokens, and differs from
-    the ``W + 1``-th token on (checked against transformers in ``tests/test_config_support.py``).
+    A layer with a window of ``W`` tokens attends to the token itself and the ``W - 1`` before it, as transformers
+    does (``tests/test_sliding_window.py``), when ``layer_types`` says which layers slide (every HF config with a
+    window). Without ``layer_types`` (a GGUF's ``attention.sliding_window``) the window is applied to every layer
+    but not checked against llama.cpp: the output is claimed exact only up to ``W`` tokens, where windowed and
+    full attention agree.
     """
-    return model.sliding_window
+    return model.sliding_window if not model.layer_types else None
 
 
 def resolve_max_model_len(requested: Optional[int], model: ModelConfig) -> int:
@@ -420,7 +466,7 @@ def resolve_max_model_len(requested: Optional[int], model: ModelConfig) -> int:
         return length
     if requested is not None:
         raise ValueError(f"max_model_len={requested} is longer than the model's sliding_window={exact}: the engine "
-                         f"runs full attention, exact only up to sliding_window tokens; ask for at most {exact}")
+                         f"is exact only up to sliding_window tokens for a GGUF's window; ask for at most {exact}")
     logger.warning("sliding_window=%d is shorter than the model's %d positions: capping max_model_len to %d "
                    "(full attention equals windowed attention within the window)", exact, limit, exact)
     return exact

@@ -31,7 +31,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from goodserve.config import ModelConfig, token_id_list, unique_ids
+from goodserve.model_config import ModelConfig, token_id_list, unique_ids
 from goodserve.models.config_support import check_gguf_metadata, check_gguf_tensors
 from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from goodserve.config import ModelConfig, hf_model_type
+from goodserve.model_config import ModelConfig, hf_model_type
 from goodserve.models.config_support import check_hf_config
 from goodserve.models.checkpoint import (LoadedModel, fused_projection_sizes, load_hf_tokenizer,
                                         split_fused_projections, tokenizer_chat_template, with_tokenizer_eos)
@@ -28,7 +28,8 @@ from goodserve.models.moe import hf_layer_names, stack_experts
 
 
 #: HF ``model_type`` values we can run (Llama-family decoders with SwiGLU MLPs or mixtures of them, and RMSNorm).
-SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v2")
+SUPPORTED_HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v2",
+                              "gemma3_text")
 #: Known model types refused with a reason of their own.
 REFUSED_HF_ARCHITECTURES = {
     "deepseek_v3": "DeepSeek-V3 shares DeepSeek-V2's multi-head latent attention (implemented), but its mixture of "
@@ -56,6 +57,9 @@ def hf_config_to_model_config(cfg: dict[str, Any], generation_cfg: Optional[dict
     model_type = hf_model_type(cfg)
     if model_type in REFUSED_HF_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {model_type!r}: {REFUSED_HF_ARCHITECTURES[model_type]}")
+    if model_type == "gemma3":
+        raise ValueError("unsupported architecture 'gemma3' (Gemma3ForConditionalGeneration, text and vision): "
+                         "only the text-only Gemma3ForCausalLM ('gemma3_text') is supported")
     if model_type not in SUPPORTED_HF_ARCHITECTURES:
         named = model_type or cfg.get("architectures")
         raise ValueError(
@@ -94,6 +98,11 @@ def expected_weight_names(config: ModelConfig) -> set[str]:
     if config.is_mla:
         return mla_weight_names(config)
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    if config.architecture == "gemma3_text":
+        from goodserve.models.gemma3 import GEMMA3_LAYER_WEIGHTS
+
+        return names | {f"model.layers.{i}.{part}.weight" for i in range(config.num_hidden_layers)
+                        for part in GEMMA3_LAYER_WEIGHTS}
     parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
     parts = [f"{part}.weight" for part in parts]

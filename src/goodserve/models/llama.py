@@ -149,9 +149,12 @@ class DecoderLayer(nn.Module):
 
     With ``moe`` the MLP is ``self.moe``, a :class:`~goodserve.models.moe.SparseMoeBlock` (Mixtral, Qwen3-MoE),
     and there are no ``gate_up_proj`` / ``down_proj``.
+
+    With ``window`` the layer attends within that many tokens (``config.layer_window``: Mistral's
+    ``sliding_window``, Qwen2's sliding layers), through the step's windowed metadata.
     """
 
-    def __init__(self, config: ModelConfig, moe: bool = False) -> None:
+    def __init__(self, config: ModelConfig, moe: bool = False, window: Optional[int] = None) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -169,6 +172,7 @@ class DecoderLayer(nn.Module):
             self.qk_norm = nn.Parameter(torch.ones(c.num_attention_heads + c.num_key_value_heads, c.head_dim),
                                         requires_grad=False)
         self.eps = c.rms_norm_eps
+        self.window = window
         self.invariant = False  # batch-invariant mode (set by LlamaForCausalLM.load_weights)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: "RotaryTable",
@@ -198,7 +202,7 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [n, num_heads | num_kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         t = meta.slot_mapping.shape[0]  # the step's real tokens; padding rows skip attention
-        o = attn(q[:t], k[:t], v[:t], kv_cache[0], kv_cache[1], meta).reshape(t, self.q_size)
+        o = attn(q[:t], k[:t], v[:t], kv_cache[0], kv_cache[1], meta.for_window(self.window)).reshape(t, self.q_size)
         if t < n:
             o = F.pad(o, (0, 0, 0, n - t))
         h, residual = add_rms_norm(self.o_proj.forward(o), residual, self.post_attention_layernorm.weight,
@@ -226,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         # Python decomposition whose first use imports torch._dynamo, 2.5 s of a one-shot command's start.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, config.is_moe_layer(i))
+        self.layers = nn.ModuleList(DecoderLayer(config, config.is_moe_layer(i), config.layer_window(i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The LM head, made by ``load_weights`` (from the embedding when tied).
@@ -264,12 +268,17 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             ValueError: when a weight is missing or has the wrong shape, on an unknown ``quantization``, or
-                ``batch_invariant`` for a mixture of experts (not implemented).
+                ``batch_invariant`` for a mixture of experts or a model with sliding-window layers (not
+                implemented).
         """
         dtype = dtype or self.embed_tokens.weight.dtype
         if batch_invariant and self.config.num_experts:
             raise ValueError("batch-invariant mode is not implemented for a mixture of experts "
                              f"({self.config.architecture})")
+        if batch_invariant and self.config.sliding_window is not None:
+            raise ValueError("batch-invariant mode is not implemented for sliding-window attention "
+                             f"({self.config.architecture}, sliding_window={self.config.sliding_window}); "
+                             "supported: models with full attention on every layer")
 
         def take(name: str, shape: tuple[int, ...]) -> Union[torch.Tensor, BlockQuantized]:
             if name not in weights:
@@ -351,8 +360,8 @@ class LlamaForCausalLM(nn.Module):
         block kernel, or (batch-invariant mode) on the native batch-invariant GEMM, without bias, and the
         norms on the native kernels; else ``None``."""
         c = self.config
-        if not native.usable(self.norm.weight) or c.qk_norm or c.num_experts:  # the one-call kernel has no
-            return None  # q/k norm and no mixture of experts
+        if not native.usable(self.norm.weight) or c.qk_norm or c.num_experts or c.sliding_window is not None:
+            return None  # the one-call kernel has no q/k norm, no mixture of experts and no window
         layers = []
         for layer in self.layers:
             projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]

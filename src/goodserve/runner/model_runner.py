@@ -20,11 +20,11 @@ from typing import Any, Optional
 import torch
 
 from goodserve.config import EngineConfig
-from goodserve.models.deepseek_v2 import DeepseekV2ForCausalLM
-from goodserve.models.llama import LlamaForCausalLM
-from goodserve.models.mla import MLAAttentionBackend, check_mla_engine, mla_kv_caches
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from goodserve.models.kv_quant import cache_shape
+from goodserve.models.mla import MLAAttentionBackend, check_mla_engine, mla_kv_caches
+from goodserve.models.registry import model_class
+from goodserve.models.window_attention import build_windowed
 from goodserve.runner.sampler import Sampler, SamplerOutput
 from goodserve.runner.sampling_metadata import SamplingMetadata, SamplingRow
 from goodserve.runner.speculative import expand_rows, make_proposer, verify
@@ -112,7 +112,7 @@ class ModelRunner:
         if m.is_mla:
             check_mla_engine(config)
         with torch.device("meta"):  # nothing is allocated until the weights are taken
-            self.model = DeepseekV2ForCausalLM(m) if m.is_mla else LlamaForCausalLM(m)
+            self.model = model_class(m)(m)
         self.model.load_weights({k: _to(w, self.device) for k, w in weights.items()}, self.dtype,
                                 config.quantization, batch_invariant=config.batch_invariant)
         self.model.eval()
@@ -133,6 +133,8 @@ class ModelRunner:
         # The one-call decode step (native.decode_layers) reads caches of the activations' dtype only: an int8
         # (or bfloat16-under-float32) cache runs layer by layer.
         self.fused_decode_step = config.fused_decode_step and config.kv_dtype == config.dtype
+        #: The windows of the model's sliding layers (each gets its metadata per step).
+        self.windows = sorted({w for w in map(m.layer_window, range(m.num_hidden_layers)) if w is not None})
         self.sampler = Sampler(seed=config.seed)
         self.proposer = make_proposer(config, draft)
         self.requests: dict[str, CachedRequestState] = {}
@@ -288,16 +290,21 @@ class ModelRunner:
             slot_parts.append(self._slots(state.block_ids, start, end))
             chunks.append((s.num_computed_tokens, s.num_new_tokens, state.block_ids))
         dev = self.device
+        decode_tables = [st.block_ids[: p // self.block_size + 1] for st, p in zip(states, positions)]
+        slot_mapping = torch.cat(slot_parts).to(dev)
         meta = AttentionMetadata.build(
             self.block_size,
-            decode_block_tables=[st.block_ids[: p // self.block_size + 1] for st, p in zip(states, positions)],
+            decode_block_tables=decode_tables,
             decode_seq_lens=[p + 1 for p in positions],
             prefill_chunks=chunks,
-            slot_mapping=torch.cat(slot_parts).to(dev),
+            slot_mapping=slot_mapping,
             device=dev,
             decode_groups=getattr(self.attn, "uses_decode_groups", True),
             per_row=getattr(self.attn, "uses_row_tables", False),
         )
+        for window in self.windows:  # the sliding layers' own view of the step
+            meta.windowed[window] = build_windowed(self.block_size, window, decode_tables, [p + 1 for p in positions],
+                                                   chunks, slot_mapping, dev)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos_parts).to(dev), meta, decodes + prefills
 

@@ -73,7 +73,8 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
             logger.info("scheduler mode 'reserve' runs without prefix caching")
             enable_prefix_caching = False
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               enable_prefix_caching, cache_config.enable_kv_events)
+                                               enable_prefix_caching, cache_config.enable_kv_events,
+                                               cache_config.sliding_window)
         self.step_model = step_model if step_model is not None else StepTimeModel()
         self.policy: StepPolicy = create_policy(scheduler_config.policy, self.step_model,
                                                 scheduler_config.max_num_batched_tokens, self.block_size,
@@ -115,7 +116,11 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        check_fits(request, self.scheduler_config.max_model_len, self.kv_cache_manager.num_blocks, self.block_size)
+        kv = self.kv_cache_manager
+        check_fits(request, self.scheduler_config.max_model_len, kv.num_blocks, self.block_size,
+                   kv.max_blocks_needed(request.num_prompt_tokens + request.max_tokens,
+                                        self.scheduler_config.max_num_batched_tokens)
+                   if isinstance(request.max_tokens, int) and self.scheduler_config.mode != "reserve" else None)
         self._check_kv_transfer(request)
         try:
             self.policy.check_arrival(request, self.waiting, self.running, request.arrival_time)

@@ -10,7 +10,8 @@ from goodserve.request import Request, RequestStatus
 from goodserve.validation import ParamError
 
 
-def check_fits(req: Request, max_model_len: int, num_blocks: int, block_size: int) -> None:
+def check_fits(req: Request, max_model_len: int, num_blocks: int, block_size: int,
+               blocks_needed: Optional[int] = None) -> None:
     """Refuse at once a request that can never run.
 
     Raises:
@@ -28,7 +29,8 @@ def check_fits(req: Request, max_model_len: int, num_blocks: int, block_size: in
         raise ParamError(f"This model's maximum context length is {max_model_len} tokens; this request asks for "
                          f"{total} tokens ({num_prompt} prompt tokens + max_tokens {max_tokens}). Shorten the "
                          "prompt or lower max_tokens.", code="context_length_exceeded")
-    blocks_needed = -(-total // block_size)
+    if blocks_needed is None:  # else the caller's count (a sliding window holds fewer than all its blocks)
+        blocks_needed = -(-total // block_size)
     if blocks_needed > num_blocks:
         raise ParamError(f"this request needs {blocks_needed} KV blocks ({total} tokens at "
                          f"block_size {block_size}), but the KV pool has only {num_blocks} blocks; "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from goodserve.config import ModelConfig, hf_model_type, hf_sliding_window
+from goodserve.model_config import ModelConfig, hf_model_type, hf_sliding_window
 
 
 @dataclass(frozen=True)
