@@ -2,7 +2,7 @@
 # Quantized KV cache (issue 31), one job, every comparison interleaved, under the bench lock:
 #   A. accuracy on the default model: greedy agreement and mean |dlogprob| of int8 (and bfloat16) KV against
 #      the reference KV dtype, 50 real-text prompts x 128 tokens (scripts/kv_dtype_accuracy.py);
-#   B. decode step time at 2k and 4k context, each KV dtype in turn, two rounds (bench micro);
+#   B. decode step time at 2k and 4k context, batch 1 and 4, each KV dtype in turn (bench micro; ROUNDS="1 2")
 #      With LLAMA_BIN (llama.cpp's bin folder), llama-bench's decode at the same depths, f16 vs q8_0 KV.
 #   C. served goodput at the same --kv-cache-memory on a memory-bound load (azure-conv prompts clipped to
 #      1024 tokens, a pool that holds about two of them in bfloat16): int8 vs bfloat16, interleaved per rate.
@@ -18,9 +18,9 @@ if want A; then
       --out "$out/accuracy.json" 2>&1 | grep -v ' INFO ' | tee "$out/accuracy.txt"
 fi
 if want B; then
-  for round in 1 2; do for ctx in 2048 4096; do for kv in bfloat16 int8 float32; do
+  for round in ${ROUNDS:-1}; do for ctx in 2048 4096; do for kv in float32 bfloat16 int8; do
     echo "== round $round, context $ctx, kv $kv" | tee -a "$out/decode_step.txt"
-    lock "$py" -m goodserve.cli bench micro --decode-context "$ctx" --decode-batches 1,8 --prefill-len 16 \
+    lock "$py" -m goodserve.cli bench micro --decode-context "$ctx" --decode-batches 1,4 --prefill-len 16 \
         --steps 8 --kv-cache-dtype "$kv" --output-json "$out/decode_${ctx}_${kv}_r$round.json" 2>&1 \
         | grep -v ' INFO ' | tee -a "$out/decode_step.txt"
   done; done; done

@@ -82,16 +82,20 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
     pool_tokens = num_blocks * args.block_size
     # With one sliding group the blocks before the window are freed as a request advances: the pool need only
     # hold the window and one step's chunk, not max_model_len tokens.
-    window = sliding_group_window(model, args.dtype)
+    window = sliding_group_window(model, kv_dtype)
     window_fits = window is not None and draft is None and args.scheduler != "reserve" and num_blocks >= \
         SlidingWindow(window, args.block_size).max_blocks(max_model_len, args.max_num_batched_tokens)
     if pool_tokens < max_model_len and not window_fits:
         logger.warning("KV pool of %d blocks holds %d tokens, fewer than max_model_len %d: "
                        "capping max_model_len to %d", num_blocks, pool_tokens, max_model_len, pool_tokens)
         max_model_len = pool_tokens
+    # Requests of max_model_len tokens the pool holds at once, in whole blocks, windows applied (the spec's
+    # formula, as `goodserve plan` prices it).
+    request_bytes = spec.bytes_for_request(max_model_len, args.block_size) + (
+        draft.kv_cache_spec(kv_dtype).bytes_for_request(max_model_len, args.block_size) if draft else 0)
     logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at %d tokens: %.2f",
                 spec.describe(), num_blocks, args.block_size, pool_tokens, num_blocks * bytes_per_block / 2**20,
-                max_model_len, pool_tokens / max_model_len)
+                max_model_len, num_blocks * bytes_per_block / request_bytes)
     return num_blocks, max_model_len
 
 
