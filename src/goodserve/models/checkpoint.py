@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from goodserve.model_config import ModelConfig, unique_ids
-from goodserve.models.quant import BlockQuantized
+from goodserve.models.quant import BlockQuantized, dequantize_rows
 
 #: Architectures whose checkpoints fuse q/k/v into ``self_attn.qkv_proj`` and gate/up into ``mlp.gate_up_proj``
 #: (HF names; llama.cpp's ``attn_qkv`` and ``ffn_up``).
@@ -106,3 +106,27 @@ def split_fused_projections(weights: dict[str, Union[torch.Tensor, BlockQuantize
                 raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {(sum(sizes), hidden)}")
             parts = value.split_rows(sizes) if isinstance(value, BlockQuantized) else value.split(sizes)
             weights.update((f"model.layers.{i}.{part}", w) for part, w in zip(names, parts))
+
+
+def take_weight(weights: dict[str, Any], name: str, shape: tuple[int, ...]) -> Union[torch.Tensor, BlockQuantized]:
+    """``weights[name]``, as stored (a GGUF's blocks stay blocks), checked against ``shape``.
+
+    Raises:
+        ValueError: the weight is missing or has another shape (both named).
+    """
+    if name not in weights:
+        raise ValueError(f"weight {name!r} missing from the checkpoint")
+    value = weights[name]
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    return value
+
+
+def dense_weight(weights: dict[str, Any], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`take_weight`, dequantized (a GGUF's blocks) and cast to ``dtype``.
+
+    Raises:
+        ValueError: as :func:`take_weight`.
+    """
+    value = take_weight(weights, name, shape)
+    return (dequantize_rows(value, dtype) if isinstance(value, BlockQuantized) else value).to(dtype)

@@ -27,12 +27,13 @@ from torch import nn
 
 from goodserve.config import ModelConfig
 from goodserve.models.attention import AttentionMetadata
+from goodserve.models.checkpoint import dense_weight, take_weight
 from goodserve.models.linear import dense_linear
 from goodserve.models.llama import RMSNorm, _rms_norm, add_rms_norm
 from goodserve.models.mla import (MLA_NORM_EPS, MLAAttentionBackend, apply_rope_interleaved, mla_rope_cis,
                                  mla_softmax_scale)
 from goodserve.models.moe import SparseMoeBlock, hf_layer_names
-from goodserve.models.quant import BlockQuantized, dequantize_rows, make_linear
+from goodserve.models.quant import BlockQuantized, make_linear
 
 
 def expected_weight_names(config: ModelConfig) -> set[str]:
@@ -167,22 +168,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         dtype = dtype or self.embed_tokens.weight.dtype
         c = self.config
 
-        def take(name: str, shape: tuple[int, ...]) -> Union[torch.Tensor, BlockQuantized]:
-            if name not in weights:
-                raise ValueError(f"weight {name!r} missing from the checkpoint")
-            value = weights[name]
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-            return value
-
         def dense(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            value = take(name, shape)
-            if isinstance(value, BlockQuantized):
-                value = dequantize_rows(value, dtype)
-            return value.to(dtype)
+            return dense_weight(weights, name, shape, dtype)
 
         def linear(name: str, shape: tuple[int, int]) -> nn.Module:
-            return make_linear(take(name, shape), None, dtype, quantization)
+            return make_linear(take_weight(weights, name, shape), None, dtype, quantization)
 
         hidden, heads = c.hidden_size, c.num_attention_heads
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim

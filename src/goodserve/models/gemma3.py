@@ -27,8 +27,9 @@ from torch import nn
 
 from goodserve.config import ModelConfig
 from goodserve.models.attention import AttentionBackend, AttentionMetadata
+from goodserve.models.checkpoint import dense_weight
 from goodserve.models.llama import RotaryTable, rope_inv_freq
-from goodserve.models.quant import BlockQuantized, dequantize_rows, make_linear
+from goodserve.models.quant import BlockQuantized, make_linear
 
 #: Per-layer weights of a Gemma 3 checkpoint (HF names after ``model.layers.{i}.``, without ``.weight``).
 GEMMA3_LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -141,12 +142,7 @@ class Gemma3ForCausalLM(nn.Module):
         hidden, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
 
         def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"weight {name!r} missing from the checkpoint")
-            value = weights[name]
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-            return dequantize_rows(value, dtype) if isinstance(value, BlockQuantized) else value.to(dtype)
+            return dense_weight(weights, name, shape, dtype)
 
         def scale(name: str, size: int) -> torch.Tensor:
             return 1.0 + take(name, (size,)).float()

@@ -24,11 +24,12 @@ from torch import nn
 from goodserve.config import ModelConfig
 from goodserve.models import native
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, NativeAttentionBackend
+from goodserve.models.checkpoint import dense_weight, take_weight
 from goodserve.models.invariant import InvariantLinear, rms_norm_torch
 from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend
 from goodserve.models.linear import dense_linear
 from goodserve.models.moe import SparseMoeBlock
-from goodserve.models.quant import BlockQuantized, QuantLinear, dequantize_rows, make_linear, runs_on_blocks
+from goodserve.models.quant import BlockQuantized, QuantLinear, make_linear, runs_on_blocks
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -281,18 +282,10 @@ class LlamaForCausalLM(nn.Module):
                              "supported: models with full attention on every layer")
 
         def take(name: str, shape: tuple[int, ...]) -> Union[torch.Tensor, BlockQuantized]:
-            if name not in weights:
-                raise ValueError(f"weight {name!r} missing from the checkpoint")
-            value = weights[name]
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-            return value
+            return take_weight(weights, name, shape)
 
         def dense(name: str, shape: tuple[int, ...]) -> nn.Parameter:
-            value = take(name, shape)
-            if isinstance(value, BlockQuantized):
-                value = dequantize_rows(value, dtype)
-            return nn.Parameter(value.to(dtype), requires_grad=False)
+            return nn.Parameter(dense_weight(weights, name, shape, dtype), requires_grad=False)
 
         def fused(names: list[str], shapes: list[tuple[int, int]]):
             parts = [take(n, s) for n, s in zip(names, shapes)]
