@@ -282,6 +282,35 @@ def test_ngram_speculation_and_baseline_modes(mistral):
         assert kv.usage == 0
 
 
+def test_whole_prompt_modes_keep_the_pool_cap(mistral):
+    """prefill-first and static admit a whole prompt in one step, before any block can be freed: the pool still
+    caps max_model_len there (only chunked prefill relies on the window), so a long prompt is refused at once
+    instead of waiting forever for blocks."""
+    model_dir, _ = mistral
+    for mode in ("prefill-first", "static"):
+        llm = LLM(model_dir, dtype="float32", block_size=BS, num_blocks=8, max_num_batched_tokens=8,
+                  max_model_len=512, scheduler=mode, log_stats_interval=0)
+        assert llm.engine.max_model_len == 8 * BS
+        with pytest.raises(ValueError, match="maximum context length is 32"):
+            llm.generate([list(range(1, 41))], GREEDY, use_tqdm=False)
+        assert llm.engine.core.scheduler.kv_cache_manager.usage == 0
+
+
+def test_auto_batch_invariance_only_for_models_with_an_invariant_path():
+    """A server turns batch invariance on by itself only for a model that has the path: never for windows, Gemma 3
+    or MLA (their loaders refuse it), so such a model still serves where invariance would be cheap."""
+    from goodserve.engine.args import resolve_batch_invariant
+    from goodserve.models.registry import batch_invariant_supported
+
+    assert resolve_batch_invariant(None, "cpu", "bfloat16", "auto", serving=True, model_supports=False) is False
+    base = dict(architecture="mistral", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=1, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    assert batch_invariant_supported(ModelConfig(**base))
+    assert not batch_invariant_supported(ModelConfig(**base, sliding_window=W))
+    assert not batch_invariant_supported(ModelConfig(**{**base, "architecture": "gemma3_text"}))
+    assert not batch_invariant_supported(ModelConfig(**base, kv_lora_rank=4, qk_rope_head_dim=2))
+
+
 def test_disaggregation_of_a_sliding_group_refused():
     from goodserve.engine.engine import sliding_group_window
 

@@ -306,11 +306,11 @@ def batch_invariant_is_cheap(device: str, dtype: str, quantization: str) -> bool
 
 
 def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quantization: str,
-                            serving: bool = False, kv_cache_dtype: str = "auto") -> bool:
+                            serving: bool = False, kv_cache_dtype: str = "auto", model_supports: bool = True) -> bool:
     """``--batch-invariant`` resolved. Not given: on for a server (``serving``) where
-    :func:`batch_invariant_is_cheap` — a served request's answer then depends on the request alone (case C21),
-    and a loaded server's steps run faster on the invariant kernels; off for one-shot use, whose batch-1
-    decode is faster on the GGUF block kernel.
+    :func:`batch_invariant_is_cheap` and the model has an invariant path (``model_supports``) — a served
+    request's answer then depends on the request alone (case C21), and a loaded server's steps run faster on
+    the invariant kernels; off for one-shot use, whose batch-1 decode is faster on the GGUF block kernel.
 
     Raises:
         ValueError: when asked for on a device other than the CPU (its kernels, and the invariance of the
@@ -321,7 +321,7 @@ def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quan
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     other_kv = kv_dtype == "int8" or (dtype != "auto" and kv_dtype != dtype)
     if asked is None:
-        return serving and not other_kv and batch_invariant_is_cheap(device, dtype, quantization)
+        return serving and model_supports and not other_kv and batch_invariant_is_cheap(device, dtype, quantization)
     if asked and other_kv:
         raise ValueError(f"--batch-invariant is not implemented with --kv-cache-dtype {kv_dtype} under --dtype "
                          f"{dtype} (its attention kernels read caches of the activations' dtype); use "

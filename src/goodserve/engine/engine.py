@@ -29,6 +29,7 @@ from goodserve.kv_cache.sliding import SlidingWindow
 from goodserve.kv_transfer.params import KVTransferParams
 from goodserve.models.config_support import resolve_max_model_len
 from goodserve.models.loader import default_model_path, load_model
+from goodserve.models.registry import batch_invariant_supported
 from goodserve.outputs import RequestOutput
 from goodserve.request import Request, RequestStatus
 from goodserve.request_options import RequestOptions
@@ -83,7 +84,7 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
     # With one sliding group the blocks before the window are freed as a request advances: the pool need only
     # hold the window and one step's chunk, not max_model_len tokens.
     window = sliding_group_window(model, kv_dtype)
-    window_fits = window is not None and draft is None and args.scheduler != "reserve" and num_blocks >= \
+    window_fits = window is not None and draft is None and args.scheduler == "chunked" and num_blocks >= \
         SlidingWindow(window, args.block_size).max_blocks(max_model_len, args.max_num_batched_tokens)
     if pool_tokens < max_model_len and not window_fits:
         logger.warning("KV pool of %d blocks holds %d tokens, fewer than max_model_len %d: "
@@ -174,7 +175,8 @@ class Engine:
                                       shed_load=args.shed_load),
             dtype=args.dtype, quantization=args.quantization, attention_backend=args.attention_backend,
             batch_invariant=resolve_batch_invariant(args.batch_invariant, device, args.dtype, args.quantization,
-                                                    args.serving, args.kv_cache_dtype),
+                                                    args.serving, args.kv_cache_dtype,
+                                                    batch_invariant_supported(loaded.config)),
             kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype),
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer(), slo_ttft=args.slo_ttft,

@@ -4,9 +4,10 @@ In a model whose every layer attends within a window of ``W`` tokens (Mistral 7B
 query at position ``p`` reads positions ``p - W + 1 .. p`` only. Once a request's next query is at ``p``, every
 block wholly before ``p - W + 1`` is dead for it: :class:`SlidingWindow` returns those blocks to the pool (vLLM's
 hybrid KV-cache manager, ``SlidingWindowManager.remove_skipped_blocks``; this is our own code). The request's
-block table keeps ``None`` in their place so that entry ``i`` still holds token ``i * block_size``; the model
-runner sees :data:`NULL_BLOCK_ID` there, and its windowed attention starts at the window's first block, so it
-never reads such an entry.
+block table keeps ``None`` in their place so that entry ``i`` still holds token ``i * block_size``; the manager
+reports it as :data:`NULL_BLOCK_ID` (the runner's copy of the table, sent as diffs of new entries, may still hold
+the old id of a freed block), and windowed attention starts at the window's first block, so no entry before it
+is ever read.
 
 A freed block keeps its prefix-cache hash (it joins the free queue like any block a finished request frees),
 so a later request may still hit it while it is not evicted. A prefix hit of ``k`` blocks needs only the blocks
@@ -23,7 +24,8 @@ from typing import Optional
 
 from goodserve.kv_cache.block_pool import BlockPool, KVBlock
 
-#: The id a block table entry reads as once its block was freed; never a valid block (indexing with it raises).
+#: The id a block table entry reads as once its block was freed; never a valid block (a gather by it raises, but a
+#: Python or slice index of -1 would wrap: nothing may read an entry before the window).
 NULL_BLOCK_ID = -1
 
 

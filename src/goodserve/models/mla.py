@@ -128,13 +128,14 @@ def check_mla_engine(config: EngineConfig) -> None:
 
     Raises:
         ValueError: for ``attention_backend="native"`` (the native paged kernel reads per-head K/V, not the
-            latent), ``batch_invariant`` (no batch-invariant MLA path) or an ``int8`` KV cache (the latent
-            cache is kept in the model's dtype), naming the setting.
+            latent), ``batch_invariant`` (no batch-invariant MLA path) or a KV cache dtype other than ``dtype``
+            (the latent cache is kept in the model's dtype), naming the setting.
     """
     name = config.model.architecture
-    if config.kv_dtype == "int8":
-        raise ValueError(f"kv_cache_dtype 'int8' is not implemented for multi-head latent attention ({name}): the "
-                         "latent cache is kept in --dtype; use --kv-cache-dtype auto")
+    if config.kv_dtype != config.dtype:
+        raise ValueError(f"kv_cache_dtype {config.kv_dtype!r} under --dtype {config.dtype} is not implemented for "
+                         f"multi-head latent attention ({name}): the latent cache is kept in --dtype; use "
+                         "--kv-cache-dtype auto")
     if config.attention_backend == "native":
         raise ValueError(f"attention_backend 'native' is not implemented for multi-head latent attention ({name}): "
                          "use 'auto' or 'torch' (both run the portable MLA attention)")

@@ -24,3 +24,9 @@ def model_class(config: ModelConfig) -> type:
     from goodserve.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM
+
+
+def batch_invariant_supported(config: ModelConfig) -> bool:
+    """Whether the model has a batch-invariant path: the Llama-family decoder with full attention on every layer
+    (its loader refuses ``batch_invariant`` for sliding windows; Gemma 3 and MLA have no such path)."""
+    return not config.is_mla and config.architecture not in GEMMA3_ARCHITECTURES and config.sliding_window is None

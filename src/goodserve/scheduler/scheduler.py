@@ -120,7 +120,7 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
         check_fits(request, self.scheduler_config.max_model_len, kv.num_blocks, self.block_size,
                    kv.max_blocks_needed(request.num_prompt_tokens + request.max_tokens,
                                         self.scheduler_config.max_num_batched_tokens)
-                   if isinstance(request.max_tokens, int) and self.scheduler_config.mode != "reserve" else None)
+                   if isinstance(request.max_tokens, int) and self.scheduler_config.mode == "chunked" else None)
         self._check_kv_transfer(request)
         try:
             self.policy.check_arrival(request, self.waiting, self.running, request.arrival_time)

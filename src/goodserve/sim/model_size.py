@@ -132,7 +132,10 @@ def kv_cache_spec(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> KVCacheSpec:
     (:mod:`goodserve.kv_cache.spec`), with the KV heads of this GPU under tensor parallelism.
 
     A model with sliding layers gets a ``full`` group of its global layers (if any) and a ``sliding`` group
-    of ``num_sliding_layers`` layers with its window. MLA caches the latent ``c_KV`` and the decoupled RoPE
+    of ``num_sliding_layers`` layers with its window. The engine frees a sliding group's blocks only when it
+    is the model's one group (every layer windowed); for a model that mixes windowed and full layers (Gemma 3)
+    it keeps one ``full`` group, so the planner's windowed figure there is what per-group block tables reach,
+    above what the engine holds today (docs/kv-memory.md). MLA caches the latent ``c_KV`` and the decoupled RoPE
     key, replicated across TP ranks (DeepSeek-V2 §2.1).
 
     Raises:
