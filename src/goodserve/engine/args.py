@@ -309,7 +309,7 @@ def resolve_batch_invariant(asked: Optional[bool], device: str, dtype: str, quan
                             serving: bool = False, kv_cache_dtype: str = "auto", model_supports: bool = True) -> bool:
     """``--batch-invariant`` resolved. Not given: on for a server (``serving``) where
     :func:`batch_invariant_is_cheap` and the model has an invariant path (``model_supports``) — a served
-    request's answer then depends on the request alone (case C21), and a loaded server's steps run faster on
+    request's answer then depends on the request alone, and a loaded server's steps run faster on
     the invariant kernels; off for one-shot use, whose batch-1 decode is faster on the GGUF block kernel.
 
     Raises:
