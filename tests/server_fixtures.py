@@ -166,3 +166,16 @@ class FakeBackend:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def slow_steps(engine, seconds: float):
+    """Make every step of an ``AsyncEngine``'s engine thread take at least ``seconds`` longer (so a test can act
+    between steps); returns the undo. The thread runs ``Engine.run_step``, so that is what is wrapped."""
+    real = engine.engine.run_step
+
+    def slow():
+        time.sleep(seconds)
+        return real()
+
+    engine.call(lambda e: setattr(e, "run_step", slow))
+    return lambda: engine.call(lambda e: e.__dict__.pop("run_step", None))

@@ -405,20 +405,8 @@ def test_probes_log_at_debug_and_a_backend_going_down_warns_once(caplog):
         fake.close()
 
 
-def _slow_steps(engine, seconds: float):
-    """Make every engine step take at least ``seconds``; returns the undo."""
-    real = engine.engine.step
-
-    def slow():
-        time.sleep(seconds)
-        return real()
-
-    engine.call(lambda e: setattr(e, "step", slow))
-    return lambda: engine.call(lambda e: e.__dict__.pop("step", None))
-
-
 def test_client_disconnect_mid_stream_aborts_upstream_and_frees_blocks(backends):
-    from server_fixtures import metric_samples, wait_idle
+    from server_fixtures import metric_samples, slow_steps, wait_idle
 
     srv, eng = backends[0]
 
@@ -428,7 +416,7 @@ def test_client_disconnect_mid_stream_aborts_upstream_and_frees_blocks(backends)
                        if n == "goodserve:api_requests_aborted_total")
 
     before = aborted()
-    restore = _slow_steps(eng, 0.05)
+    restore = slow_steps(eng, 0.05)
     try:
         with RouterServer(replicas=[srv.base_url]) as http:
             body = {"model": MODEL, "prompt": list(range(10, 30)), "max_tokens": 200, "ignore_eos": True,

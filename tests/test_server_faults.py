@@ -24,7 +24,7 @@ from goodserve.engine.engine import Engine
 from goodserve.runner import sampler as sampler_mod
 from goodserve.sampling_params import SamplingParams
 from goodserve.server.app import build_app
-from server_fixtures import ServerThread, metric_samples, wait_idle
+from server_fixtures import ServerThread, metric_samples, slow_steps, wait_idle
 from tiny_models import make_tiny_hf_model
 
 MODEL = "tiny"
@@ -238,19 +238,6 @@ def test_sampler_row_fault_fails_one_request_not_its_batch(http, engine, server,
 
 
 # ------------------------------------------------------------------------ disconnects at every point
-def _slow_steps(engine: AsyncEngine, seconds: float):
-    """Make every engine step take at least ``seconds`` (so a test can act between steps)."""
-    eng = engine.engine
-    real = eng.step
-
-    def slow():
-        time.sleep(seconds)
-        return real()
-
-    engine.call(lambda e: setattr(e, "step", slow))
-    return lambda: engine.call(lambda e: e.__dict__.pop("step", None))
-
-
 def _wait(cond, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -285,7 +272,7 @@ def test_client_disconnect_at_each_point_aborts_and_frees(http, engine, server, 
     elif point == "while_queued":
         engine.pause()
     else:
-        restore = _slow_steps(engine, 0.05)
+        restore = slow_steps(engine, 0.05)
     prompt = list(range(10, 10 + (150 if point == "mid_prefill" else 6)))  # 150 tokens: 3 chunks of 64
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 100, "ignore_eos": True, "stream": stream,
             "cache_salt": f"{point}-{stream}"}  # no prefix-cache hit from an earlier case
