@@ -82,25 +82,30 @@ class DecodeGroup:
 MAX_DECODE_PADDING = 1.25
 
 
-def group_decodes(num_blocks: list[int], max_padding: float = MAX_DECODE_PADDING) -> list[tuple[int, int]]:
-    """Cut decodes, sorted by block count ascending, into ``[start, end)`` runs of bounded padding.
+def padding_runs(num_blocks: list[int], max_padding: float = MAX_DECODE_PADDING) -> list[tuple[int, int]]:
+    """Cut decodes, in batch order, into ``[start, end)`` runs whose padding to the run's longest stays bounded:
+    a run grows while ``count * longest <= max_padding * sum``; each run becomes one attention call."""
+    runs, start, total, longest = [], 0, 0, 0
+    for i, n in enumerate(num_blocks):
+        if i > start and (i - start + 1) * max(longest, n) > max_padding * (total + n):
+            runs.append((start, i))
+            start, total, longest = i, 0, 0
+        total += n
+        longest = max(longest, n)
+    if num_blocks:
+        runs.append((start, len(num_blocks)))
+    return runs
 
-    A run grows while ``count * longest <= max_padding * sum``; each run becomes one attention call.
+
+def group_decodes(num_blocks: list[int], max_padding: float = MAX_DECODE_PADDING) -> list[tuple[int, int]]:
+    """:func:`padding_runs` of decodes sorted by block count ascending (sorted, the runs cut the least padding).
 
     Raises:
         ValueError: if ``num_blocks`` is not sorted ascending.
     """
     if any(a > b for a, b in zip(num_blocks, num_blocks[1:])):
         raise ValueError("decodes must be sorted by context length, shortest first")
-    groups, start, total = [], 0, 0
-    for i, n in enumerate(num_blocks):
-        if i > start and (i - start + 1) * n > max_padding * (total + n):
-            groups.append((start, i))
-            start, total = i, 0
-        total += n
-    if num_blocks:
-        groups.append((start, len(num_blocks)))
-    return groups
+    return padding_runs(num_blocks, max_padding)
 
 
 @dataclass

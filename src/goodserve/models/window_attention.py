@@ -16,22 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from goodserve.models.attention import MAX_DECODE_PADDING, AttentionMetadata, DecodeGroup, PrefillChunk
-
-
-def _runs(num_blocks: list[int], max_padding: float = MAX_DECODE_PADDING) -> list[tuple[int, int]]:
-    """``[start, end)`` runs of decodes, in batch order, whose padding to the run's longest stays bounded
-    (``count * longest <= max_padding * sum``); the lengths need not be sorted."""
-    runs, start, total, longest = [], 0, 0, 0
-    for i, n in enumerate(num_blocks):
-        if i > start and (i - start + 1) * max(longest, n) > max_padding * (total + n):
-            runs.append((start, i))
-            start, total, longest = i, 0, 0
-        total += n
-        longest = max(longest, n)
-    if num_blocks:
-        runs.append((start, len(num_blocks)))
-    return runs
+from goodserve.kv_cache.sliding import SlidingWindow
+from goodserve.models.attention import AttentionMetadata, DecodeGroup, PrefillChunk, padding_runs
 
 
 def build_windowed(block_size: int, window: int, decode_block_tables: list[list[int]], decode_seq_lens: list[int],
@@ -59,14 +45,15 @@ def build_windowed(block_size: int, window: int, decode_block_tables: list[list[
     """
     if window < 1:
         raise ValueError(f"window must be >= 1 token, got {window}")
+    rule = SlidingWindow(window, block_size)  # the KV cache manager's window rule: which blocks a query reads
     cut_tables, cut_lens, starts = [], [], []
     for table, length in zip(decode_block_tables, decode_seq_lens):
-        first = max(0, length - window) // block_size  # the first block the query at length - 1 reads
+        first = rule.first_needed_block(length - 1)  # the first block the query at length - 1 reads
         cut_tables.append(table[first:])
         cut_lens.append(length - first * block_size)
         starts.append(max(0, length - window) - first * block_size)
     groups = []
-    for start, end in _runs([len(t) for t in cut_tables]):
+    for start, end in padding_runs([len(t) for t in cut_tables]):
         tables = cut_tables[start:end]
         max_blocks = max(len(t) for t in tables)
         dbt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=device)
@@ -83,7 +70,7 @@ def build_windowed(block_size: int, window: int, decode_block_tables: list[list[
         end = num_computed + num_new
         block_table = mask = None
         if num_computed > 0 or end > window:
-            first = max(0, num_computed - window + 1) // block_size if num_computed > 0 else 0
+            first = rule.first_needed_block(num_computed) if num_computed > 0 else 0
             q_pos = torch.arange(num_computed, end, device=device)
             k_pos = torch.arange(first * block_size if num_computed > 0 else 0, end, device=device)
             mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
