@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+#: Model types the engine runs whose ``sliding_window`` covers every layer, whatever ``layer_types`` says.
+EVERY_LAYER_TYPES = ("mistral", "phi3", "mixtral", "qwen3_moe")
 #: Gemma 3's default local:global pattern: every sixth layer is global (transformers' ``sliding_window_pattern``).
 GEMMA3_PATTERN = 6
 
@@ -23,7 +25,9 @@ def hf_layer_types(cfg: dict[str, Any], model_type: str) -> tuple[str, ...]:
     ``use_sliding_window`` true, on the layers ``layer_types`` marks (by default those at index
     ``>= max_window_layers``, default 28); ``gemma3_text`` on the layers ``layer_types`` marks (by default all but
     every ``sliding_window_pattern``-th, default 6). Other model types (read only by the simulator) apply it to
-    every layer.
+    the layers ``layer_types`` marks when the config lists them; else another Qwen2/Qwen3 type (not
+    ``qwen3_moe``) to those at index ``>= max_window_layers``, another Gemma type (Gemma 2) to all but every
+    ``sliding_window_pattern``-th (default 1: none), and any other type to every layer.
 
     Args:
         cfg: The ``config.json`` contents (defaults of the model type merged in).
@@ -39,10 +43,13 @@ def hf_layer_types(cfg: dict[str, Any], model_type: str) -> tuple[str, ...]:
     if model_type == "gemma3_text" and types is None:
         pattern = int(cfg.get("sliding_window_pattern", GEMMA3_PATTERN))
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    elif model_type in ("qwen2", "qwen3") and types is None:
+    elif model_type.startswith(("qwen2", "qwen3")) and model_type != "qwen3_moe" and types is None:
         first = int(cfg.get("max_window_layers", 28))
         types = [SLIDING if i >= first else FULL for i in range(num_layers)]
-    elif model_type not in ("qwen2", "qwen3", "gemma3_text"):
+    elif model_type.startswith("gemma") and types is None:
+        pattern = int(cfg.get("sliding_window_pattern") or 1)
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    elif model_type in EVERY_LAYER_TYPES or types is None:
         types = [SLIDING] * num_layers
     types = tuple(str(t) for t in types)
     return types if SLIDING in types else ()

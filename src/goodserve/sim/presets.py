@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from goodserve.model_config import ModelConfig, hf_model_type, hf_sliding_window
+from goodserve.config_layers import SLIDING
+from goodserve.model_config import ModelConfig, hf_model_type
 
 
 @dataclass(frozen=True)
@@ -184,37 +185,13 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
 _GEMMA_DEFAULTS["gemma3"] = _GEMMA_DEFAULTS["gemma3_text"]
 
 
-def hf_num_sliding_layers(cfg: dict[str, Any]) -> int:
-    """How many layers of a HF config attend within its window (0 without one).
-
-    The window is :func:`goodserve.config.hf_sliding_window`'s reading. Which layers apply it: those
-    ``layer_types`` marks ``"sliding_attention"`` when the config lists them; else Qwen2/Qwen3 (dense) the
-    layers at index ``>= max_window_layers`` (default 28); Gemma 2/3 every layer but each
-    ``sliding_window_pattern``-th (layer ``i`` is global when ``(i + 1) % pattern == 0``); any other type
-    (Mistral, Mixtral, Phi-3, Qwen3-MoE) every layer.
-    """
-    if hf_sliding_window(cfg) is None:
-        return 0
-    num_layers = int(cfg["num_hidden_layers"])
-    layer_types = cfg.get("layer_types")
-    if layer_types is not None:
-        return sum(t == "sliding_attention" for t in layer_types)
-    model_type = hf_model_type(cfg) or ""
-    if model_type.startswith(("qwen2", "qwen3")) and model_type != "qwen3_moe":
-        return max(0, num_layers - int(cfg.get("max_window_layers", 28)))
-    if model_type.startswith("gemma"):
-        pattern = int(cfg.get("sliding_window_pattern") or 1)
-        return sum(bool((i + 1) % pattern) for i in range(num_layers))
-    return num_layers
-
-
 def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
     """Build an :class:`ArchSpec` from a parsed HF ``config.json``.
 
     The dense shapes come from :meth:`ModelConfig.from_hf_config`, the engine loader's parser, with its
     defaults (e.g. ``max_position_embeddings`` 2048 when absent), experts included (Mixtral, Qwen3-MoE with
     its dense ``mlp_only_layers``). On top, this reads DeepSeek-V2/V3 (MLA, ``n_routed_experts``), sliding
-    windows (:func:`hf_num_sliding_layers`), and a multimodal config's ``text_config`` (Gemma 3).
+    windows (the layers :meth:`ModelConfig.from_hf_config` reads as sliding), and a multimodal config's ``text_config`` (Gemma 3).
 
     Raises:
         ValueError: A required key is missing.
@@ -249,7 +226,7 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
                    moe_intermediate_size=base.moe_intermediate_size,
                    # dense layers are priced by count, wherever they sit
                    first_k_dense_layers=len(base.dense_mlp_layers))
-    num_sliding = 0 if mla else hf_num_sliding_layers(cfg)
+    num_sliding = 0 if mla else base.layer_types.count(SLIDING)
     return ArchSpec(
         name=name, num_hidden_layers=base.num_hidden_layers, hidden_size=base.hidden_size,
         num_attention_heads=base.num_attention_heads, num_key_value_heads=base.num_key_value_heads,
