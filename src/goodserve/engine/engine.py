@@ -160,6 +160,7 @@ class Engine:
             logger.info("draft model %s (%s) for speculation", speculative.model, draft.config.architecture)
         kv_events = args.kv_events()
         num_blocks, max_model_len = resolve_pool(args, loaded.config, device, draft.config if draft else None)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype)
         if draft is not None:
             check_draft(draft.config, loaded.config, max_model_len)
         self.config = EngineConfig(
@@ -168,7 +169,7 @@ class Engine:
             cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
                               enable_prefix_caching=args.enable_prefix_caching,
                               enable_kv_events=kv_events is not None and kv_events.enabled,
-                              sliding_window=sliding_group_window(loaded.config, args.dtype, args.kv_transfer())),
+                              sliding_window=sliding_group_window(loaded.config, kv_dtype, args.kv_transfer())),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                       policy=args.scheduling_policy, mode=args.scheduler,
@@ -177,7 +178,7 @@ class Engine:
             batch_invariant=resolve_batch_invariant(args.batch_invariant, device, args.dtype, args.quantization,
                                                     args.serving, args.kv_cache_dtype,
                                                     batch_invariant_supported(loaded.config)),
-            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype),
+            kv_cache_dtype=kv_dtype,
             fused_decode_step=args.fused_decode_step, device=device, seed=args.seed,
             log_stats_interval=args.log_stats_interval, kv_transfer=args.kv_transfer(), slo_ttft=args.slo_ttft,
             slo_tpot=args.slo_tpot, speculative=speculative, kv_events=kv_events)

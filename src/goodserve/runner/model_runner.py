@@ -291,11 +291,12 @@ class ModelRunner:
             chunks.append((s.num_computed_tokens, s.num_new_tokens, state.block_ids))
         dev = self.device
         decode_tables = [st.block_ids[: p // self.block_size + 1] for st, p in zip(states, positions)]
+        decode_lens = [p + 1 for p in positions]
         slot_mapping = torch.cat(slot_parts).to(dev)
         meta = AttentionMetadata.build(
             self.block_size,
             decode_block_tables=decode_tables,
-            decode_seq_lens=[p + 1 for p in positions],
+            decode_seq_lens=decode_lens,
             prefill_chunks=chunks,
             slot_mapping=slot_mapping,
             device=dev,
@@ -303,8 +304,8 @@ class ModelRunner:
             per_row=getattr(self.attn, "uses_row_tables", False),
         )
         for window in self.windows:  # the sliding layers' own view of the step
-            meta.windowed[window] = build_windowed(self.block_size, window, decode_tables, [p + 1 for p in positions],
-                                                   chunks, slot_mapping, dev)
+            meta.windowed[window] = build_windowed(self.block_size, window, decode_tables, decode_lens, chunks,
+                                                   slot_mapping, dev)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos_parts).to(dev), meta, decodes + prefills
 
