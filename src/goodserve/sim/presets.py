@@ -190,8 +190,8 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ArchSpec:
 
     The dense shapes come from :meth:`ModelConfig.from_hf_config`, the engine loader's parser, with its
     defaults (e.g. ``max_position_embeddings`` 2048 when absent), experts included (Mixtral, Qwen3-MoE with
-    its dense ``mlp_only_layers``). On top, this reads DeepSeek-V2/V3 (MLA, ``n_routed_experts``), sliding
-    windows (the layers :meth:`ModelConfig.from_hf_config` reads as sliding), and a multimodal config's ``text_config`` (Gemma 3).
+    its dense ``mlp_only_layers``) and its sliding layers (``layer_types``). On top, this reads DeepSeek-V2/V3
+    (MLA, ``n_routed_experts``) and a multimodal config's ``text_config`` (Gemma 3).
 
     Raises:
         ValueError: A required key is missing.
