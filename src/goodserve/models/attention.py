@@ -267,7 +267,7 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Read blocks into a contiguous run, token-major.
 
     Args:
@@ -293,8 +293,8 @@ def _gather_rows(cache: torch.Tensor, block_table: torch.Tensor, out: Optional[t
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """:func:`_gather_rows` as a head-major view: ``[..., num_kv_heads, nb * block_size, head_dim]``."""
-    return _gather_rows(cache, block_table).transpose(-3, -2)
+    """:func:`gather_rows` as a head-major view: ``[..., num_kv_heads, nb * block_size, head_dim]``."""
+    return gather_rows(cache, block_table).transpose(-3, -2)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -353,7 +353,7 @@ class TorchAttentionBackend:
         if g.first_block is not None:
             ctx = cache[g.first_block:g.first_block + nb].view(1, nb * block_size, num_kv_heads, head_dim)
         else:
-            ctx = _gather_rows(cache, g.block_tables, self._buffer(name, cache, cache[0].numel() * n * nb))
+            ctx = gather_rows(cache, g.block_tables, self._buffer(name, cache, cache[0].numel() * n * nb))
         ctx = ctx if g.mask is not None else ctx[:, :g.seq_len]
         return dequantize(ctx, dtype) if is_quantized(cache) else ctx.to(dtype)
 

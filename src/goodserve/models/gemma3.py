@@ -28,7 +28,7 @@ from torch import nn
 from goodserve.config import ModelConfig
 from goodserve.models.attention import AttentionBackend, AttentionMetadata
 from goodserve.models.checkpoint import dense_weight
-from goodserve.models.llama import RotaryTable, rope_inv_freq
+from goodserve.models.llama import RotaryTable, cos_sin_table, rope_inv_freq
 from goodserve.models.quant import BlockQuantized, make_linear
 
 #: Per-layer weights of a Gemma 3 checkpoint (HF names after ``model.layers.{i}.``, without ``.weight``).
@@ -48,13 +48,6 @@ def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Te
         eps: Epsilon.
     """
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * scale).to(x.dtype)
-
-
-def _cos_sin(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[2, max_positions, head_dim]`` cos and sin of every position (rotate-half layout), computed in float32."""
-    freqs = torch.arange(max_positions, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return torch.stack([emb.cos(), emb.sin()]).to(dtype)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -178,7 +171,7 @@ class Gemma3ForCausalLM(nn.Module):
             if local:
                 c = dataclasses.replace(c, rope_theta=c.rope_local_theta or c.rope_theta, rope_scaling=None)
             inv_freq = rope_inv_freq(c).to(self.embed_tokens.weight.device)
-            self._rope_tables[key] = _cos_sin(inv_freq, c.max_position_embeddings, dtype)
+            self._rope_tables[key] = cos_sin_table(inv_freq, c.max_position_embeddings, dtype)
         return self._rope_tables[key]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -32,6 +32,14 @@ from goodserve.models.moe import SparseMoeBlock
 from goodserve.models.quant import BlockQuantized, QuantLinear, make_linear, runs_on_blocks
 
 
+def cos_sin_table(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[2, max_positions, head_dim]`` cos and sin of every position: row ``p`` is ``cos/sin(p * inv_freq)``
+    repeated over the two halves (rotate-half layout), computed in float32 then cast to ``dtype``."""
+    freqs = torch.arange(max_positions, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+    return torch.stack([emb.cos(), emb.sin()]).to(dtype)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` (float32), with Llama-3 or linear scaling applied.
 
@@ -437,10 +445,7 @@ class LlamaForCausalLM(nn.Module):
         """
         table = self._rope_tables.get(dtype)
         if table is None:
-            positions = torch.arange(self.config.max_position_embeddings, device=self.inv_freq.device)
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [max_pos, head_dim // 2]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            table = self._rope_tables[dtype] = torch.stack([emb.cos(), emb.sin()]).to(dtype)
+            table = self._rope_tables[dtype] = cos_sin_table(self.inv_freq, self.config.max_position_embeddings, dtype)
         return table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from goodserve.config import EngineConfig, ModelConfig
-from goodserve.models.attention import AttentionMetadata
+from goodserve.models.attention import AttentionMetadata, gather_rows
+from goodserve.models.kv_quant import write_kv
 
 #: Epsilon of ``kv_a_layernorm`` and ``q_a_layernorm`` (transformers' ``DeepseekV2RMSNorm`` default: the
 #: config's ``rms_norm_eps`` applies to the residual-stream norms only).
@@ -152,14 +153,6 @@ def mla_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: 
     return [(alloc(shape, dtype, device), None) for _ in range(config.num_hidden_layers)]
 
 
-def _gather_latent(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Rows of ``block_table``'s blocks, token-major: ``[..., nb * block_size, width]`` from ``cache``
-    ``[num_blocks, block_size, 1, width]`` and ``block_table`` ``[..., nb]`` (one ``index_select`` copy)."""
-    num_blocks, block_size, _, width = cache.shape
-    rows = cache.view(num_blocks, -1).index_select(0, block_table.reshape(-1))
-    return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, width)
-
-
 class MLAAttentionBackend:
     """Attention of an MLA layer over its latent cache: decodes absorbed, prefill chunks expanded.
 
@@ -198,12 +191,12 @@ class MLAAttentionBackend:
         rank = latent.shape[-1]
         nope = q_nope.shape[-1]
         rows = torch.cat([latent, k_pe], dim=-1)  # [num_tokens, kv_lora_rank + qk_rope_head_dim]
-        cache.view(-1, rows.shape[-1]).index_copy_(0, meta.slot_mapping, rows)
+        write_kv(cache, meta.slot_mapping, rows[:, None])  # one latent "head" a token
         num_tokens, num_heads = q_nope.shape[:2]
         out = q_nope.new_empty(num_tokens, num_heads, kv_b.shape[1] - nope)
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [num_heads, nope | v_head_dim, kv_lora_rank]
         for g in meta.decode_groups:
-            ctx = _gather_latent(cache, g.block_tables)  # [n, ctx, kv_lora_rank + qk_rope_head_dim]
+            ctx = gather_rows(cache, g.block_tables)[..., 0, :]  # [n, ctx, kv_lora_rank + qk_rope_head_dim]
             if g.mask is None:
                 ctx = ctx[:, :g.seq_len]
             q_lat = torch.einsum("nhd,hdr->nhr", q_nope[g.start:g.end], w_uk)  # [n, num_heads, kv_lora_rank]
@@ -215,7 +208,7 @@ class MLAAttentionBackend:
             if chunk.mask is None:  # no cached context: the chunk's own rows
                 ctx = rows[chunk.start:chunk.end]
             else:
-                ctx = _gather_latent(cache, chunk.block_table)[:chunk.mask.shape[1]]  # [ctx, width]
+                ctx = gather_rows(cache, chunk.block_table)[:chunk.mask.shape[1], 0]  # [ctx, width]
             kv = F.linear(ctx[:, :rank], kv_b.reshape(-1, rank)).view(ctx.shape[0], num_heads, -1)
             k = torch.cat([kv[..., :nope], ctx[:, None, rank:].expand(-1, num_heads, -1)], dim=-1)
             q = torch.cat([q_nope[chunk.start:chunk.end], q_pe[chunk.start:chunk.end]], dim=-1)
