@@ -27,6 +27,7 @@ import torch
 from goodserve.models import native
 from goodserve.models.attention import AttentionMetadata
 from goodserve.models.invariant import sequential_sum as _sum
+from goodserve.models.kv_quant import write_kv
 
 #: Tokens of one split of a context (splits start at position 0, so a token's splits depend on its length only).
 SPLIT_TOKENS = 256
@@ -65,15 +66,15 @@ class InvariantAttentionBackend:
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Write ``k``/``v`` into the cache, then attend every token over its context (see
         :class:`~goodserve.models.attention.AttentionBackend` for the shapes)."""
-        if k_cache.dtype == torch.int8:
-            raise RuntimeError("batch-invariant attention is not implemented for an int8 KV cache "
-                               "(--kv-cache-dtype int8 is refused with --batch-invariant)")
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if k_cache.dtype != q.dtype:
+            raise RuntimeError(f"batch-invariant attention is not implemented for a {k_cache.dtype} KV cache under "
+                               f"{q.dtype} activations (--batch-invariant refuses a --kv-cache-dtype other than "
+                               "--dtype)")
+        write_kv(k_cache, meta.slot_mapping, k)
+        write_kv(v_cache, meta.slot_mapping, v)
         if q.shape[0] == 0:
             return torch.empty_like(q)
-        if self.uses_amx(q, num_kv_heads):
+        if self.uses_amx(q, k_cache.shape[2]):
             return attention_rows_amx(q, k_cache, v_cache, meta)
         if self.use_native:
             return native.paged_decode_attention(q, k_cache, v_cache, meta.row_block_tables, meta.row_seq_lens,
