@@ -54,8 +54,8 @@ def gemma3(tmp_path_factory):
 
 
 def test_config_parsed_as_transformers(gemma3):
-    """layer_types, both RoPE bases, the global layers' scaling and the score scalar parse; the cache spec is one
-    full group of all four layers (local layers' blocks are kept)."""
+    """layer_types, both RoPE bases, the global layers' scaling and the score scalar parse; the cache is a full group
+    (layer 2) and three sliding groups of one layer each (one full group of all four where one group is required)."""
     config = load_model(gemma3[0]).config
     assert config.architecture == "gemma3_text"
     assert config.layer_types == tuple(LAYER_TYPES)
@@ -63,20 +63,26 @@ def test_config_parsed_as_transformers(gemma3):
     assert (config.rope_theta, config.rope_local_theta, config.query_pre_attn_scalar) == (100000.0, 1000.0, 24.0)
     assert config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     assert config.tie_word_embeddings
-    (group,) = config.kv_cache_spec("float32").groups
+    layout = config.kv_cache_layout()
+    assert layout.group_windows == (None, W, W, W) and layout.num_slots == 1
+    assert layout.layer_slots == ((1, 0), (2, 0), (0, 0), (3, 0))
+    assert [(g.kind, g.num_layers) for g in config.kv_cache_spec("float32").groups] == \
+        [("full", 1)] + [("sliding", 1)] * 3
+    (group,) = config.kv_cache_spec("float32", hybrid=False).groups
     assert (group.kind, group.num_layers) == ("full", 4)
 
 
 @pytest.mark.parametrize("backend, budget, num_blocks", [
-    ("torch", 512, 64), ("auto", 512, 64), ("auto", 7, 64), ("auto", 16, 18)])
+    ("torch", 512, 256), ("auto", 512, 256), ("auto", 7, 256), ("auto", 16, 40)])
 def test_gemma3_equals_hf(gemma3, backend, budget, num_blocks):
-    """Greedy tokens equal transformers': one batch, chunked (budget 7), a pool of 18 blocks that preempts; the
-    same prompts again (prefix hits) too. The window is implemented, so max_model_len is not capped to it."""
+    """Greedy tokens equal transformers': one batch, chunked (budget 7), a pool of 40 one-layer blocks that
+    preempts (the longest request holds 15 full-group blocks and 7 per sliding group at once); the same prompts
+    again (prefix hits) too. The window is implemented, so max_model_len is not capped to it."""
     model_dir, refs = gemma3
     llm = LLM(model_dir, dtype="float32", block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=budget,
               attention_backend=backend, log_stats_interval=0)
     assert llm.engine.max_model_len > W
-    assert llm.engine.config.cache.sliding_window is None
+    assert llm.engine.config.cache.group_windows == (None, W, W, W)
     for _ in range(2):
         assert [o.token_ids for o in llm.generate(EQUALITY_PROMPTS, GREEDY, use_tqdm=False)] == refs
         kv = llm.engine.core.scheduler.kv_cache_manager
@@ -129,7 +135,7 @@ def test_multimodal_gemma3_refused(tmp_path):
 
 def test_gemma3_on_an_int8_cache(gemma3):
     """Gemma 3's local and global layers write and read an int8 pool (quantised on write, read back scaled): one
-    plain batch, and chunked on a pool of 18 blocks that preempts, agree with HF's tokens before each prompt's
+    plain batch, and chunked on a pool of 40 one-layer blocks that preempts, agree with HF's tokens before each prompt's
     first divergence at the share measured on these seeds (41 of 48 plain, 29 of 48 chunked: this tiny model's
     large score scale makes near-ties flip; a chunk attends its own tokens unquantised, so modes differ and
     are not compared with each other)."""
@@ -140,7 +146,7 @@ def test_gemma3_on_an_int8_cache(gemma3):
         return sum(next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, refs))
 
     assert agreed(plain) >= 41
-    llm = LLM(model_dir, num_blocks=18, max_num_batched_tokens=16, **args)
+    llm = LLM(model_dir, num_blocks=40, max_num_batched_tokens=16, **args)
     chunked = [o.token_ids for o in llm.generate(EQUALITY_PROMPTS, GREEDY, use_tqdm=False)]
     assert agreed(chunked) >= 29
     assert llm.engine.core.scheduler.num_preemptions_total > 0

@@ -239,7 +239,7 @@ def test_check_integrity_detects_corruption():
         m.check_integrity()
 
     m = fresh()
-    m._req_blocks["a"].append(m.block_pool.blocks[0])
+    m._req_blocks["a"][0].append(m.block_pool.blocks[0])
     with pytest.raises(RuntimeError, match=r"request a owns block\(s\) \[0\] more than once"):
         m.check_integrity()
 

@@ -205,7 +205,7 @@ def test_engine_int8_cache_prefix_hit(tiny_llama, backend):
                                        ("bfloat16", "auto"), ("bfloat16", "bfloat16"), ("bfloat16", "int8")])
 def test_pool_bytes_per_token_follow_the_spec(tiny_llama, dtype, kv, caplog):
     """The runner allocates ``num_blocks * block_size * spec.bytes_per_token()`` bytes; the log line says so."""
-    with caplog.at_level(logging.INFO, logger="goodserve.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="goodserve.engine.kv_pool"):
         eng = _engine(tiny_llama, kv, "torch", dtype=dtype, num_blocks=10)
     m, cfg = eng.config.model, eng.config
     resolved = dtype if kv == "auto" else kv

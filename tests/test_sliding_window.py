@@ -18,6 +18,7 @@ import torch
 from goodserve import LLM, SamplingParams
 from goodserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from goodserve.kv_cache.manager import KVCacheManager
+from goodserve.kv_cache.layout import uniform_layout
 from goodserve.kv_cache.sliding import NULL_BLOCK_ID, SlidingWindow
 from goodserve.kv_cache.spec import KVCacheGroup
 from goodserve.models.config_support import exact_context_len
@@ -36,7 +37,7 @@ GROUP = KVCacheGroup("sliding", 2, 2, 16, W)
 def _scheduler(num_blocks=64, budget=64, window=W, prefix=True):
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, max_model_len=1024),
                      CacheConfig(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=prefix,
-                                 sliding_window=window))
+                                 layout=uniform_layout(2, window)))
 
 
 # ------------------------------------------------------------------ the KV cache (no model)
@@ -125,7 +126,7 @@ def test_prefix_hit_takes_only_the_window():
 
 def test_manager_frees_before_failing():
     """allocate_slots frees the blocks before the window even when the step's new blocks do not fit."""
-    kv = KVCacheManager(4, BS, sliding_window=W)
+    kv = KVCacheManager(4, BS, group_windows=(W,))
     (req,) = create_requests(1, prompt_len=16, max_tokens=40)
     assert kv.allocate_slots(req, 16) is not None  # blocks 0..3
     req.num_computed_tokens = 16
@@ -141,8 +142,9 @@ def test_manager_frees_before_failing():
 
 def test_kv_cache_spec_groups():
     """Every layer in one window: one sliding group; a window on some layers only (Qwen2's max_window_layers,
-    Gemma 3's local layers): one full group (no block freed); and where layer_types says which layers slide the
-    window is implemented past W (no cap), while a GGUF's (no layer_types) still caps."""
+    Gemma 3's local layers): a full and a sliding group, or one full group (no block freed) where one group is
+    required; and where layer_types says which layers slide the window is implemented past W (no cap), while a
+    GGUF's (no layer_types) still caps."""
     base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2)
     mistral = ModelConfig.from_hf_config({**base, "model_type": "mistral", "sliding_window": W})
@@ -151,7 +153,9 @@ def test_kv_cache_spec_groups():
     qwen2 = ModelConfig.from_hf_config({**base, "model_type": "qwen2", "sliding_window": W, "use_sliding_window": True,
                                         "max_window_layers": 1})
     assert qwen2.layer_types == ("full_attention", "sliding_attention")
-    assert [g.kind for g in qwen2.kv_cache_spec("float32").groups] == ["full"]
+    assert qwen2.kv_cache_spec("float32").groups == (KVCacheGroup("full", 1, 2, 16), KVCacheGroup("sliding", 1, 2, 16, W))
+    assert qwen2.kv_cache_layout().layer_slots == ((0, 0), (1, 0))
+    assert [g.kind for g in qwen2.kv_cache_spec("float32", hybrid=False).groups] == ["full"]
     gguf = ModelConfig(architecture="phi3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                        sliding_window=W)
@@ -183,7 +187,7 @@ def test_windowed_mistral_equals_hf(mistral, backend, budget, num_blocks):
     model_dir, refs = mistral
     llm = LLM(model_dir, dtype="float32", block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=budget,
               attention_backend=backend, log_stats_interval=0)
-    assert llm.engine.config.cache.sliding_window == W
+    assert llm.engine.config.cache.group_windows == (W,)
     assert llm.engine.max_model_len > W
     for again in (False, True):
         outs = llm.generate(EQUALITY_PROMPTS, GREEDY, use_tqdm=False)
@@ -222,7 +226,7 @@ def test_log_line_prices_requests_by_the_window(mistral, caplog):
     """The pool log line's "max concurrency at N tokens" is the spec's: the pool's bytes over the bytes a request
     of max_model_len tokens keeps, whole blocks, windows applied (W = 8, blocks of 4: the last 2 blocks of 64 tokens)."""
     model_dir, _ = mistral
-    with caplog.at_level(logging.INFO, logger="goodserve.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="goodserve.engine.kv_pool"):
         llm = LLM(model_dir, dtype="float32", block_size=BS, num_blocks=30, max_model_len=64, log_stats_interval=0)
     spec = llm.engine.config.model.kv_cache_spec("float32")
     assert spec.bytes_for_request(64, BS) == 2 * BS * spec.bytes_per_token()
@@ -312,14 +316,14 @@ def test_auto_batch_invariance_only_for_models_with_an_invariant_path():
 
 
 def test_disaggregation_of_a_sliding_group_refused():
-    from goodserve.engine.engine import sliding_group_window
+    from goodserve.engine.kv_pool import engine_kv_layout
 
     base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     mistral = ModelConfig.from_hf_config({**base, "model_type": "mistral", "sliding_window": W})
-    assert sliding_group_window(mistral, "float32") == W
-    assert sliding_group_window(ModelConfig.from_hf_config({**base, "model_type": "mistral"}), "float32") is None
+    assert engine_kv_layout(mistral).group_windows == (W,)
+    assert engine_kv_layout(ModelConfig.from_hf_config({**base, "model_type": "mistral"})).group_windows == (None,)
     with pytest.raises(ValueError, match="disaggregated serving .* sliding window .* is not implemented"):
-        sliding_group_window(mistral, "float32", kv_transfer=object())
+        engine_kv_layout(mistral, kv_transfer=object())
 
 
 def test_prefix_hit_needs_only_the_window_cached():
@@ -345,15 +349,14 @@ def test_prefix_hit_needs_only_the_window_cached():
         assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_longest_hit():
-    sw = SlidingWindow(W, BS)  # a hit of k blocks needs blocks (4k - 7) // 4 .. k - 1
-    assert sw.longest_hit([]) == 0
-    assert sw.longest_hit([True] * 5) == 5
-    assert sw.longest_hit([False, False, True, True, True]) == 5  # k=5 needs blocks 3, 4
-    assert sw.longest_hit([False, False, False, True, True]) == 5
-    assert sw.longest_hit([True, True, False, False, True]) == 2  # k=5 needs block 3
-    assert sw.longest_hit([False, True, True, False]) == 3  # k=3 needs blocks 1, 2
-    assert sw.longest_hit([False, True]) == 0  # k=2 needs blocks 0, 1
+def test_valid_hits():
+    """Per k, whether a hit of k blocks has the blocks its first query's window reads, (4k - 7) // 4 .. k - 1."""
+    sw = SlidingWindow(W, BS)
+    assert sw.valid_hits([]) == [True]
+    assert sw.valid_hits([True] * 3) == [True] * 4
+    assert sw.valid_hits([False, False, True, True, True]) == [True, False, False, False, True, True]  # k=4: 2, 3
+    assert sw.valid_hits([True, True, False, False, True]) == [True, True, True, False, False, False]
+    assert sw.valid_hits([False, True, True, False]) == [True, False, False, True, False]
 
 
 def _agreement(got: list[list[int]], want: list[list[int]]) -> float:

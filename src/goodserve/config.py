@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from goodserve.kv_cache.layout import KVCacheLayout
 from goodserve.kv_events.config import KVEventsConfig
 from goodserve.kv_transfer.config import KVTransferConfig
 from goodserve.kv_transfer.params import KVTransferParams
@@ -63,8 +64,9 @@ class CacheConfig:
         enable_prefix_caching: Register full blocks by content hash and reuse them across requests.
         enable_kv_events: Record the prefix cache's changes as KV events (:mod:`goodserve.kv_events`; set by
             ``--kv-events-config``, and by the simulator for ``kv-aware`` routing).
-        sliding_window: The window of the model's one ``sliding`` KV-cache group (every layer attends within it,
-            :meth:`ModelConfig.kv_cache_spec`): blocks before it are freed as requests advance; ``None``: none.
+        layout: How the model's layers lie over the pool: its KV-cache groups, each with its own block tables
+            (:mod:`goodserve.kv_cache.layout`; a sliding group frees the blocks before its window as requests
+            advance). ``None``: one full-attention group of every layer.
     """
 
     num_blocks: int = field(metadata=_flag("--num-blocks", "KV pool size in blocks (default: sized from the memory "
@@ -73,7 +75,17 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "--no-prefix-caching", "do not reuse the KV blocks of shared prompt prefixes"))
     enable_kv_events: bool = False
-    sliding_window: Optional[int] = None
+    layout: Optional[KVCacheLayout] = None
+
+    @property
+    def group_windows(self) -> tuple[Optional[int], ...]:
+        """Per KV-cache group its window, or ``None`` (full attention)."""
+        return self.layout.group_windows if self.layout is not None else (None,)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the pool holds several KV-cache groups (a block holds one group's layers)."""
+        return len(self.group_windows) > 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 from goodserve.config_deepseek import hf_deepseek_fields
 from goodserve.config_layers import hf_layer_types, hf_rope_per_layer_type
-from goodserve.kv_cache.spec import KVCacheGroup, KVCacheSpec, dense_spec, mla_spec
+from goodserve.kv_cache.layout import KVCacheLayout, plan_layout, uniform_layout
+from goodserve.kv_cache.spec import KVCacheSpec, mla_spec
 
 #: HF ``architectures`` class names -> ``model_type``, for a ``config.json`` that names only the class.
 HF_CLASS_TO_MODEL_TYPE = {
@@ -157,25 +158,35 @@ class ModelConfig:
         """Whether layer ``layer``'s MLP is the mixture of experts (else the dense SwiGLU)."""
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
-    def kv_cache_spec(self, kv_dtype: str) -> KVCacheSpec:
-        """The model's KV-cache groups with every element in ``kv_dtype`` (a key of
-        :data:`~goodserve.kv_cache.spec.KV_DTYPE_BYTES`): what a token costs, :mod:`goodserve.kv_cache.spec`.
+    def kv_cache_layout(self, hybrid: bool = True) -> KVCacheLayout:
+        """How the engine lays the model's layers over the KV pool (:mod:`goodserve.kv_cache.layout`).
 
-        Groups are those the engine runs: one ``sliding`` group when every layer attends within the same window
-        (its blocks before the window are freed as a request advances, :mod:`goodserve.kv_cache.sliding`); else
-        one ``full`` group of every layer, also for a model mixing local and global layers (Gemma 3): their
-        local layers mask to the window but keep every block, saving no memory.
+        Args:
+            hybrid: Give a model mixing local and global layers (Gemma 3, Qwen2 with ``max_window_layers``) one
+                group per kind and size, whose local groups free the blocks before their window. ``False``: one
+                ``full`` group of every layer (the local layers mask to their window but keep every block), for
+                what does not handle several groups (a draft model's shared blocks, KV transfer, the one-call
+                decode step).
+
+        Returns:
+            One group of every layer when every layer attends the same way (MLA included), else as ``hybrid`` says.
+        """
+        windows = [self.layer_window(i) for i in range(self.num_hidden_layers)]
+        if len(set(windows)) > 1 and not hybrid:
+            return uniform_layout(self.num_hidden_layers)
+        return plan_layout(windows)
+
+    def kv_cache_spec(self, kv_dtype: str, hybrid: bool = True) -> KVCacheSpec:
+        """The model's KV-cache groups with every element in ``kv_dtype`` (a key of
+        :data:`~goodserve.kv_cache.spec.KV_DTYPE_BYTES`), as :meth:`kv_cache_layout` ``(hybrid)`` lays them out:
+        what a token costs, :mod:`goodserve.kv_cache.spec`.
 
         Raises:
             ValueError: an unknown ``kv_dtype``.
         """
         if self.is_mla:
             return mla_spec(self.num_hidden_layers, self.kv_lora_rank, self.qk_rope_head_dim, kv_dtype)
-        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
-        if len(windows) == 1 and None not in windows:
-            return KVCacheSpec(kv_dtype, (KVCacheGroup("sliding", self.num_hidden_layers, self.num_key_value_heads,
-                                                       self.head_dim, self.sliding_window),))
-        return dense_spec(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, kv_dtype)
+        return self.kv_cache_layout(hybrid).spec(kv_dtype, self.num_key_value_heads, self.head_dim)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], generation_cfg: Optional[dict[str, Any]] = None) -> "ModelConfig":

@@ -18,16 +18,14 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from goodserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from goodserve.engine.args import (EngineArgs, default_kv_cache_memory, resolve_batch_invariant, resolve_dtype,
-                                   resolve_kv_cache_dtype)
+from goodserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from goodserve.engine.args import EngineArgs, resolve_batch_invariant, resolve_dtype, resolve_kv_cache_dtype
 from goodserve.engine.chat import render_chat
 from goodserve.engine.core import EngineCore
+from goodserve.engine.kv_pool import resolve_pool
 from goodserve.engine.output_processor import OutputProcessor
 from goodserve.engine.stats import EngineStats
-from goodserve.kv_cache.sliding import SlidingWindow
 from goodserve.kv_transfer.params import KVTransferParams
-from goodserve.models.config_support import resolve_max_model_len
 from goodserve.models.loader import default_model_path, load_model
 from goodserve.models.registry import batch_invariant_supported
 from goodserve.outputs import RequestOutput
@@ -52,70 +50,6 @@ class EngineStep:
 
     outputs: list[RequestOutput]
     schedule: Optional[SchedulerOutput]
-
-
-def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
-                 draft: Optional[ModelConfig] = None) -> tuple[int, int]:
-    """Pick the pool size in blocks and the effective ``max_model_len``. With a draft model (speculation) a
-    block holds both models' K/V, so the same KV budget holds fewer blocks.
-
-    Returns:
-        ``(num_blocks, max_model_len)``. ``max_model_len`` never exceeds what the pool can hold, so a
-        request admitted alone can always finish, nor what the engine computes exactly
-        (:func:`~goodserve.models.config_support.resolve_max_model_len`).
-
-    Raises:
-        ValueError: if the pool cannot hold a single block, or ``max_model_len`` asks for more tokens than
-            the model's sliding window.
-    """
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype)
-    spec = model.kv_cache_spec(kv_dtype)
-    bytes_per_token = spec.bytes_per_token() + (draft.kv_cache_spec(kv_dtype).bytes_per_token() if draft else 0)
-    bytes_per_block = bytes_per_token * args.block_size
-    if args.num_blocks is not None:
-        num_blocks = args.num_blocks
-    else:
-        memory = args.kv_cache_memory or default_kv_cache_memory(device)
-        num_blocks = memory // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory of {memory} bytes holds no block of {bytes_per_block} bytes")
-    max_model_len = resolve_max_model_len(args.max_model_len, model)
-    pool_tokens = num_blocks * args.block_size
-    # With one sliding group the blocks before the window are freed as a request advances: the pool need only
-    # hold the window and one step's chunk, not max_model_len tokens.
-    window = sliding_group_window(model, kv_dtype)
-    window_fits = window is not None and draft is None and args.scheduler == "chunked" and num_blocks >= \
-        SlidingWindow(window, args.block_size).max_blocks(max_model_len, args.max_num_batched_tokens)
-    if pool_tokens < max_model_len and not window_fits:
-        logger.warning("KV pool of %d blocks holds %d tokens, fewer than max_model_len %d: "
-                       "capping max_model_len to %d", num_blocks, pool_tokens, max_model_len, pool_tokens)
-        max_model_len = pool_tokens
-    # Requests of max_model_len tokens the pool holds at once, in whole blocks, windows applied (the spec's
-    # formula, as `goodserve plan` prices it).
-    request_bytes = spec.bytes_for_request(max_model_len, args.block_size) + (
-        draft.kv_cache_spec(kv_dtype).bytes_for_request(max_model_len, args.block_size) if draft else 0)
-    logger.info("KV cache (%s): %d blocks x %d tokens = %d tokens, %.1f MiB; max concurrency at %d tokens: %.2f",
-                spec.describe(), num_blocks, args.block_size, pool_tokens, num_blocks * bytes_per_block / 2**20,
-                max_model_len, num_blocks * bytes_per_block / request_bytes)
-    return num_blocks, max_model_len
-
-
-def sliding_group_window(model: ModelConfig, kv_dtype: str, kv_transfer: Optional[Any] = None) -> Optional[int]:
-    """The window of the model's one ``sliding`` KV-cache group (the KV cache manager frees the blocks before it),
-    or ``None`` when its cache keeps every block (:meth:`ModelConfig.kv_cache_spec`).
-
-    Raises:
-        ValueError: for a sliding group with disaggregated serving (``kv_transfer``): moving a window whose
-            leading blocks were freed is not implemented.
-    """
-    groups = model.kv_cache_spec(kv_dtype).groups
-    if len(groups) != 1 or groups[0].kind != "sliding":
-        return None
-    if kv_transfer is not None:
-        raise ValueError(f"disaggregated serving (--kv-transfer-config) of a model whose every layer attends within "
-                         f"a sliding window ({model.architecture}, window {groups[0].window}) is not implemented; "
-                         "supported: models with full-attention layers")
-    return groups[0].window
 
 
 def _structured_output_compiler(tokenizer: Any, model_config: Any) -> Optional[Any]:
@@ -159,7 +93,8 @@ class Engine:
                                and device == "cpu")
             logger.info("draft model %s (%s) for speculation", speculative.model, draft.config.architecture)
         kv_events = args.kv_events()
-        num_blocks, max_model_len = resolve_pool(args, loaded.config, device, draft.config if draft else None)
+        num_blocks, max_model_len, layout = resolve_pool(args, loaded.config, device,
+                                                         draft.config if draft else None)
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype)
         if draft is not None:
             check_draft(draft.config, loaded.config, max_model_len)
@@ -169,7 +104,7 @@ class Engine:
             cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
                               enable_prefix_caching=args.enable_prefix_caching,
                               enable_kv_events=kv_events is not None and kv_events.enabled,
-                              sliding_window=sliding_group_window(loaded.config, kv_dtype, args.kv_transfer())),
+                              layout=layout),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                       policy=args.scheduling_policy, mode=args.scheduler,
@@ -199,7 +134,7 @@ class Engine:
     def kv_cache_bytes_per_token(self) -> int:
         """Bytes one token occupies in the model's KV cache, in the resolved KV dtype (the spec's formula,
         :mod:`goodserve.kv_cache.spec`; a draft model's cache, under speculation, is extra)."""
-        return self.config.model.kv_cache_spec(self.config.kv_dtype).bytes_per_token()
+        return self.config.model.kv_cache_spec(self.config.kv_dtype, self.config.cache.hybrid).bytes_per_token()
 
     @property
     def max_model_len(self) -> int:

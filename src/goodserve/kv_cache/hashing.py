@@ -61,3 +61,15 @@ def hash_request_blocks(token_ids: Sequence[int], block_size: int,
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of KV-cache group ``group``'s block of ``block_hash``: the hash itself for group 0 (so a
+    one-group cache and its KV events keep plain block hashes), else the hash followed by the group's index (each
+    group holds its own K/V for the same tokens, in its own block)."""
+    return block_hash if group == 0 else BlockHash(block_hash + group.to_bytes(2, "little"))
+
+
+def is_block_hash(key: bytes) -> bool:
+    """Whether a prefix-cache key is a plain block hash (group 0's key), not another group's :func:`group_key`."""
+    return len(key) == hashlib.sha256().digest_size

@@ -12,7 +12,7 @@ is ever read.
 A freed block keeps its prefix-cache hash (it joins the free queue like any block a finished request frees),
 so a later request may still hit it while it is not evicted. A prefix hit of ``k`` blocks needs only the blocks
 the window of its first computed token (position ``k * block_size``) reads to be cached (vLLM's sliding-window
-rule, :meth:`SlidingWindow.longest_hit`): the chained block hashes already say that the tokens before them
+rule, :meth:`SlidingWindow.valid_hits`): the chained block hashes already say that the tokens before them
 match, and the K/V of the blocks before the window is never read again. Those blocks are not referenced.
 
 No torch here.
@@ -72,25 +72,19 @@ class SlidingWindow:
         whole = -(-num_tokens // self.block_size)
         return min(whole, -(-(self.window - 1 + min(max_chunk, num_tokens)) // self.block_size) + 1)
 
-    def longest_hit(self, cached: list[bool]) -> int:
-        """The most leading blocks a request can take as a prefix hit.
+    def valid_hits(self, cached: list[bool]) -> list[bool]:
+        """Per ``k`` in ``0 .. len(cached)``, whether a request can take its first ``k`` blocks as a prefix hit: the
+        blocks ``first_needed_block(k * block_size) .. k - 1`` its first computed token's window reads are all
+        cached.
 
         Args:
-            cached: Per full block of the request's tokens that may be hit (in order), whether its chained hash
-                is in the prefix cache.
-
-        Returns:
-            The largest ``k`` (0 when none) such that blocks ``first_needed_block(k * block_size) .. k - 1`` are
-            all cached.
+            cached: Per leading full block of the request's tokens, whether its chained hash is in the prefix cache.
         """
-        best, run_start = 0, 0  # run_start: first block of the current run of cached blocks
+        ok, run_start = [True], 0  # run_start: first block of the run of cached blocks ending at the current one
         for i, hit in enumerate(cached):
-            if not hit:
-                run_start = i + 1
-                continue
-            if run_start <= self.first_needed_block((i + 1) * self.block_size):
-                best = i + 1
-        return best
+            run_start = run_start if hit else i + 1
+            ok.append(run_start <= self.first_needed_block((i + 1) * self.block_size))
+        return ok
 
     def keep_hits(self, hits: list[KVBlock], num_hit_tokens: int) -> list[Optional[KVBlock]]:
         """The prefix hits a request whose first computed token is at ``num_hit_tokens`` references: ``None`` for

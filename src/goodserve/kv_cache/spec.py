@@ -114,6 +114,18 @@ class KVCacheSpec:
         """Bytes one token occupies in every group (a token inside every window): what a block costs per slot."""
         return sum(g.bytes_per_token(self.kv_dtype) for g in self.groups)
 
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one pool block: ``block_size`` tokens of one group. An engine's groups all cost the same per
+        token (:mod:`goodserve.kv_cache.layout` pads them to one size), so any group gives it.
+
+        Raises:
+            ValueError: if the groups differ in bytes per token (a planner's spec, not an engine's pool).
+        """
+        sizes = {g.bytes_per_token(self.kv_dtype) for g in self.groups}
+        if len(sizes) != 1:
+            raise ValueError(f"groups of unequal bytes per token share no block size: {self.describe()}")
+        return block_size * sizes.pop()
+
     def bytes_for_request(self, num_tokens: int, block_size: int) -> int:
         """Bytes a request of ``num_tokens`` tokens holds at most, in whole blocks, windows applied."""
         return sum(g.blocks_kept(num_tokens, block_size) * block_size * g.bytes_per_token(self.kv_dtype)

@@ -130,6 +130,10 @@ class AttentionMetadata:
         max_row_len: The longest of ``row_seq_lens`` (0 unless built with ``per_row=True``).
         windowed: Per window ``W`` of the model's sliding layers, the metadata those layers attend with
             (:func:`goodserve.models.window_attention.build_windowed`); read through :meth:`for_window`.
+        window: The window this metadata was built for (``None``: full attention).
+        layer_metadata: With several KV-cache groups (:mod:`goodserve.kv_cache.layout`), per layer the metadata of
+            its group (its own block tables and slot mapping); read through :meth:`for_layer`. ``None``: one
+            group, every layer uses this metadata.
     """
 
     slot_mapping: torch.Tensor
@@ -143,14 +147,21 @@ class AttentionMetadata:
     row_seq_lens: Optional[torch.Tensor] = None
     max_row_len: int = 0
     windowed: dict[int, "AttentionMetadata"] = field(default_factory=dict)
+    window: Optional[int] = None
+    layer_metadata: Optional[list["AttentionMetadata"]] = None
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """The metadata layer ``layer`` attends with: its KV-cache group's (``self`` with one group)."""
+        return self if self.layer_metadata is None else self.layer_metadata[layer]
 
     def for_window(self, window: Optional[int]) -> "AttentionMetadata":
-        """The metadata a layer attending within ``window`` tokens uses (``None``: full attention, ``self``).
+        """The metadata a layer attending within ``window`` tokens uses (``self`` for full attention, or when built
+        for that window).
 
         Raises:
             RuntimeError: if the step was not built for that window (attending without it would be wrong).
         """
-        if window is None:
+        if window == self.window:
             return self
         meta = self.windowed.get(window)
         if meta is None:

@@ -11,9 +11,10 @@ a GeGLU MLP (``gelu_pytorch_tanh``); norms before and after both attention and M
 tied to the embedding unless the checkpoint has its own. Attention and final logit soft-capping, which Gemma 3
 does not use, are refused by :mod:`goodserve.models.config_support` before any weight is read.
 
-The cache keeps every block of every layer (one ``full`` KV-cache group, ``ModelConfig.kv_cache_spec``): the
-local layers mask to their window, so the output is exact past it, but their blocks before the window are not
-freed.
+The local and global layers are separate KV-cache groups (:mod:`goodserve.kv_cache.layout`): each layer reads
+its group's block tables (``AttentionMetadata.for_layer``), and the local groups' blocks before the window are
+freed as a request advances. Where one group is required (a draft model, KV transfer) every layer keeps every
+block and the local layers mask to their window, exact either way.
 """
 
 from __future__ import annotations
@@ -192,8 +193,8 @@ class Gemma3ForCausalLM(nn.Module):
         weight = self.embed_tokens.weight
         x = self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size ** 0.5, dtype=weight.dtype)
         ropes = {local: RotaryTable(self.rope_cos_sin(local, x.dtype), positions) for local in (False, True)}
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer.forward(x, ropes[layer.window is not None], kv_cache, meta, attn)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer.forward(x, ropes[layer.window is not None], kv_cache, meta.for_layer(i), attn)
         return gemma_rms_norm(x, self.norm_scale, self.config.rms_norm_eps)
 
     def can_decode_in_one_call(self, num_tokens: int, meta: AttentionMetadata, attn: AttentionBackend) -> bool:

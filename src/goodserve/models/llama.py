@@ -402,8 +402,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [padded, hidden]
         rope = RotaryTable(self.rope_cos_sin(x.dtype), positions)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, rope, kv_cache, meta, attn)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta.for_layer(i), attn)
         return add_rms_norm(x[:num_tokens], residual[:num_tokens], self.norm.weight, self.norm.eps,
                             self.batch_invariant)[0]
 

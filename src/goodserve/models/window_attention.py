@@ -78,4 +78,4 @@ def build_windowed(block_size: int, window: int, decode_block_tables: list[list[
                 block_table = torch.tensor(table[first:-(-end // block_size)], dtype=torch.long, device=device)
         prefills.append(PrefillChunk(start, start + num_new, block_table, mask))
         start += num_new
-    return AttentionMetadata(slot_mapping, len(decode_block_tables), groups, prefills)
+    return AttentionMetadata(slot_mapping, len(decode_block_tables), groups, prefills, window=window)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from goodserve.config import EngineConfig
+from goodserve.kv_cache.layout import uniform_layout
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from goodserve.models.kv_quant import cache_shape
 from goodserve.models.mla import MLAAttentionBackend, check_mla_engine, mla_kv_caches
@@ -109,6 +110,11 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         m = config.model
+        #: How layers lie over the pool: its KV-cache groups (a request's ``block_ids`` interleave their tables).
+        self.layout = config.cache.layout or uniform_layout(m.num_hidden_layers)
+        if len(self.layout.layer_slots) != m.num_hidden_layers:
+            raise ValueError(f"the KV-cache layout places {len(self.layout.layer_slots)} layers; the model has "
+                             f"{m.num_hidden_layers}")
         if m.is_mla:
             check_mla_engine(config)
         with torch.device("meta"):  # nothing is allocated until the weights are taken
@@ -128,11 +134,14 @@ class ModelRunner:
                                 config.kv_dtype)
             kv_dtype = KV_DTYPES[config.kv_dtype]
             # Zeroed so masked-out slots can never hold NaN bit patterns (an int8 row's zero scale reads as 0).
-            self.kv_caches = [(zeroed(shape, kv_dtype, self.device), zeroed(shape, kv_dtype, self.device))
-                              for _ in range(m.num_hidden_layers)]
-        # The one-call decode step (native.decode_layers) reads caches of the activations' dtype only: an int8
-        # (or bfloat16-under-float32) cache runs layer by layer.
-        self.fused_decode_step = config.fused_decode_step and config.kv_dtype == config.dtype
+            slots = [(zeroed(shape, kv_dtype, self.device), zeroed(shape, kv_dtype, self.device))
+                     for _ in range(self.layout.num_slots)]
+            # Layers of different groups at one slot share its tensors: each writes only its own group's blocks.
+            self.kv_caches = [slots[slot] for _, slot in self.layout.layer_slots]
+        # The one-call decode step (native.decode_layers) reads caches of the activations' dtype only, with one
+        # block table: an int8 (or bfloat16-under-float32) cache, or several KV-cache groups, run layer by layer.
+        self.fused_decode_step = config.fused_decode_step and config.kv_dtype == config.dtype \
+            and self.layout.num_groups == 1
         #: The windows of the model's sliding layers (each gets its metadata per step).
         self.windows = sorted({w for w in map(m.layer_window, range(m.num_hidden_layers)) if w is not None})
         self.sampler = Sampler(seed=config.seed)
@@ -142,8 +151,9 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache tensors: ``num_blocks * block_size * spec.bytes_per_token()`` of the
-        model's :meth:`~goodserve.config.ModelConfig.kv_cache_spec` in the resolved KV dtype."""
-        return sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv if t is not None)
+        model's :meth:`~goodserve.config.ModelConfig.kv_cache_spec` in the resolved KV dtype and layout."""
+        tensors = {id(t): t for kv in self.kv_caches for t in kv if t is not None}  # layers may share a slot's
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the message's diffs to the runner's per-request state.
@@ -277,37 +287,54 @@ class ModelRunner:
         token_ids: list[int] = [st.token_ids(s.num_computed_tokens, s.num_computed_tokens + 1)[0]
                                 for s, st in zip(decodes, states)]
         positions: list[int] = [s.num_computed_tokens for s in decodes]
-        slots: list[int] = [st.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                            for st, p in zip(states, positions)]
-        slot_parts = [torch.tensor(slots, dtype=torch.long)]
         pos_parts = [torch.tensor(positions, dtype=torch.long)]
-        chunks = []
         for s in prefills:  # prompt chunks, and decode rows that verify drafts (their last token, then the drafts)
             state = self.requests[s.request_id]
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             token_ids.extend(state.token_ids(start, end - len(s.spec_token_ids)) + s.spec_token_ids)
             pos_parts.append(torch.arange(start, end))
-            slot_parts.append(self._slots(state.block_ids, start, end))
-            chunks.append((s.num_computed_tokens, s.num_new_tokens, state.block_ids))
+        prefill_states = [self.requests[s.request_id] for s in prefills]
+        metas = [self._group_metadata(g, [self.layout.group_table(st.block_ids, g) for st in states], positions,
+                                      prefills, [self.layout.group_table(st.block_ids, g) for st in prefill_states])
+                 for g in range(self.layout.num_groups)]
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.layer_metadata = [metas[g] for g, _ in self.layout.layer_slots]
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return input_ids, torch.cat(pos_parts).to(self.device), meta, decodes + prefills
+
+    def _group_metadata(self, group: int, decode_tables: list[list[int]], positions: list[int],
+                        prefills: list[ScheduledRequest], prefill_tables: list[list[int]]) -> AttentionMetadata:
+        """One KV-cache group's attention metadata for the step: its slot mapping and block tables, windowed for a
+        sliding group of several; with one group, plus a windowed view per window of the model's sliding layers.
+
+        Args:
+            group: The group.
+            decode_tables: Each decode's group table, in batch order; ``positions`` their query positions.
+            prefills: The prefill chunks after the decodes; ``prefill_tables`` their group tables.
+        """
+        bs = self.block_size
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(decode_tables, positions)]
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        chunks = []
+        for s, table in zip(prefills, prefill_tables):
+            slot_parts.append(self._slots(table, s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens))
+            chunks.append((s.num_computed_tokens, s.num_new_tokens, table))
         dev = self.device
-        decode_tables = [st.block_ids[: p // self.block_size + 1] for st, p in zip(states, positions)]
-        decode_lens = [p + 1 for p in positions]
+        tables = [t[: p // self.block_size + 1] for t, p in zip(decode_tables, positions)]
+        lens = [p + 1 for p in positions]
         slot_mapping = torch.cat(slot_parts).to(dev)
-        meta = AttentionMetadata.build(
-            self.block_size,
-            decode_block_tables=decode_tables,
-            decode_seq_lens=decode_lens,
-            prefill_chunks=chunks,
-            slot_mapping=slot_mapping,
-            device=dev,
-            decode_groups=getattr(self.attn, "uses_decode_groups", True),
-            per_row=getattr(self.attn, "uses_row_tables", False),
-        )
-        for window in self.windows:  # the sliding layers' own view of the step
-            meta.windowed[window] = build_windowed(self.block_size, window, decode_tables, decode_lens, chunks,
-                                                   slot_mapping, dev)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(pos_parts).to(dev), meta, decodes + prefills
+        window = self.layout.group_windows[group]
+        if window is not None and self.layout.num_groups > 1:
+            return build_windowed(self.block_size, window, tables, lens, chunks, slot_mapping, dev)
+        meta = AttentionMetadata.build(self.block_size, decode_block_tables=tables, decode_seq_lens=lens,
+                                       prefill_chunks=chunks, slot_mapping=slot_mapping, device=dev,
+                                       decode_groups=getattr(self.attn, "uses_decode_groups", True),
+                                       per_row=getattr(self.attn, "uses_row_tables", False))
+        if self.layout.num_groups == 1:
+            for w in self.windows:  # the sliding layers' own view of the step's one table
+                meta.windowed[w] = build_windowed(self.block_size, w, tables, lens, chunks, slot_mapping, dev)
+        return meta
 
     def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> dict[str, SampledToken]:
         """Sample every row in one batch; if that raises, sample request by request so that only the requests

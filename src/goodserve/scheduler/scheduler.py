@@ -74,7 +74,7 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
             enable_prefix_caching = False
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                enable_prefix_caching, cache_config.enable_kv_events,
-                                               cache_config.sliding_window)
+                                               cache_config.group_windows)
         self.step_model = step_model if step_model is not None else StepTimeModel()
         self.policy: StepPolicy = create_policy(scheduler_config.policy, self.step_model,
                                                 scheduler_config.max_num_batched_tokens, self.block_size,
@@ -117,10 +117,11 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         kv = self.kv_cache_manager
+        total = request.num_prompt_tokens + request.max_tokens if isinstance(request.max_tokens, int) else None
+        chunked = self.scheduler_config.mode == "chunked"  # else a prompt is computed whole
         check_fits(request, self.scheduler_config.max_model_len, kv.num_blocks, self.block_size,
-                   kv.max_blocks_needed(request.num_prompt_tokens + request.max_tokens,
-                                        self.scheduler_config.max_num_batched_tokens)
-                   if isinstance(request.max_tokens, int) and self.scheduler_config.mode == "chunked" else None)
+                   kv.max_blocks_needed(total, self.scheduler_config.max_num_batched_tokens if chunked else total)
+                   if total is not None else None)
         self._check_kv_transfer(request)
         try:
             self.policy.check_arrival(request, self.waiting, self.running, request.arrival_time)

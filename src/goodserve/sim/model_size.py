@@ -16,7 +16,9 @@ Sources:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from goodserve.kv_cache.layout import KVCacheLayout, plan_layout
 from goodserve.kv_cache.spec import KVCacheGroup, KVCacheSpec, mla_spec
 from goodserve.sim.presets import ArchSpec
 
@@ -132,11 +134,10 @@ def kv_cache_spec(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> KVCacheSpec:
     (:mod:`goodserve.kv_cache.spec`), with the KV heads of this GPU under tensor parallelism.
 
     A model with sliding layers gets a ``full`` group of its global layers (if any) and a ``sliding`` group
-    of ``num_sliding_layers`` layers with its window. The engine frees a sliding group's blocks only when it
-    is the model's one group (every layer windowed); for a model that mixes windowed and full layers (Gemma 3)
-    it keeps one ``full`` group, so the planner's windowed figure there is what per-group block tables reach,
-    above what the engine holds today (docs/kv-memory.md). MLA caches the latent ``c_KV`` and the decoupled RoPE
-    key, replicated across TP ranks (DeepSeek-V2 §2.1).
+    of ``num_sliding_layers`` layers with its window: the ideal. The engine's groups are of equal size
+    (:func:`kv_cache_layout`), so a partial last group of a kind costs a few padded layers more
+    (docs/kv-memory.md). MLA caches the latent ``c_KV`` and the decoupled RoPE key, replicated across TP ranks
+    (DeepSeek-V2 §2.1).
 
     Raises:
         ValueError: an unknown ``kv_dtype``, or a ``tp`` that cannot split the KV heads.
@@ -151,6 +152,23 @@ def kv_cache_spec(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> KVCacheSpec:
     if arch.num_sliding_layers:
         groups.append(KVCacheGroup("sliding", arch.num_sliding_layers, n_kv, arch.head_dim, arch.sliding_window))
     return KVCacheSpec(kv_dtype, tuple(groups))
+
+
+def kv_cache_layout(arch: ArchSpec) -> KVCacheLayout:
+    """The engine's layout of ``arch``'s layers over its KV pool (:func:`goodserve.kv_cache.layout.plan_layout`):
+    where the sliding layers sit does not change it, only how many there are."""
+    num_full = arch.num_hidden_layers - arch.num_sliding_layers
+    return plan_layout([None] * num_full + [arch.sliding_window] * arch.num_sliding_layers)
+
+
+def kv_page_bytes(arch: ArchSpec, kv_dtype: str, block_size: int, tp: int = 1,
+                  layout: Optional[KVCacheLayout] = None) -> int:
+    """Bytes of one block of the engine's KV pool on one GPU: ``block_size`` tokens of every layer, or of one
+    group's layers when ``layout`` (default :func:`kv_cache_layout`) has several groups."""
+    layout = layout or kv_cache_layout(arch)
+    if layout.num_groups == 1:
+        return block_size * kv_cache_spec(arch, kv_dtype, tp).bytes_per_token()
+    return layout.spec(kv_dtype, kv_heads_per_gpu(arch, tp), arch.head_dim).page_bytes(block_size)
 
 
 def kv_bytes_per_token(arch: ArchSpec, kv_dtype: str, tp: int = 1) -> int:

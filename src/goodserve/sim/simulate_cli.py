@@ -22,7 +22,8 @@ from goodserve.config_flags import add_scheduler_flags, split_choices
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.sim.cost_model import CostModel, LinearCostModel, NoisyCostModel, RooflineCostModel
 from goodserve.sim.hardware import HARDWARE, get_hardware
-from goodserve.sim.model_size import DTYPE_BYTES, kv_bytes_per_token, parse_dtype
+from goodserve.kv_cache.layout import longest_request, uniform_layout
+from goodserve.sim.model_size import DTYPE_BYTES, kv_bytes_per_token, kv_cache_layout, kv_page_bytes, parse_dtype
 from goodserve.sim.plan_cli import add_kv_cache_dtype_argument
 from goodserve.sim.planner import plan_memory
 from goodserve.sim.presets import PRESETS, ArchSpec, load_arch
@@ -257,13 +258,18 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str, policy: s
     """
     max_model_len = args.max_model_len or arch.max_position_embeddings
     kv_dtype = getattr(args, "kv_cache_dtype", None) or args.dtype
+    # The engine's layout: a mixed model's local groups free their blocks before the window; KV transfer takes one
+    # full group.
+    layout = uniform_layout(arch.num_hidden_layers) if args.disaggregate else kv_cache_layout(arch)
     if args.num_blocks is not None:
         num_blocks = args.num_blocks
     else:
-        num_blocks = plan_memory(arch, get_hardware(args.hardware), args.dtype, args.tp, context=max_model_len,
-                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                 block_size=args.block_size, kv_cache_dtype=kv_dtype).num_blocks
-    max_model_len = min(max_model_len, num_blocks * args.block_size)
+        pool = plan_memory(arch, get_hardware(args.hardware), args.dtype, args.tp, context=max_model_len,
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           block_size=args.block_size, kv_cache_dtype=kv_dtype).pool_bytes
+        num_blocks = pool // kv_page_bytes(arch, kv_dtype, args.block_size, args.tp, layout)
+    max_model_len = longest_request(layout.group_windows, args.block_size, num_blocks, max_model_len,
+                                    args.max_num_batched_tokens if mode == "chunked" else None)
     disagg = None
     if args.disaggregate:
         p, d = parse_disaggregate(args.disaggregate)
@@ -275,7 +281,7 @@ def build_cluster(args: argparse.Namespace, arch: ArchSpec, mode: str, policy: s
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                   policy=policy, mode=mode, shed_load=args.shed_load and policy == "slo"),
-        cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size),
+        cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size, layout=layout),
         enable_prefix_caching=args.enable_prefix_caching, num_replicas=args.replicas, routing=args.routing,
         disaggregation=disagg,
         speculative=SpeculativeConfig.from_cli(args.speculative_config, args.speculative_length),
