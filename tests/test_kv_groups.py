@@ -73,6 +73,8 @@ def test_layout_spec_prices_each_group_and_the_page():
     assert spec.bytes_for_request(64, BS) == (16 + 3 * 2) * BS * per_layer  # the window keeps 2 blocks of 4
     # a step of 4 from position 60 holds 53..63 in each sliding group: 4 blocks
     assert max_blocks_needed(layout.group_windows, BS, 64, 4) == 16 + 3 * 4
+    assert plan_layout([None, 8, 8, 8, None, 8, 8, 8]).spec("int8", 1, 8).describe() == \
+        "int8: full x2 (1 x 8), 3 groups of sliding x2 (1 x 8, window 8)"
     planner = KVCacheSpec("float32", (KVCacheGroup("full", 1, 2, 16), KVCacheGroup("sliding", 3, 2, 16, 8)))
     with pytest.raises(ValueError, match="unequal bytes per token"):
         planner.page_bytes(BS)  # a planner's spec of unpadded groups is no pool
@@ -217,3 +219,6 @@ def test_gemma3_grouped_holds_more_requests_and_speculates(gemma3):
                speculative_length="3", **args)
     assert [o.token_ids for o in spec.generate(EQUALITY_PROMPTS, GREEDY, use_tqdm=False)] == refs
     spec.engine.core.scheduler.kv_cache_manager.check_integrity()
+    one = LLM(model_dir, disable_hybrid_kv_cache_manager=True, **args)  # vLLM's flag: one full group
+    assert one.engine.config.cache.group_windows == (None,) and one.engine.config.cache.num_blocks == 30
+    assert [o.token_ids for o in one.generate(EQUALITY_PROMPTS, GREEDY, use_tqdm=False)] == refs

@@ -50,6 +50,8 @@ class EngineArgs:
             it (``batch_invariant``) are a server's.
         fused_decode_step: Decode-only steps run every layer in one native call where the model allows it
             (``False``: layer by layer, for A/B comparisons; the same bits either way).
+        disable_hybrid_kv_cache_manager: Keep one full-attention KV-cache group for a model mixing local and global
+            layers (vLLM's flag): every layer keeps every block (A/B comparisons; the same tokens either way).
         block_size: Tokens per KV block.
         num_blocks: KV pool size in blocks (overrides ``kv_cache_memory``).
         kv_cache_memory: KV pool size in bytes; default: 20% of available memory, at most 4 GiB on CPU.
@@ -99,6 +101,7 @@ class EngineArgs:
     batch_invariant: Optional[bool] = None
     serving: bool = False
     fused_decode_step: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     # The scheduler's and the KV pool's knobs: defaults from their config dataclasses (and so are their flags,
     # goodserve.config_flags).
     block_size: int = CacheConfig.block_size
@@ -199,6 +202,9 @@ class EngineArgs:
                             "CPU only)")
         g.add_argument("--no-fused-decode-step", dest="fused_decode_step", action="store_false",
                        help="run decode-only steps layer by layer instead of in one native call (A/B comparisons)")
+        g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="one full-attention KV-cache group for a model mixing local and global layers (Gemma 3): "
+                            "no block freed before the local layers' window (A/B comparisons)")
         add_scheduler_flags(g)
         g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
         g.add_argument("--slo-ttft", type=float, default=None,

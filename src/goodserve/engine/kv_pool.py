@@ -18,17 +18,17 @@ from goodserve.models.config_support import resolve_max_model_len
 logger = logging.getLogger(__name__)
 
 
-def engine_kv_layout(model: ModelConfig, draft: Optional[ModelConfig] = None,
-                     kv_transfer: Optional[Any] = None) -> KVCacheLayout:
+def engine_kv_layout(model: ModelConfig, draft: Optional[ModelConfig] = None, kv_transfer: Optional[Any] = None,
+                     hybrid: bool = True) -> KVCacheLayout:
     """The layout the engine runs: a model mixing local and global layers gets one group per kind (its local
-    groups free the blocks before their window), unless a draft model shares the pool's blocks or KV moves
-    between instances (``kv_transfer``), which handle one group only.
+    groups free the blocks before their window), unless ``hybrid`` is off, a draft model shares the pool's blocks
+    or KV moves between instances (``kv_transfer``), which handle one group only.
 
     Raises:
         ValueError: for a model whose every layer slides, with disaggregated serving: moving a window whose
             leading blocks were freed is not implemented.
     """
-    layout = model.kv_cache_layout(hybrid=draft is None and kv_transfer is None)
+    layout = model.kv_cache_layout(hybrid=hybrid and draft is None and kv_transfer is None)
     if kv_transfer is not None and layout.group_windows[0] is not None:
         raise ValueError(f"disaggregated serving (--kv-transfer-config) of a model whose every layer attends within "
                          f"a sliding window ({model.architecture}, window {layout.group_windows[0]}) is not "
@@ -51,7 +51,7 @@ def resolve_pool(args: EngineArgs, model: ModelConfig, device: str,
         ValueError: if the pool cannot hold a single block, or as :func:`engine_kv_layout`.
     """
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype)
-    layout = engine_kv_layout(model, draft, args.kv_transfer())
+    layout = engine_kv_layout(model, draft, args.kv_transfer(), hybrid=not args.disable_hybrid_kv_cache_manager)
     hybrid = layout.num_groups > 1
     spec = model.kv_cache_spec(kv_dtype, hybrid)
     draft_spec = draft.kv_cache_spec(kv_dtype, hybrid=False) if draft else None  # its runner: one group

@@ -132,10 +132,17 @@ class KVCacheSpec:
                    for g in self.groups)
 
     def describe(self) -> str:
-        """One line for logs: dtype and groups, e.g. ``int8: full x30 (3 x 64)``."""
-        parts = [f"{g.kind} x{g.num_layers} ({g.num_kv_heads} x {g.head_dim}"
-                 + (f", window {g.window})" if g.window else ")") for g in self.groups]
-        return f"{self.kv_dtype}: " + ", ".join(parts)
+        """One line for logs: dtype and groups, e.g. ``int8: full x30 (3 x 64)``; equal groups in a row are
+        counted, e.g. ``bfloat16: full x4 (1 x 256), 6 groups of sliding x4 (1 x 256, window 512)``."""
+        parts: list[list] = []  # [description, count]
+        for g in self.groups:
+            text = f"{g.kind} x{g.num_layers} ({g.num_kv_heads} x {g.head_dim}" + (f", window {g.window})"
+                                                                                 if g.window else ")")
+            if parts and parts[-1][0] == text:
+                parts[-1][1] += 1
+            else:
+                parts.append([text, 1])
+        return f"{self.kv_dtype}: " + ", ".join(t if n == 1 else f"{n} groups of {t}" for t, n in parts)
 
 
 def dense_spec(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> KVCacheSpec:
