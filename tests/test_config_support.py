@@ -291,6 +291,9 @@ GGUF_REFUSED = {
     ("attention.layer_norm_epsilon", ""): 1e-5,
     ("expert_count", "qwen3moe"): 0,
     ("expert_used_count", "qwen3moe"): 0,
+    ("attention.sliding_window", "gemma3"): -4,
+    ("attention.sliding_window_pattern", "gemma3"): 4,
+    ("rope.scaling.type", "gemma3"): "yarn",
 }
 
 

@@ -20,7 +20,8 @@ Layers attend within the window a HF config gives them (``ModelConfig.layer_wind
 of :mod:`goodserve.models.window_attention`), so a HF checkpoint's ``sliding_window`` is implemented past the
 window. A GGUF's ``attention.sliding_window`` is applied to every layer too, but that placement is not checked
 against llama.cpp, so :func:`exact_context_len` (the one place that says how far the output is exact) still
-caps ``max_model_len`` to such a window.
+caps ``max_model_len`` to such a window; a ``gemma3`` GGUF's layers slide as llama.cpp slides them
+(:mod:`goodserve.models.gguf_gemma3`), given as ``layer_types``, so its window is implemented past the window.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from goodserve.model_config import HF_REQUIRED_KEYS, ModelConfig
+from goodserve.models.gguf_gemma3 import swa_pattern_problem
 
 logger = logging.getLogger(__name__)
 
@@ -314,8 +316,8 @@ def _scalar_problem(value: Any) -> Optional[str]:
     return "per-layer values (an array) are not implemented" if isinstance(value, list) else None
 
 
-#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3``, ``phi3`` and ``qwen3moe`` architectures
-#: (llama.cpp's names).
+#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``qwen3moe`` and ``gemma3``
+#: architectures (llama.cpp's names).
 GGUF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "shape", problem=_scalar_problem) for key in (
         "context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
@@ -349,6 +351,15 @@ GGUF_RULES: tuple[FieldRule, ...] = (
     FieldRule("expert_feed_forward_length", "implemented", "SwiGLU width of one expert", ("qwen3moe",)),
     FieldRule("feed_forward_length", "ignored", "no dense MLP: every qwen3moe layer is a mixture of experts",
               ("qwen3moe",)),
+    # Gemma 3 text (goodserve.models.gguf_gemma3): llama.cpp fixes the layer layout, local RoPE base and score scale.
+    FieldRule("attention.sliding_window", "implemented", "local layers (llama.cpp: all but every 6th) attend within "
+              "W tokens; 0 or absent: every layer global", ("gemma3",),
+              lambda v: None if v == 0 else _window_problem(v)),
+    FieldRule("attention.sliding_window_pattern", "implemented", "only llama.cpp's hard-coded layout (every 6th "
+              "layer global), which its gemma3 loader applies whatever the key says", ("gemma3",), swa_pattern_problem),
+    FieldRule("rope.scaling.type", "implemented", "none, linear: on the global layers (llama.cpp's local layers take "
+              "no scaling, as HF's)", ("gemma3",), _only(("none", "linear"), "only none and linear RoPE scaling are "
+                                                                              "implemented")),
 )
 
 #: GGUF tensors (or name parts) that ask for math the engine lacks, with the reason given when refusing them.

@@ -17,6 +17,8 @@ GGUF notes:
 * ``qwen3moe`` (Qwen3-MoE) stacks each layer's experts in 3-D tensors ``ffn_gate_exps`` / ``ffn_up_exps``
   (``[E, I, hidden]``) and ``ffn_down_exps`` (``[E, hidden, I]``) beside the router ``ffn_gate_inp``; they
   run dense (dequantized to the dtype), joined by :func:`goodserve.models.moe.join_gguf_experts`.
+* ``gemma3`` (Gemma 3 text) runs as ``gemma3_text``: its norm names, ``1 + w`` norm weights, layer layout and
+  score scale follow llama.cpp (:mod:`goodserve.models.gguf_gemma3`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import torch
 
 from goodserve.model_config import ModelConfig, token_id_list, unique_ids
 from goodserve.models.config_support import check_gguf_metadata, check_gguf_tensors
+from goodserve.models.gguf_gemma3 import GEMMA3_GGUF_LAYER_NAMES, GGUF_GEMMA3, HF_GEMMA3, gemma3_config_fields, \
+    hf_norm_weight
 from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks
 from goodserve.models.checkpoint import (LoadedModel, split_fused_projections, tokenizer_chat_template,
@@ -43,9 +47,11 @@ from goodserve.models.moe import GGUF_EXPERT_NAMES, join_gguf_experts
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values we can run.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", GGUF_GEMMA3)
 #: GGUF architectures whose every layer's MLP is a mixture of experts, and the HF ``model_type`` they run as.
 _GGUF_MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
+#: GGUF architectures that run as a HF ``model_type`` of another name.
+_GGUF_HF_ARCHITECTURES = {**_GGUF_MOE_ARCHITECTURES, GGUF_GEMMA3: HF_GEMMA3}
 
 # GGUF tensor name (the part after ``blk.N.``) -> HF name (the part after ``model.layers.N.``).
 _GGUF_LAYER_NAMES = {
@@ -66,6 +72,7 @@ _GGUF_ARCH_LAYER_NAMES: dict[str, dict[str, Optional[str]]] = {
                  "ffn_up": None, "ffn_down": None, **GGUF_EXPERT_NAMES},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "attn_q": None, "attn_k": None, "attn_v": None,
              "ffn_up": "mlp.gate_up_proj", "ffn_gate": None},
+    HF_GEMMA3: GEMMA3_GGUF_LAYER_NAMES,
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -146,6 +153,10 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
     bos = reader.get("tokenizer.ggml.bos_token_id")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     window = reader.get(f"{arch}.attention.sliding_window")
+    gemma3: dict[str, Any] = {}
+    if arch == GGUF_GEMMA3:
+        gemma3 = gemma3_config_fields(lambda key: reader.get(f"{arch}.{key}"), hidden, heads, head_dim)
+        window = gemma3.pop("sliding_window")
     moe: dict[str, Any] = {}
     if arch in _GGUF_MOE_ARCHITECTURES:  # llama.cpp renormalises qwen3moe's top-k weights
         moe = dict(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
@@ -154,7 +165,7 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
             raise ValueError(f"GGUF metadata {arch}.expert_used_count={moe['num_experts_per_tok']} is not "
                              f"supported: expected 1..{moe['num_experts']}")
     config = ModelConfig(
-        architecture=_GGUF_MOE_ARCHITECTURES.get(arch, arch),
+        architecture=_GGUF_HF_ARCHITECTURES.get(arch, arch),
         vocab_size=n_tokens,
         hidden_size=hidden,
         intermediate_size=int(reader.get(f"{arch}.feed_forward_length") or 0 if moe else get("feed_forward_length")),
@@ -173,6 +184,7 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
         eos_token_ids=unique_ids(eos),
         sliding_window=int(window) if window else None,
         **moe,
+        **gemma3,
     )
     check_gguf_tensors((t.name for t in reader.tensors), _expected_gguf_names(config))
     return config
@@ -218,6 +230,9 @@ def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: t
     shape = tuple(int(n) for n in reversed(tensor.shape))
     data = tensor.data  # read-only view of the memory map
     heads = _rotary_heads(config, hf_name)
+    if config.architecture == HF_GEMMA3 and hf_name.endswith("norm.weight"):  # stored as 1 + w
+        array = hf_norm_weight(dequantize(data, qtype).reshape(shape))
+        return torch.from_numpy(array).to(dtype)
     blocks = hf_name.endswith("proj.weight") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
     if keep_quantized and qtype.name in BLOCK_TYPES and blocks and len(shape) == 2:
         weight = unpack_gguf_blocks(data, qtype.name, shape)
