@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional
 from goodserve.model_config import HF_REQUIRED_KEYS, ModelConfig
 from goodserve.models import field_rule
 from goodserve.models.field_rule import FieldRule, not_one, only, positive_int, refuse_if_set
+from goodserve.models.gguf_deepseek2 import DEEPSEEK2_GGUF_RULES
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +280,8 @@ def _scalar_problem(value: Any) -> Optional[str]:
     return "per-layer values (an array) are not implemented" if isinstance(value, list) else None
 
 
-#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3``, ``phi3`` and ``qwen3moe`` architectures
-#: (llama.cpp's names).
+#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``qwen3moe`` and
+#: ``deepseek2`` architectures (llama.cpp's names).
 GGUF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "shape", problem=_scalar_problem) for key in (
         "context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
@@ -314,6 +315,7 @@ GGUF_RULES: tuple[FieldRule, ...] = (
     FieldRule("expert_feed_forward_length", "implemented", "SwiGLU width of one expert", ("qwen3moe",)),
     FieldRule("feed_forward_length", "ignored", "no dense MLP: every qwen3moe layer is a mixture of experts",
               ("qwen3moe",)),
+    *DEEPSEEK2_GGUF_RULES,  # DeepSeek-V2's MLA and DeepSeekMoE keys (models/gguf_deepseek2.py)
 )
 
 #: GGUF tensors (or name parts) that ask for math the engine lacks, with the reason given when refusing them.
