@@ -294,6 +294,11 @@ GGUF_REFUSED = {
     ("attention.sliding_window", "gemma3"): -4,
     ("attention.sliding_window_pattern", "gemma3"): 4,
     ("rope.scaling.type", "gemma3"): "yarn",
+    ("attention.kv_lora_rank", "deepseek2"): 0,
+    ("attention.q_lora_rank", "deepseek2"): 0,
+    ("rope.scaling.type", "deepseek2"): "linear",
+    ("expert_weights_norm", "deepseek2"): True,
+    ("expert_gating_func", "deepseek2"): 2,
 }
 
 
@@ -306,6 +311,14 @@ def test_gguf_refused_metadata_names_it(arch, key):
     fields = {"general.architecture": arch, f"{arch}.block_count": 2, f"{arch}.{key}": value}
     with pytest.raises(ValueError, match=f"GGUF metadata {arch}.{key}="):
         check_gguf_metadata(arch, fields)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, arch in GGUF_REFUSED if arch == "deepseek2"))
+def test_gguf_deepseek2_refused_metadata_names_it(key):
+    """The deepseek2 rules' refused examples (MLA widths, RoPE scaling, gating) are refused by name too."""
+    fields = {"general.architecture": "deepseek2", f"deepseek2.{key}": GGUF_REFUSED[(key, "deepseek2")]}
+    with pytest.raises(ValueError, match=f"GGUF metadata deepseek2.{key}="):
+        check_gguf_metadata("deepseek2", fields)
 
 
 def test_gguf_accepted_metadata_and_split():

@@ -190,22 +190,6 @@ def test_ngram_speculation_verifies_over_the_latent_cache(tmp_path):
     assert stats.num_spec_draft_tokens_total > stats.num_spec_accepted_tokens_total > 0
 
 
-def test_gguf_deepseek2_refused_by_name(tmp_path):
-    """llama.cpp's ``deepseek2`` GGUFs are not read (their MLA tensors, e.g. ``attn_kv_a_mqa``, are not mapped):
-    refused by the architecture's name before any tensor is read."""
-    import gguf
-
-    path = str(tmp_path / "tiny-deepseek2.gguf")
-    writer = gguf.GGUFWriter(path, "deepseek2")
-    writer.add_block_count(1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'deepseek2'"):
-        load_model(path)
-
-
 def test_mla_never_takes_the_native_one_call_decode(tmp_path, monkeypatch):
     """Under ``attention_backend="auto"`` an MLA model runs its own attention and never the native fused decode
     step (which reads per-head K/V)."""

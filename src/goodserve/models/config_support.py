@@ -27,53 +27,23 @@ caps ``max_model_len`` to such a window; a ``gemma3`` GGUF's layers slide as lla
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from goodserve.model_config import HF_REQUIRED_KEYS, ModelConfig
+from goodserve.models import field_rule
+from goodserve.models.field_rule import FieldRule, not_one, only, positive_int, refuse_if_set
+from goodserve.models.gguf_deepseek2 import DEEPSEEK2_GGUF_RULES
 from goodserve.models.gguf_gemma3 import swa_pattern_problem
 
 logger = logging.getLogger(__name__)
 
-HANDLINGS = ("implemented", "capped", "refused", "ignored")
 #: RoPE types the model computes (``goodserve.models.llama.rope_inv_freq``), as transformers names them.
 ROPE_TYPES = ("default", "linear", "llama3")
 #: ``hidden_act`` values of the SwiGLU MLP (transformers' ``swish`` is ``nn.SiLU``).
 ACTIVATIONS = ("silu", "swish")
 
-Problem = Callable[[Any], Optional[str]]
-
-
-@dataclass(frozen=True)
-class FieldRule:
-    """How the engine treats one config field.
-
-    Attributes:
-        field: HF ``config.json`` key, or GGUF metadata key without the ``{arch}.`` prefix.
-        handling: One of :data:`HANDLINGS`, for every value ``problem`` accepts.
-        why: What is supported, or why ignoring the field leaves the output unchanged.
-        model_types: HF ``model_type``\\ s / GGUF architectures the rule is for (empty: all supported ones).
-        problem: ``value -> None`` when the value is fine, else the reason it is refused.
-    """
-
-    field: str
-    handling: str
-    why: str
-    model_types: tuple[str, ...] = ()
-    problem: Optional[Problem] = None
-
-
-def _refuse_if_set(reason: str) -> Problem:
-    """A check refusing any value other than absent, null, false or 0."""
-    return lambda value: reason if value else None
-
-
-def _only(allowed: tuple[Any, ...], reason: str) -> Problem:
-    return lambda value: None if value in allowed else reason
-
-
-def _not_one(reason: str) -> Problem:
-    return lambda value: None if value is None or float(value) == 1.0 else reason
+HANDLINGS = field_rule.HANDLINGS
+_refuse_if_set, _only, _not_one, _positive_int = refuse_if_set, only, not_one, positive_int
 
 
 def _rope_problem(value: Any) -> Optional[str]:
@@ -98,10 +68,6 @@ def _rope_problem(value: Any) -> Optional[str]:
 def _layer_types_problem(value: Any) -> Optional[str]:
     kinds = set(value or ()) - {"full_attention", "sliding_attention"}
     return f"layer types {sorted(kinds)} are not implemented" if kinds else None
-
-
-def _positive_int(value: Any) -> Optional[str]:
-    return None if isinstance(value, int) and not isinstance(value, bool) and value > 0 else "expected a positive int"
 
 
 def _window_problem(value: Any) -> Optional[str]:
@@ -316,8 +282,8 @@ def _scalar_problem(value: Any) -> Optional[str]:
     return "per-layer values (an array) are not implemented" if isinstance(value, list) else None
 
 
-#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``qwen3moe`` and ``gemma3``
-#: architectures (llama.cpp's names).
+#: GGUF metadata keys under ``{arch}.`` for the ``llama``, ``qwen2``, ``qwen3``, ``phi3``, ``qwen3moe``, ``gemma3``
+#: and ``deepseek2`` architectures (llama.cpp's names).
 GGUF_RULES: tuple[FieldRule, ...] = (
     *(FieldRule(key, "implemented", "shape", problem=_scalar_problem) for key in (
         "context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count",
@@ -360,6 +326,7 @@ GGUF_RULES: tuple[FieldRule, ...] = (
     FieldRule("rope.scaling.type", "implemented", "none, linear: on the global layers (llama.cpp's local layers take "
               "no scaling, as HF's)", ("gemma3",), _only(("none", "linear"), "only none and linear RoPE scaling are "
                                                                               "implemented")),
+    *DEEPSEEK2_GGUF_RULES,  # DeepSeek-V2's MLA and DeepSeekMoE keys (models/gguf_deepseek2.py)
 )
 
 #: GGUF tensors (or name parts) that ask for math the engine lacks, with the reason given when refusing them.

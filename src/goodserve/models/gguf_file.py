@@ -14,6 +14,8 @@ GGUF notes:
   that each head's rotary pairs are adjacent (``x[2i], x[2i+1]``, GPT-J style). HF Llama rotates the two
   halves of a head instead (``x[i], x[i + d/2]``). :func:`_unpermute_rotary_rows` restores HF order.
   ``qwen2`` GGUFs are written without that reordering.
+* ``deepseek2`` (DeepSeek-V2: multi-head latent attention, DeepSeekMoE) has tensors, metadata and a split
+  ``kv_b`` of its own: :mod:`goodserve.models.gguf_deepseek2`.
 * ``qwen3moe`` (Qwen3-MoE) stacks each layer's experts in 3-D tensors ``ffn_gate_exps`` / ``ffn_up_exps``
   (``[E, I, hidden]``) and ``ffn_down_exps`` (``[E, hidden, I]``) beside the router ``ffn_gate_inp``; they
   run dense (dequantized to the dtype), joined by :func:`goodserve.models.moe.join_gguf_experts`.
@@ -41,13 +43,14 @@ from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks
 from goodserve.models.checkpoint import (LoadedModel, split_fused_projections, tokenizer_chat_template,
                                         with_tokenizer_eos)
+from goodserve.models.gguf_deepseek2 import DEEPSEEK2_LAYER_NAMES, deepseek2_expected_names, deepseek2_fields, join_kv_b
 from goodserve.models.gguf_tokenizer import gguf_tokenizer
 from goodserve.models.moe import GGUF_EXPERT_NAMES, join_gguf_experts
 
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` values we can run.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", GGUF_GEMMA3)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", GGUF_GEMMA3, "deepseek2")
 #: GGUF architectures whose every layer's MLP is a mixture of experts, and the HF ``model_type`` they run as.
 _GGUF_MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
 #: GGUF architectures that run as a HF ``model_type`` of another name.
@@ -73,6 +76,7 @@ _GGUF_ARCH_LAYER_NAMES: dict[str, dict[str, Optional[str]]] = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "attn_q": None, "attn_k": None, "attn_v": None,
              "ffn_up": "mlp.gate_up_proj", "ffn_gate": None},
     HF_GEMMA3: GEMMA3_GGUF_LAYER_NAMES,
+    "deepseek_v2": {**GGUF_EXPERT_NAMES, **DEEPSEEK2_LAYER_NAMES},
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -129,6 +133,23 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
+    eos = token_id_list(reader.get("tokenizer.ggml.eos_token_id"))
+    eos += token_id_list(reader.get("tokenizer.ggml.eot_token_id"))
+    eos += token_id_list(reader.get("tokenizer.ggml.eom_token_id"))
+    bos = reader.get("tokenizer.ggml.bos_token_id")
+    common: dict[str, Any] = dict(
+        vocab_size=n_tokens, hidden_size=hidden, num_hidden_layers=int(get("block_count")), num_attention_heads=heads,
+        max_position_embeddings=int(get("context_length")), tie_word_embeddings=not any(
+            t.name == "output.weight" for t in reader.tensors), bos_token_id=None if bos is None else int(bos),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), eos_token_ids=unique_ids(eos),
+        rope_theta=float(get("rope.freq_base", 10000.0)))
+    if arch == "deepseek2":  # multi-head latent attention, DeepSeekMoE (models/gguf_deepseek2.py)
+        config = ModelConfig(**common, **deepseek2_fields(lambda key: reader.get(f"{arch}.{key}"),
+                                                          common["num_hidden_layers"], heads))
+        split_kv_b = any(t.name.endswith(".attn_k_b.weight") for t in reader.tensors)
+        empty = frozenset(t.name for t in reader.tensors if 0 in tuple(t.shape))
+        check_gguf_tensors((t.name for t in reader.tensors), deepseek2_expected_names(config, split_kv_b, empty))
+        return config
     head_dim = int(reader.get(f"{arch}.attention.key_length") or hidden // heads)
     rope_dim = int(reader.get(f"{arch}.rope.dimension_count") or head_dim)
     if rope_dim != head_dim:
@@ -147,11 +168,6 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)
 
-    eos = token_id_list(reader.get("tokenizer.ggml.eos_token_id"))
-    eos += token_id_list(reader.get("tokenizer.ggml.eot_token_id"))
-    eos += token_id_list(reader.get("tokenizer.ggml.eom_token_id"))
-    bos = reader.get("tokenizer.ggml.bos_token_id")
-    tied = not any(t.name == "output.weight" for t in reader.tensors)
     window = reader.get(f"{arch}.attention.sliding_window")
     gemma3: dict[str, Any] = {}
     if arch == GGUF_GEMMA3:
@@ -165,23 +181,14 @@ def _gguf_config(reader: GGUFFile, n_tokens: int) -> ModelConfig:
             raise ValueError(f"GGUF metadata {arch}.expert_used_count={moe['num_experts_per_tok']} is not "
                              f"supported: expected 1..{moe['num_experts']}")
     config = ModelConfig(
+        **common,
         architecture=_GGUF_HF_ARCHITECTURES.get(arch, arch),
-        vocab_size=n_tokens,
-        hidden_size=hidden,
         intermediate_size=int(reader.get(f"{arch}.feed_forward_length") or 0 if moe else get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=heads,
         num_key_value_heads=int(reader.get(f"{arch}.attention.head_count_kv") or heads),
         head_dim=head_dim,
-        max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         attention_bias=arch == "qwen2",
         qk_norm=arch in ("qwen3", "qwen3moe"),
-        tie_word_embeddings=tied,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=unique_ids(eos),
         sliding_window=int(window) if window else None,
         **moe,
         **gemma3,
@@ -269,6 +276,8 @@ def _gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
         weights = {name: future.result() for (name, _), future in zip(named, futures)}
     split_fused_projections(weights, config)
     join_gguf_experts(weights, config)
+    if config.is_mla:
+        join_kv_b(weights, config)
     return weights
 
 
