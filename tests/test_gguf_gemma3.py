@@ -67,6 +67,9 @@ def _writer(path: str, config, extra: dict | None = None, window: bool = True):
         writer.add_rope_scaling_factor(float(full["factor"]))
     if window:  # the converter leaves it out for a model without local layers
         writer.add_sliding_window(config.sliding_window)
+    local = (config.rope_parameters or {}).get("sliding_attention", {}).get("rope_theta")
+    if window and local is not None and "rope_freq_base_swa" not in (extra or {}):  # as current converters
+        writer.add_rope_freq_base_swa(float(local))
     for key, value in (extra or {}).items():
         getattr(writer, f"add_{key}")(value)
     meta = _smollm2_tokenizer_metadata()
@@ -199,14 +202,14 @@ def test_layout_as_llamacpp_runs_it(tmp_path):
     from goodserve.models.gguf_file import _gguf_config
     from goodserve.models.gguf_reader import GGUFFile
 
-    def config(layers, window, hidden=64):
+    def config(layers, window, hidden=64, extra=None):
         from transformers import Gemma3TextConfig
 
         cfg = Gemma3TextConfig(vocab_size=512, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window or 8,
                                max_position_embeddings=1024)
-        path = str(tmp_path / f"g{layers}-{window}-{hidden}.gguf")
-        writer = _writer(path, cfg, window=bool(window))
+        path = str(tmp_path / f"g{layers}-{window}-{hidden}-{bool(extra)}.gguf")
+        writer = _writer(path, cfg, extra, window=bool(window))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.close()
@@ -218,6 +221,8 @@ def test_layout_as_llamacpp_runs_it(tmp_path):
     c = config(13, 0)
     assert c.layer_types == ("full_attention",) * 13 and c.sliding_window is None
     assert config(62, 8, hidden=672).query_pre_attn_scalar == 168.0
+    # The local RoPE base current converters write (rope.freq_base_swa) is read.
+    assert config(13, 8, extra={"rope_freq_base_swa": 20000.0}).rope_local_theta == 20000.0
 
 
 @pytest.mark.parametrize("extra, match", [

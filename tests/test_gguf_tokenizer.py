@@ -142,3 +142,17 @@ def test_other_vocabularies_go_through_transformers(tmp_path):
     assert build_gguf_backend(file.fields) is None
     tokenizer = gguf_tokenizer(file, path)  # transformers' conversion, as before
     assert not isinstance(tokenizer, GGUFTokenizer) and tokenizer.encode("Hello world")
+
+
+def test_unknown_split_rule_refused_by_name(tmp_path):
+    """A byte-level BPE whose ``tokenizer.ggml.pre`` names a split no tokenizer here implements (DeepSeek-V2's
+    ``deepseek-llm``) is refused by that name before any weight is read: transformers would split it with GPT-2's
+    regex and give other token ids without a word."""
+    from goodserve.models.gguf_tokenizer import check_split_rule
+
+    fields = GGUFFile(_tokenizer_gguf(tmp_path, pre="deepseek-llm")).fields
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre='deepseek-llm' is not supported"):
+        check_split_rule(fields)
+    for pre in ("smollm", "qwen2", "llama-bpe", "default"):
+        check_split_rule({**fields, "tokenizer.ggml.pre": pre})
+    check_split_rule({k: v for k, v in fields.items() if k != "tokenizer.ggml.pre"})

@@ -321,8 +321,10 @@ GGUF_RULES: tuple[FieldRule, ...] = (
     FieldRule("attention.sliding_window", "implemented", "local layers (llama.cpp: all but every 6th) attend within "
               "W tokens; 0 or absent: every layer global", ("gemma3",),
               lambda v: None if v == 0 else _window_problem(v)),
-    FieldRule("attention.sliding_window_pattern", "implemented", "only llama.cpp's hard-coded layout (every 6th "
-              "layer global), which its gemma3 loader applies whatever the key says", ("gemma3",), swa_pattern_problem),
+    FieldRule("attention.sliding_window_pattern", "implemented", "only llama.cpp's gemma3 layout (every 6th layer "
+              "global; older llama.cpp applies it whatever the key says)", ("gemma3",), swa_pattern_problem),
+    FieldRule("rope.freq_base_swa", "implemented", "the local layers' RoPE base (absent: 10000, as older llama.cpp)",
+              ("gemma3",)),
     FieldRule("rope.scaling.type", "implemented", "none, linear: on the global layers (llama.cpp's local layers take "
               "no scaling, as HF's)", ("gemma3",), _only(("none", "linear"), "only none and linear RoPE scaling are "
                                                                               "implemented")),

@@ -44,7 +44,7 @@ from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows,
 from goodserve.models.checkpoint import (LoadedModel, split_fused_projections, tokenizer_chat_template,
                                         with_tokenizer_eos)
 from goodserve.models.gguf_deepseek2 import DEEPSEEK2_LAYER_NAMES, deepseek2_expected_names, deepseek2_fields, join_kv_b
-from goodserve.models.gguf_tokenizer import gguf_tokenizer
+from goodserve.models.gguf_tokenizer import check_split_rule, gguf_tokenizer
 from goodserve.models.moe import GGUF_EXPERT_NAMES, join_gguf_experts
 
 logger = logging.getLogger(__name__)
@@ -300,6 +300,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
     reader = GGUFFile(path)
     n_tokens = len(reader.get("tokenizer.ggml.tokens", ()))
     config = _gguf_config(reader, n_tokens)
+    check_split_rule(reader.fields)
     chat_template = reader.get("tokenizer.chat_template")
     # Build the tokenizer (mostly outside the GIL) while we unpack the weights.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:

@@ -13,10 +13,12 @@ What llama.cpp's converter (``convert_hf_to_gguf.py``, class ``Gemma3Model``) wr
   ``norm.weight`` (the four per-layer norms, q/k norms and the final norm), since ``Gemma3RMSNorm`` scales by
   ``1 + w`` and llama.cpp's RMSNorm multiplies by the stored weight. :func:`hf_norm_weight` subtracts it again,
   so the model applies HF's ``1 + w`` unchanged.
-* Which layers slide is not in the file: llama.cpp hard-codes every sixth layer global (``set_swa_pattern(6)``:
-  layer ``i`` slides when ``i % 6 < 5``, as HF's ``sliding_window_pattern = 6``), with a local RoPE base of
-  10000 and no scaling on the local layers; a missing or zero ``attention.sliding_window`` means every layer is
-  global. ``rope.freq_base`` and any (linear) ``rope.scaling`` are the global layers'.
+* Which layers slide: llama.cpp's loader has every sixth layer global (``set_swa_pattern(6)``: layer ``i``
+  slides when ``i % 6 < 5``, as HF's ``sliding_window_pattern = 6``), with no scaling on the local layers. Their
+  RoPE base is ``rope.freq_base_swa``, which current converters write (HF's ``rope_local_base_freq``) and
+  current llama.cpp reads; files without it get the 10000 older llama.cpp hard-codes. A missing or zero
+  ``attention.sliding_window`` means every layer is global. ``rope.freq_base`` and any (linear)
+  ``rope.scaling`` are the global layers'.
 * The score scale is ``key_length ** -0.5``, except for the 62-layer (27B) model, whose is
   ``(embedding_length // head_count) ** -0.5``: HF's ``query_pre_attn_scalar`` is derived the same way.
 
@@ -32,7 +34,7 @@ import numpy as np
 
 #: GGUF ``general.architecture`` of Gemma 3 text and the HF ``model_type`` it runs as.
 GGUF_GEMMA3, HF_GEMMA3 = "gemma3", "gemma3_text"
-#: llama.cpp's hard-coded Gemma 3 layout: every ``SWA_PATTERN``-th layer global, local RoPE base.
+#: llama.cpp's Gemma 3 layout (every ``SWA_PATTERN``-th layer global) and the local RoPE base older llama.cpp fixes.
 SWA_PATTERN, LOCAL_ROPE_BASE = 6, 10000.0
 #: Layers of Gemma 3 27B, whose score scale llama.cpp takes from ``embedding_length / head_count``.
 _LAYERS_27B = 62
@@ -56,15 +58,15 @@ def llamacpp_swa_layers(num_layers: int) -> tuple[bool, ...]:
 def swa_pattern_problem(value: Any) -> Optional[str]:
     """Why an ``attention.sliding_window_pattern`` key cannot be honoured, or ``None``.
 
-    llama.cpp's ``gemma3`` loader ignores the key and slides :func:`llamacpp_swa_layers`, so only a key saying the
-    same (the period 6, or that per-layer list of booleans, true = sliding) runs as llama.cpp runs the file.
+    Only a key saying what :func:`llamacpp_swa_layers` slides (the period 6, or that per-layer list of booleans,
+    true = sliding) is accepted: older llama.cpp ignores the key and slides those layers whatever it says.
     """
     if isinstance(value, (list, tuple)):
         same = tuple(bool(v) for v in value) == llamacpp_swa_layers(len(value))
     else:
         same = value == SWA_PATTERN
-    return None if same else (f"llama.cpp runs gemma3 with every {SWA_PATTERN}th layer global whatever this key "
-                              "says; another layout is not implemented")
+    return None if same else (f"only llama.cpp's gemma3 layout (every {SWA_PATTERN}th layer global) is "
+                              "implemented")
 
 
 def gemma3_config_fields(get: Any, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
@@ -87,7 +89,8 @@ def gemma3_config_fields(get: Any, hidden: int, heads: int, head_dim: int) -> di
         return dict(layer_types=("full_attention",) * layers, sliding_window=None, rope_local_theta=None,
                     query_pre_attn_scalar=scalar)
     kinds = tuple("sliding_attention" if swa else "full_attention" for swa in llamacpp_swa_layers(layers))
-    return dict(layer_types=kinds, sliding_window=window, rope_local_theta=LOCAL_ROPE_BASE,
+    return dict(layer_types=kinds, sliding_window=window,
+                rope_local_theta=float(get("rope.freq_base_swa") or LOCAL_ROPE_BASE),
                 query_pre_attn_scalar=scalar)
 
 

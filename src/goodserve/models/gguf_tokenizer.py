@@ -68,6 +68,29 @@ def tokenizer_config(fields: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def check_split_rule(fields: dict[str, Any]) -> None:
+    """Refuse a byte-level BPE vocabulary whose text split no tokenizer here knows.
+
+    Such a vocabulary's merges were learned on text split by its own regex (llama.cpp's ``tokenizer.ggml.pre``,
+    e.g. ``deepseek-llm``); split by GPT-2's instead, as transformers' GGUF tokenizer does for a name it does
+    not list, the same text gets other token ids and nothing says so. Known: :data:`GPT2_REGEX_PRE`, a missing
+    or ``default`` name (GPT-2's split, as llama.cpp), and transformers' ``GGUF_PRE_TOKENIZER_SPLITS``.
+
+    Raises:
+        ValueError: Naming the file's ``tokenizer.ggml.pre``.
+    """
+    pre = fields.get("tokenizer.ggml.pre")
+    if fields.get("tokenizer.ggml.model") != "gpt2" or pre in (None, "default", *GPT2_REGEX_PRE):
+        return
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    if pre not in GGUF_PRE_TOKENIZER_SPLITS:
+        known = sorted({*GPT2_REGEX_PRE, "default", *GGUF_PRE_TOKENIZER_SPLITS})
+        raise ValueError(f"GGUF tokenizer.ggml.pre={pre!r} is not supported: its pre-tokenizer split is not "
+                         f"implemented (a byte-level BPE split another way gives other token ids); known: "
+                         f"{', '.join(known)}")
+
+
 def build_gguf_backend(fields: dict[str, Any]) -> Optional[Any]:
     """The ``tokenizers.Tokenizer`` of a GGUF's GPT-2-style byte-level BPE vocabulary.
 
