@@ -306,8 +306,6 @@ def test_unsupported_config_refused_by_name_before_weights(tmp_path, cfg, match)
 @pytest.mark.parametrize("kwargs, match", [
     ({"attention_backend": "native"}, "attention_backend 'native' is not implemented for multi-head latent"),
     ({"batch_invariant": True}, "batch-invariant mode is not implemented for multi-head latent attention"),
-    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype 'int8' under --dtype float32 is not implemented for multi-head"),
-    ({"kv_cache_dtype": "bfloat16"}, "kv_cache_dtype 'bfloat16' under --dtype float32 is not implemented"),
 ])
 def test_engine_settings_refused_by_name(tmp_path, kwargs, match):
     """Settings that need per-head K/V kernels are refused by name for an MLA model."""

@@ -24,6 +24,10 @@ float rounding. The softmax scale is ``(qk_nope_head_dim + qk_rope_head_dim) ** 
 when the config scales RoPE by YaRN, :func:`mla_softmax_scale`). RoPE is applied to ``q_pe`` and ``k^R`` in the
 interleaved (complex-pair) layout transformers' DeepSeek-V2 uses. No native
 kernel here: the portable PyTorch path runs on any device.
+
+The latent cache may be smaller than ``--dtype`` (``--kv-cache-dtype``): ``int8`` rows carry one float32 absmax
+scale for the whole ``kv_lora_rank + qk_rope_head_dim`` row (:mod:`goodserve.models.kv_quant`), ``bfloat16``
+under float32 is rounded on write; the rows a step gathers are widened to the activations' dtype before use.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 
 from goodserve.config import EngineConfig, ModelConfig
 from goodserve.models.attention import AttentionMetadata, gather_rows
-from goodserve.models.kv_quant import write_kv
+from goodserve.models.kv_quant import cache_shape, dequantize, is_quantized, write_kv
 
 #: Epsilon of ``kv_a_layernorm`` and ``q_a_layernorm`` (transformers' ``DeepseekV2RMSNorm`` default: the
 #: config's ``rms_norm_eps`` applies to the residual-stream norms only).
@@ -129,14 +133,9 @@ def check_mla_engine(config: EngineConfig) -> None:
 
     Raises:
         ValueError: for ``attention_backend="native"`` (the native paged kernel reads per-head K/V, not the
-            latent), ``batch_invariant`` (no batch-invariant MLA path) or a KV cache dtype other than ``dtype``
-            (the latent cache is kept in the model's dtype), naming the setting.
+            latent) or ``batch_invariant`` (no batch-invariant MLA path), naming the setting.
     """
     name = config.model.architecture
-    if config.kv_dtype != config.dtype:
-        raise ValueError(f"kv_cache_dtype {config.kv_dtype!r} under --dtype {config.dtype} is not implemented for "
-                         f"multi-head latent attention ({name}): the latent cache is kept in --dtype; use "
-                         "--kv-cache-dtype auto")
     if config.attention_backend == "native":
         raise ValueError(f"attention_backend 'native' is not implemented for multi-head latent attention ({name}): "
                          "use 'auto' or 'torch' (both run the portable MLA attention)")
@@ -144,12 +143,13 @@ def check_mla_engine(config: EngineConfig) -> None:
         raise ValueError(f"batch-invariant mode is not implemented for multi-head latent attention ({name})")
 
 
-def mla_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+def mla_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, kv_dtype: str, dtype: torch.dtype,
                   device: torch.device, alloc) -> list[tuple[torch.Tensor, None]]:
     """Per layer ``(latent_cache, None)``, ``latent_cache`` ``[num_blocks, block_size, 1, kv_lora_rank +
-    qk_rope_head_dim]`` from ``alloc(shape, dtype, device)``: ``num_blocks * block_size *
-    spec.bytes_per_token()`` bytes in all (the ``mla`` group of :mod:`goodserve.kv_cache.spec`)."""
-    shape = (num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim)
+    qk_rope_head_dim]`` (``+ 4`` scale bytes a row for ``kv_dtype`` ``int8``) of torch ``dtype`` from
+    ``alloc(shape, dtype, device)``: ``num_blocks * block_size * spec.bytes_per_token()`` bytes in all (the
+    ``mla`` group of :mod:`goodserve.kv_cache.spec`)."""
+    shape = cache_shape(num_blocks, block_size, 1, config.kv_lora_rank + config.qk_rope_head_dim, kv_dtype)
     return [(alloc(shape, dtype, device), None) for _ in range(config.num_hidden_layers)]
 
 
@@ -196,7 +196,7 @@ class MLAAttentionBackend:
         out = q_nope.new_empty(num_tokens, num_heads, kv_b.shape[1] - nope)
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [num_heads, nope | v_head_dim, kv_lora_rank]
         for g in meta.decode_groups:
-            ctx = gather_rows(cache, g.block_tables)[..., 0, :]  # [n, ctx, kv_lora_rank + qk_rope_head_dim]
+            ctx = _widen(gather_rows(cache, g.block_tables)[..., 0, :], rows.dtype)  # [n, ctx, rank + rope]
             if g.mask is None:
                 ctx = ctx[:, :g.seq_len]
             q_lat = torch.einsum("nhd,hdr->nhr", q_nope[g.start:g.end], w_uk)  # [n, num_heads, kv_lora_rank]
@@ -208,7 +208,7 @@ class MLAAttentionBackend:
             if chunk.mask is None:  # no cached context: the chunk's own rows
                 ctx = rows[chunk.start:chunk.end]
             else:
-                ctx = gather_rows(cache, chunk.block_table)[:chunk.mask.shape[1], 0]  # [ctx, width]
+                ctx = _widen(gather_rows(cache, chunk.block_table)[:chunk.mask.shape[1], 0], rows.dtype)
             kv = F.linear(ctx[:, :rank], kv_b.reshape(-1, rank)).view(ctx.shape[0], num_heads, -1)
             k = torch.cat([kv[..., :nope], ctx[:, None, rank:].expand(-1, num_heads, -1)], dim=-1)
             q = torch.cat([q_nope[chunk.start:chunk.end], q_pe[chunk.start:chunk.end]], dim=-1)
@@ -217,3 +217,8 @@ class MLAAttentionBackend:
                                                is_causal=chunk.mask is None, scale=scale)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
+
+
+def _widen(ctx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered latent rows ``[..., width]`` (``[..., width + 4]`` int8) in the activations' ``dtype``."""
+    return dequantize(ctx, dtype) if is_quantized(ctx) else ctx.to(dtype)

@@ -124,8 +124,8 @@ class ModelRunner:
         self.model.eval()
         if m.is_mla:  # per layer one latent tensor, (latent, None), and attention over it (models/mla.py)
             self.attn = attn_backend or MLAAttentionBackend()
-            self.kv_caches = mla_kv_caches(m, config.cache.num_blocks, self.block_size, self.dtype, self.device,
-                                           zeroed)
+            self.kv_caches = mla_kv_caches(m, config.cache.num_blocks, self.block_size, config.kv_dtype,
+                                           KV_DTYPES[config.kv_dtype], self.device, zeroed)
         else:
             self.attn = attn_backend or make_attention_backend(config.attention_backend, self.device,
                                                                config.batch_invariant)
