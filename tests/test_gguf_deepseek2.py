@@ -27,7 +27,7 @@ import torch
 from goodserve import LLM
 from goodserve.models.loader import load_model
 from test_mla import GREEDY, MOE, PROMPTS, NEW, make_tiny_deepseek_v2
-from tiny_models import _smollm2_tokenizer_metadata, hf_greedy
+from tiny_models import add_smollm2_tokenizer, hf_greedy
 
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj":
@@ -90,15 +90,7 @@ def write_deepseek2_gguf(model_dir: str, path: str, split_kv_b: bool = True, ext
             writer.add_float32(full, value)
         else:
             writer.add_uint32(full, value)
-    tok = _smollm2_tokenizer_metadata()
-    writer.add_tokenizer_model(tok["model"])
-    writer.add_tokenizer_pre(tok["pre"])
-    writer.add_token_list(tok["tokens"])
-    writer.add_token_types(tok["token_type"])
-    writer.add_token_merges(tok["merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
+    add_smollm2_tokenizer(writer)
 
     def add(name: str, array: torch.Tensor) -> None:
         writer.add_tensor(name, np.ascontiguousarray(array.numpy()))

@@ -21,7 +21,7 @@ import torch
 from goodserve import LLM, SamplingParams
 from goodserve.models.loader import load_model
 from test_gemma3 import make_tiny_gemma3
-from tiny_models import EQUALITY_PROMPTS, _smollm2_tokenizer_metadata, hf_greedy
+from tiny_models import EQUALITY_PROMPTS, add_smollm2_tokenizer, hf_greedy
 
 W, NEW = 8, 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -72,15 +72,7 @@ def _writer(path: str, config, extra: dict | None = None, window: bool = True):
         writer.add_rope_freq_base_swa(float(local))
     for key, value in (extra or {}).items():
         getattr(writer, f"add_{key}")(value)
-    meta = _smollm2_tokenizer_metadata()
-    writer.add_tokenizer_model(meta["model"])
-    writer.add_tokenizer_pre(meta["pre"])
-    writer.add_token_list(meta["tokens"])
-    writer.add_token_types(meta["token_type"])
-    writer.add_token_merges(meta["merges"])
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
-    writer.add_add_bos_token(False)
+    add_smollm2_tokenizer(writer, config.bos_token_id, config.eos_token_id)
     return writer
 
 

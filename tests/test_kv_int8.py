@@ -58,6 +58,33 @@ def test_quantize_round_trip_within_half_a_step():
 
 
 # ------------------------------------------------------------------------------------ attention, per step
+def paged_step(decode_lens: list[int], prefills: list[tuple[int, int]], block_size: int, decode_groups: bool):
+    """Metadata of one step of decodes (context lengths, new token included) and prefill chunks ``(computed,
+    new)``, requests laid one after another in a fresh pool: ``(contexts, step)``, ``contexts`` a list of ``(n,
+    meta)`` writing each request's first ``n`` computed tokens as one prefill, ``step`` ``(n, meta)`` of the step."""
+    reqs = [(n - 1, 1) for n in decode_lens] + prefills
+    tables, nxt = [], 0
+    for computed, new in reqs:
+        nb = -(-(computed + new) // block_size)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+
+    def slots(table, start, end):
+        return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+    cpu = torch.device("cpu")
+    contexts = [(computed, AttentionMetadata.build(block_size, [], [], [(0, computed, table)],
+                                                   torch.tensor(slots(table, 0, computed)), cpu,
+                                                   decode_groups=decode_groups))
+                for table, (computed, _) in zip(tables, reqs) if computed]
+    slot_mapping = torch.tensor([s for t, (c, new) in zip(tables, reqs) for s in slots(t, c, c + new)])
+    nd = len(decode_lens)
+    meta = AttentionMetadata.build(block_size, tables[:nd], list(decode_lens),
+                                   [(c, new, t) for (c, new), t in zip(prefills, tables[nd:])], slot_mapping, cpu,
+                                   decode_groups=decode_groups)
+    return contexts, (sum(new for _, new in reqs), meta)
+
+
 def _attend(backend, kv_dtype: str, decode_lens: list[int], prefills: list[tuple[int, int]], seed: int):
     """One step of decodes (context lengths, new token included) and prefill chunks ``(computed, new)`` over
     contexts written first (one unchunked prefill per request), on a fresh cache of ``kv_dtype``."""
@@ -65,31 +92,13 @@ def _attend(backend, kv_dtype: str, decode_lens: list[int], prefills: list[tuple
     dtype = torch.int8 if kv_dtype == "int8" else torch.float32
     k_cache = torch.zeros(cache_shape(NB, BS, KV, D, kv_dtype), dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    reqs = [(n - 1, 1) for n in decode_lens] + prefills
-    tables, nxt = [], 0
-    for computed, new in reqs:
-        nb = -(-(computed + new) // BS)
-        tables.append(list(range(nxt, nxt + nb)))
-        nxt += nb
-
-    def slots(table, start, end):
-        return [table[p // BS] * BS + p % BS for p in range(start, end)]
-
-    for table, (computed, _) in zip(tables, reqs):
-        if computed:
-            meta = AttentionMetadata.build(BS, [], [], [(0, computed, table)], torch.tensor(slots(table, 0, computed)),
-                                           torch.device("cpu"))
-            q, k, v = (torch.randn(computed, H, D, generator=g), 2 * torch.randn(computed, KV, D, generator=g),
-                       torch.randn(computed, KV, D, generator=g))
-            TorchAttentionBackend()(q, k, v, k_cache, v_cache, meta)
-    n = sum(new for _, new in reqs)
+    contexts, (n, meta) = paged_step(decode_lens, prefills, BS, backend.uses_decode_groups)
+    for computed, ctx_meta in contexts:
+        q, k, v = (torch.randn(computed, H, D, generator=g), 2 * torch.randn(computed, KV, D, generator=g),
+                   torch.randn(computed, KV, D, generator=g))
+        TorchAttentionBackend()(q, k, v, k_cache, v_cache, ctx_meta)
     q, k, v = (torch.randn(n, H, D, generator=g), 2 * torch.randn(n, KV, D, generator=g),
                torch.randn(n, KV, D, generator=g))
-    slot_mapping = torch.tensor([s for t, (c, new) in zip(tables, reqs) for s in slots(t, c, c + new)])
-    nd = len(decode_lens)
-    meta = AttentionMetadata.build(BS, tables[:nd], list(decode_lens),
-                                   [(c, new, t) for (c, new), t in zip(prefills, tables[nd:])], slot_mapping,
-                                   torch.device("cpu"), decode_groups=backend.uses_decode_groups)
     return backend(q, k, v, k_cache, v_cache, meta)
 
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from goodserve.kv_cache.spec import INT8_SCALE_BYTES
-from goodserve.models.attention import AttentionMetadata
 from goodserve.models.kv_quant import cache_shape
 from goodserve.models.mla import MLAAttentionBackend
 from goodserve.sampling_params import SamplingParams
+from test_kv_int8 import paged_step
 from test_mla import GREEDY, LAYERS, PROMPTS, RANK, ROPE, _engine, make_tiny_deepseek_v2
 
 H, A_RANK, A_ROPE, A_NOPE, A_V, BS, NB = 4, 64, 16, 32, 32, 16, 128
@@ -43,27 +43,9 @@ def _attend(kv_dtype: str, decode_lens: list[int], prefills: list[tuple[int, int
         return (torch.randn(n, H, A_NOPE, generator=g), torch.randn(n, H, A_ROPE, generator=g),
                 torch.randn(n, A_RANK, generator=g), torch.randn(n, A_ROPE, generator=g))
 
-    reqs = [(n - 1, 1) for n in decode_lens] + prefills
-    tables, nxt = [], 0
-    for computed, new in reqs:
-        nb = -(-(computed + new) // BS)
-        tables.append(list(range(nxt, nxt + nb)))
-        nxt += nb
-
-    def slots(table, start, end):
-        return [table[p // BS] * BS + p % BS for p in range(start, end)]
-
-    for table, (computed, _) in zip(tables, reqs):
-        if computed:
-            meta = AttentionMetadata.build(BS, [], [], [(0, computed, table)], torch.tensor(slots(table, 0, computed)),
-                                           torch.device("cpu"), decode_groups=True)
-            attn(*inputs(computed), cache, kv_b, scale, meta)
-    n = sum(new for _, new in reqs)
-    slot_mapping = torch.tensor([s for t, (c, new) in zip(tables, reqs) for s in slots(t, c, c + new)])
-    nd = len(decode_lens)
-    meta = AttentionMetadata.build(BS, tables[:nd], list(decode_lens),
-                                   [(c, new, t) for (c, new), t in zip(prefills, tables[nd:])], slot_mapping,
-                                   torch.device("cpu"), decode_groups=True)
+    contexts, (n, meta) = paged_step(decode_lens, prefills, BS, decode_groups=True)
+    for computed, ctx_meta in contexts:
+        attn(*inputs(computed), cache, kv_b, scale, ctx_meta)
     return attn(*inputs(n), cache, kv_b, scale, meta)
 
 

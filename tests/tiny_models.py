@@ -195,6 +195,20 @@ def _smollm2_tokenizer_metadata() -> dict[str, Any]:
     return meta
 
 
+def add_smollm2_tokenizer(writer: Any, bos: int = 1, eos: int = 2) -> None:
+    """Write the default GGUF's byte-level BPE tokenizer (vocabulary, merges, ``smollm`` split) into ``writer``,
+    with the given BOS / EOS ids and no BOS added to prompts."""
+    meta = _smollm2_tokenizer_metadata()
+    writer.add_tokenizer_model(meta["model"])
+    writer.add_tokenizer_pre(meta["pre"])
+    writer.add_token_list(meta["tokens"])
+    writer.add_token_types(meta["token_type"])
+    writer.add_token_merges(meta["merges"])
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    writer.add_add_bos_token(False)
+
+
 _HF_TO_GGUF_LAYER = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -269,18 +283,10 @@ def make_tiny_gguf(
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
         writer.add_sliding_window(0)
 
-    meta = _smollm2_tokenizer_metadata()
-    writer.add_tokenizer_model(meta["model"])
-    writer.add_tokenizer_pre(meta["pre"])
-    writer.add_token_list(meta["tokens"])
-    writer.add_token_types(meta["token_type"])
-    writer.add_token_merges(meta["merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_smollm2_tokenizer(writer)
     writer.add_unk_token_id(0)
     writer.add_pad_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(meta["chat_template"])
+    writer.add_chat_template(_smollm2_tokenizer_metadata()["chat_template"])
 
     kv_heads, q_heads = config.num_key_value_heads, config.num_attention_heads
     for name, tensor in state.items():
