@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from goodserve.config import ATTENTION_BACKENDS
 from goodserve.models import native
-from goodserve.models.kv_quant import dequantize, is_quantized, write_kv
+from goodserve.models.kv_quant import read_kv, write_kv
 
 
 @dataclass
@@ -366,7 +366,7 @@ class TorchAttentionBackend:
         else:
             ctx = gather_rows(cache, g.block_tables, self._buffer(name, cache, cache[0].numel() * n * nb))
         ctx = ctx if g.mask is not None else ctx[:, :g.seq_len]
-        return dequantize(ctx, dtype) if is_quantized(cache) else ctx.to(dtype)
+        return read_kv(ctx, dtype)
 
     #: Whether the backend attends decodes by :class:`DecodeGroup` (else by ``decode_block_tables``).
     uses_decode_groups = True
@@ -416,10 +416,7 @@ class TorchAttentionBackend:
                 ctx = chunk.mask.shape[1]
                 kp = _gather(k_cache, chunk.block_table)[:, :ctx]  # [num_kv_heads, ctx, head_dim (+ 4 for int8)]
                 vp = _gather(v_cache, chunk.block_table)[:, :ctx]
-                if is_quantized(k_cache):
-                    kp, vp = dequantize(kp, q.dtype), dequantize(vp, q.dtype)
-                else:  # a bfloat16 cache under float32 activations is widened; otherwise a no-op
-                    kp, vp = kp.to(q.dtype), vp.to(q.dtype)
+                kp, vp = read_kv(kp, q.dtype), read_kv(vp, q.dtype)
             kp = kp.repeat_interleave(group, dim=0)[None]  # [1, num_heads, ctx, head_dim]
             vp = vp.repeat_interleave(group, dim=0)[None]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, is_causal=chunk.mask is None)

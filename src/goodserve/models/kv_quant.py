@@ -13,8 +13,9 @@ applied to a whole head row rather than to blocks of 32; KIVI (Liu et al. 2024) 
 2024) quantise K per channel to reach fewer bits, which int8 does not need. An element's error is at
 most half a step, ``0.5 / 127`` of its row's absmax.
 
-Readers: :func:`dequantize` for the torch reference backend (gathered context only, never the whole
-cache); the native decode kernel (``csrc/paged_decode_attention.cpp``) reads codes and scale in place.
+Readers: :func:`read_kv` (:func:`dequantize` for int8) for the torch reference backend and MLA (gathered
+context only, never the whole cache); the native decode kernel (``csrc/paged_decode_attention.cpp``) reads
+codes and scale in place.
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     width = rows.shape[-1] - INT8_SCALE_BYTES
     scale = rows[..., width:].contiguous().view(torch.float32)  # [..., 1]
     return (rows[..., :width].float() * scale).to(dtype)
+
+
+def read_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows a step has gathered, in the activations' ``dtype``: dequantized for an int8 cache (``[...,
+    head_dim + 4]`` -> ``[..., head_dim]``), widened for a bfloat16 cache under float32, else unchanged."""
+    return dequantize(rows, dtype) if is_quantized(rows) else rows.to(dtype)
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from goodserve.config import EngineConfig, ModelConfig
 from goodserve.models.attention import AttentionMetadata, gather_rows
-from goodserve.models.kv_quant import cache_shape, dequantize, is_quantized, write_kv
+from goodserve.models.kv_quant import cache_shape, read_kv, write_kv
 
 #: Epsilon of ``kv_a_layernorm`` and ``q_a_layernorm`` (transformers' ``DeepseekV2RMSNorm`` default: the
 #: config's ``rms_norm_eps`` applies to the residual-stream norms only).
@@ -196,7 +196,7 @@ class MLAAttentionBackend:
         out = q_nope.new_empty(num_tokens, num_heads, kv_b.shape[1] - nope)
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # [num_heads, nope | v_head_dim, kv_lora_rank]
         for g in meta.decode_groups:
-            ctx = _widen(gather_rows(cache, g.block_tables)[..., 0, :], rows.dtype)  # [n, ctx, rank + rope]
+            ctx = read_kv(gather_rows(cache, g.block_tables)[..., 0, :], rows.dtype)  # [n, ctx, rank + rope]
             if g.mask is None:
                 ctx = ctx[:, :g.seq_len]
             q_lat = torch.einsum("nhd,hdr->nhr", q_nope[g.start:g.end], w_uk)  # [n, num_heads, kv_lora_rank]
@@ -208,7 +208,7 @@ class MLAAttentionBackend:
             if chunk.mask is None:  # no cached context: the chunk's own rows
                 ctx = rows[chunk.start:chunk.end]
             else:
-                ctx = _widen(gather_rows(cache, chunk.block_table)[:chunk.mask.shape[1], 0], rows.dtype)
+                ctx = read_kv(gather_rows(cache, chunk.block_table)[:chunk.mask.shape[1], 0], rows.dtype)
             kv = F.linear(ctx[:, :rank], kv_b.reshape(-1, rank)).view(ctx.shape[0], num_heads, -1)
             k = torch.cat([kv[..., :nope], ctx[:, None, rank:].expand(-1, num_heads, -1)], dim=-1)
             q = torch.cat([q_nope[chunk.start:chunk.end], q_pe[chunk.start:chunk.end]], dim=-1)
@@ -217,8 +217,3 @@ class MLAAttentionBackend:
                                                is_causal=chunk.mask is None, scale=scale)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
-
-
-def _widen(ctx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered latent rows ``[..., width]`` (``[..., width + 4]`` int8) in the activations' ``dtype``."""
-    return dequantize(ctx, dtype) if is_quantized(ctx) else ctx.to(dtype)
