@@ -16,8 +16,9 @@ import torch
 
 from goodserve.model_config import ModelConfig, hf_sliding_window
 from goodserve.models import config_support
-from goodserve.models.config_support import (GGUF_RULES, HANDLINGS, HF_RULES, check_gguf_metadata, check_gguf_tensors,
+from goodserve.models.config_support import (GGUF_RULES, HF_RULES, check_gguf_metadata, check_gguf_tensors,
                                              resolve_max_model_len)
+from goodserve.models.field_rule import HANDLINGS
 from goodserve.models.gguf_file import _expected_gguf_names
 from goodserve.models.loader import load_model
 from tiny_models import make_tiny_hf_model

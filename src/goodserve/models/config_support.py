@@ -30,7 +30,6 @@ import logging
 from typing import Any, Iterable, Optional
 
 from goodserve.model_config import HF_REQUIRED_KEYS, ModelConfig
-from goodserve.models import field_rule
 from goodserve.models.field_rule import FieldRule, not_one, only, positive_int, refuse_if_set
 from goodserve.models.gguf_deepseek2 import DEEPSEEK2_GGUF_RULES
 from goodserve.models.gguf_gemma3 import swa_pattern_problem
@@ -42,8 +41,6 @@ ROPE_TYPES = ("default", "linear", "llama3")
 #: ``hidden_act`` values of the SwiGLU MLP (transformers' ``swish`` is ``nn.SiLU``).
 ACTIVATIONS = ("silu", "swish")
 
-HANDLINGS = field_rule.HANDLINGS
-_refuse_if_set, _only, _not_one, _positive_int = refuse_if_set, only, not_one, positive_int
 
 
 def _rope_problem(value: Any) -> Optional[str]:
@@ -96,16 +93,16 @@ def _mla_rope_problem(value: Any) -> Optional[str]:
 #: DeepSeek-V2 (``deepseek_v2``): multi-head latent attention and DeepSeekMoE (:mod:`goodserve.models.deepseek_v2`);
 #: uneven expert groups are refused by :func:`goodserve.models.hf_dir.check_deepseek_v2_groups`.
 DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
-    *(FieldRule(key, "implemented", what, ("deepseek_v2",), _positive_int) for key, what in (
+    *(FieldRule(key, "implemented", what, ("deepseek_v2",), positive_int) for key, what in (
         ("kv_lora_rank", "width of the cached KV latent c_KV (DeepSeek-V2 §2.1.2)"),
         ("qk_nope_head_dim", "per-head query/key width without RoPE"),
         ("qk_rope_head_dim", "decoupled RoPE width of each query head and of the shared cached key (§2.1.3)"),
         ("v_head_dim", "per-head value width"))),
     FieldRule("q_lora_rank", "implemented", "low-rank query (q_a_proj, q_a_layernorm, q_b_proj); null: q_proj",
-              ("deepseek_v2",), lambda v: None if v is None else _positive_int(v)),
+              ("deepseek_v2",), lambda v: None if v is None else positive_int(v)),
     FieldRule("first_k_dense_replace", "implemented", "leading layers with the dense MLP; MoE layers after",
               ("deepseek_v2",)),
-    FieldRule("n_routed_experts", "implemented", "routed experts per MoE layer", ("deepseek_v2",), _positive_int),
+    FieldRule("n_routed_experts", "implemented", "routed experts per MoE layer", ("deepseek_v2",), positive_int),
     FieldRule("num_experts_per_tok", "implemented", "top-k routing (float32 softmax, then top k; 1..n_routed_experts "
               "checked with a MoE layer)", ("deepseek_v2",)),
     FieldRule("moe_intermediate_size", "implemented", "SwiGLU width of one routed or shared expert", ("deepseek_v2",)),
@@ -113,12 +110,12 @@ DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
               ("deepseek_v2",)),
     FieldRule("routed_scaling_factor", "implemented", "factor on the routed experts' weights", ("deepseek_v2",)),
     FieldRule("topk_method", "implemented", "greedy, group_limited_greedy", ("deepseek_v2",),
-              _only(("greedy", "group_limited_greedy"), "only greedy and group_limited_greedy are implemented")),
+              only(("greedy", "group_limited_greedy"), "only greedy and group_limited_greedy are implemented")),
     FieldRule("n_group", "implemented", "expert groups of group_limited_greedy", ("deepseek_v2",)),
     FieldRule("topk_group", "implemented", "groups a token routes within (group_limited_greedy)", ("deepseek_v2",)),
     FieldRule("norm_topk_prob", "refused", "transformers' DeepSeek-V2 never renormalises the top-k weights, DeepSeek's "
               "own code does with it true: only false is unambiguous", ("deepseek_v2",),
-              _refuse_if_set("renormalised top-k weights are not implemented for deepseek_v2")),
+              refuse_if_set("renormalised top-k weights are not implemented for deepseek_v2")),
     FieldRule("output_router_logits", "ignored", "router logits feed the training loss only", ("deepseek_v2",)),
     FieldRule("head_dim", "ignored", "transformers sets it to qk_rope_head_dim whatever the file says",
               ("deepseek_v2",)),
@@ -130,9 +127,9 @@ DEEPSEEK_V2_RULES: tuple[FieldRule, ...] = (
     FieldRule("rope_parameters", "implemented", "rope_theta with default or yarn RoPE; others refused",
               ("deepseek_v2",), _mla_rope_problem),
     FieldRule("attention_bias", "refused", "q_a / kv_a / o_proj biases are not implemented", ("deepseek_v2",),
-              _refuse_if_set("attention biases on a deepseek_v2 model are not implemented")),
+              refuse_if_set("attention biases on a deepseek_v2 model are not implemented")),
     FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("deepseek_v2",),
-              _refuse_if_set("MLP biases are not implemented")),
+              refuse_if_set("MLP biases are not implemented")),
 )
 
 
@@ -155,16 +152,16 @@ HF_RULES: tuple[FieldRule, ...] = (
               "transformers' generate merely drops its KV cache once past it and recomputes the same logits",
               ("phi3",)),
     FieldRule("partial_rotary_factor", "refused", "rotary on part of each head is not implemented",
-              problem=_not_one("only 1.0 (rotary on the whole head) is implemented")),
+              problem=not_one("only 1.0 (rotary on the whole head) is implemented")),
     FieldRule("hidden_act", "implemented", "SwiGLU with silu (= swish)",
-              problem=_only(ACTIVATIONS, f"only {', '.join(ACTIVATIONS)} is implemented")),
+              problem=only(ACTIVATIONS, f"only {', '.join(ACTIVATIONS)} is implemented")),
     FieldRule("tie_word_embeddings", "implemented", "LM head = embedding"),
     FieldRule("bos_token_id", "implemented", "BOS id"),
     FieldRule("eos_token_id", "implemented", "EOS ids (with generation_config.json's)"),
     FieldRule("attention_bias", "refused", "transformers' Llama then adds q/k/v and o_proj biases; the engine has "
-              "no o_proj bias", ("llama",), _refuse_if_set("attention biases on a llama model are not implemented")),
+              "no o_proj bias", ("llama",), refuse_if_set("attention biases on a llama model are not implemented")),
     *(FieldRule("attention_bias", "refused", f"transformers' {name} then adds q/k/v and o_proj biases; the engine "
-                "has no o_proj bias", (kind,), _refuse_if_set(f"attention biases on a {kind} model are not "
+                "has no o_proj bias", (kind,), refuse_if_set(f"attention biases on a {kind} model are not "
                                                                 "implemented"))
       for kind, name in (("qwen3", "Qwen3"), ("qwen3_moe", "Qwen3-MoE"))),
     FieldRule("attention_bias", "ignored", "Qwen2 always has q/k/v biases and no o_proj bias (implemented)",
@@ -172,7 +169,7 @@ HF_RULES: tuple[FieldRule, ...] = (
     FieldRule("attention_bias", "ignored", "transformers' Mistral, Phi-3 and Mixtral have no biases whatever the key "
               "says", ("mistral", "phi3", "mixtral")),
     FieldRule("mlp_bias", "refused", "MLP biases are not implemented", ("llama",),
-              _refuse_if_set("MLP biases are not implemented")),
+              refuse_if_set("MLP biases are not implemented")),
     FieldRule("mlp_bias", "ignored", _NOT_READ, ("mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe")),
     FieldRule("sliding_window", "implemented", "every layer attends within W tokens (q - W < k <= q)",
               ("mistral", "phi3", "mixtral"), _window_problem),
@@ -190,27 +187,27 @@ HF_RULES: tuple[FieldRule, ...] = (
               _layer_types_problem),
     FieldRule("layer_types", "ignored", _NOT_READ, ("llama", "mistral", "phi3", "mixtral", "qwen3_moe")),
     FieldRule("quantization_config", "refused", "quantized safetensors are not implemented (GGUF blocks are)",
-              problem=_refuse_if_set("quantized safetensors checkpoints (GPTQ, AWQ, bitsandbytes, fp8) are not "
+              problem=refuse_if_set("quantized safetensors checkpoints (GPTQ, AWQ, bitsandbytes, fp8) are not "
                                      "implemented; use an unquantized checkpoint or a GGUF")),
     FieldRule("rope_interleaved", "refused", "GPT-J-style interleaved RoPE is not implemented (rotate-half is)",
-              problem=_refuse_if_set("interleaved RoPE is not implemented")),
-    *(FieldRule(key, "refused", f"{what} is not implemented", problem=_refuse_if_set(f"{what} is not implemented"))
+              problem=refuse_if_set("interleaved RoPE is not implemented")),
+    *(FieldRule(key, "refused", f"{what} is not implemented", problem=refuse_if_set(f"{what} is not implemented"))
       for key, what in (("attn_logit_softcapping", "attention logit soft-capping"),
                         ("final_logit_softcapping", "final logit soft-capping"),
                         ("qk_norm", "q/k normalisation"), ("use_qk_norm", "q/k normalisation"),
                         ("num_local_experts", "a mixture of experts"), ("num_experts", "a mixture of experts"))),
     # Mixtures of experts (goodserve.models.moe); the refusals above hold for the dense model types.
     FieldRule("num_local_experts", "implemented", "routed experts per MoE layer", ("mixtral", "qwen3_moe"),
-              _positive_int),
+              positive_int),
     FieldRule("num_experts", "implemented", "alias of num_local_experts (transformers' attribute_map)",
-              ("mixtral", "qwen3_moe"), _positive_int),
+              ("mixtral", "qwen3_moe"), positive_int),
     FieldRule("num_experts_per_tok", "implemented", "top-k routing (float32 softmax, then top k)",
-              ("mixtral", "qwen3_moe"), _positive_int),
+              ("mixtral", "qwen3_moe"), positive_int),
     FieldRule("moe_intermediate_size", "implemented", "SwiGLU width of one expert", ("qwen3_moe",)),
     FieldRule("norm_topk_prob", "implemented", "renormalise the top-k probabilities (mixtral: always)",
               ("qwen3_moe",)),
     FieldRule("decoder_sparse_step", "implemented", "layers i with (i + 1) % step != 0 run the dense MLP",
-              ("qwen3_moe",), _positive_int),
+              ("qwen3_moe",), positive_int),
     FieldRule("mlp_only_layers", "implemented", "layers that run the dense MLP (intermediate_size wide)",
               ("qwen3_moe",)),
     *DEEPSEEK_V2_RULES,
@@ -255,12 +252,12 @@ def _gemma3_rope_problem(value: Any) -> Optional[str]:
 GELU_TANH = ("gelu_pytorch_tanh",)
 #: Gemma 3 (text, ``Gemma3ForCausalLM``; :mod:`goodserve.models.gemma3`).
 GEMMA3_HF_RULES: tuple[FieldRule, ...] = tuple(FieldRule(*rule[:2], rule[2], ("gemma3_text",), *rule[3:]) for rule in (
-    ("hidden_activation", "implemented", "GeGLU with the tanh GELU", _only(GELU_TANH, "only gelu_pytorch_tanh is "
+    ("hidden_activation", "implemented", "GeGLU with the tanh GELU", only(GELU_TANH, "only gelu_pytorch_tanh is "
                                                                                       "implemented")),
     ("hidden_act", "ignored", _NOT_READ),
     ("query_pre_attn_scalar", "implemented", "attention scores scaled by query_pre_attn_scalar ** -0.5"),
     ("sliding_window", "implemented", "local layers attend within W tokens (q - W < k <= q)",
-     lambda v: _positive_int(v) and "a window-less gemma3_text (local layers with their own RoPE over the whole "
+     lambda v: positive_int(v) and "a window-less gemma3_text (local layers with their own RoPE over the whole "
      "context) is not implemented; expected a positive int"),
     ("layer_types", "implemented", "full_attention (global) / sliding_attention (local) per layer",
      _layer_types_problem),
@@ -271,9 +268,9 @@ GEMMA3_HF_RULES: tuple[FieldRule, ...] = tuple(FieldRule(*rule[:2], rule[2], ("g
      "(default)", _gemma3_rope_problem),
     ("rope_scaling", "implemented", "the global layers' scaling: " + ", ".join(ROPE_TYPES), _rope_problem),
     ("attention_bias", "refused", "attention biases are not implemented for gemma3_text",
-     _refuse_if_set("attention biases on a gemma3_text model are not implemented")),
+     refuse_if_set("attention biases on a gemma3_text model are not implemented")),
     ("use_bidirectional_attention", "refused", "bidirectional attention is not implemented (causal only)",
-     _refuse_if_set("bidirectional attention is not implemented")),
+     refuse_if_set("bidirectional attention is not implemented")),
 ))
 HF_RULES = HF_RULES + GEMMA3_HF_RULES
 
@@ -293,17 +290,17 @@ GGUF_RULES: tuple[FieldRule, ...] = (
     FieldRule("rope.freq_base", "implemented", "RoPE base"),
     FieldRule("rope.dimension_count", "implemented", "equal to the head width (partial rotary refused)"),
     FieldRule("rope.scaling.type", "implemented", "none, linear",
-              problem=_only(("none", "linear"), "only none and linear RoPE scaling are implemented")),
+              problem=only(("none", "linear"), "only none and linear RoPE scaling are implemented")),
     FieldRule("rope.scaling.factor", "implemented", "linear scaling's factor"),
     FieldRule("rope.scaling.original_context_length", "ignored", "linear scaling does not read it (phi3 GGUFs always "
               "carry it; their LongRoPE, which reads it, comes as rope_factors tensors, refused)"),
     FieldRule("rope.scaling.finetuned", "ignored", _METADATA),
     FieldRule("rope.scaling.attn_factor", "refused", "YaRN's attention factor is not implemented",
-              problem=_not_one("only 1.0 is implemented")),
+              problem=not_one("only 1.0 is implemented")),
     FieldRule("attention.sliding_window", "capped", "attention within W tokens: exact up to W; 0 is no window (as "
               "llama.cpp writes for a phi3 without one)", problem=lambda v: None if v == 0 else _window_problem(v)),
     FieldRule("vocab_size", "ignored", "the token embedding's rows are the vocabulary"),
-    *(FieldRule(key, "refused", f"{what} is not implemented", problem=_refuse_if_set(f"{what} is not implemented"))
+    *(FieldRule(key, "refused", f"{what} is not implemented", problem=refuse_if_set(f"{what} is not implemented"))
       for key, what in (("expert_count", "a mixture of experts"), ("expert_used_count", "a mixture of experts"),
                         ("attn_logit_softcapping", "attention logit soft-capping"),
                         ("final_logit_softcapping", "final logit soft-capping"),
@@ -311,9 +308,9 @@ GGUF_RULES: tuple[FieldRule, ...] = (
                         ("residual_scale", "residual scaling"), ("attention.scale", "a custom attention scale"),
                         ("attention.clamp_kqv", "q/k/v clamping"),
                         ("attention.layer_norm_epsilon", "LayerNorm in place of RMSNorm"))),
-    FieldRule("expert_count", "implemented", "routed experts per layer", ("qwen3moe",), _positive_int),
+    FieldRule("expert_count", "implemented", "routed experts per layer", ("qwen3moe",), positive_int),
     FieldRule("expert_used_count", "implemented", "top-k routing, renormalised as llama.cpp does for qwen3moe",
-              ("qwen3moe",), _positive_int),
+              ("qwen3moe",), positive_int),
     FieldRule("expert_feed_forward_length", "implemented", "SwiGLU width of one expert", ("qwen3moe",)),
     FieldRule("feed_forward_length", "ignored", "no dense MLP: every qwen3moe layer is a mixture of experts",
               ("qwen3moe",)),
@@ -326,7 +323,7 @@ GGUF_RULES: tuple[FieldRule, ...] = (
     FieldRule("rope.freq_base_swa", "implemented", "the local layers' RoPE base (absent: 10000, as older llama.cpp)",
               ("gemma3",)),
     FieldRule("rope.scaling.type", "implemented", "none, linear: on the global layers (llama.cpp's local layers take "
-              "no scaling, as HF's)", ("gemma3",), _only(("none", "linear"), "only none and linear RoPE scaling are "
+              "no scaling, as HF's)", ("gemma3",), only(("none", "linear"), "only none and linear RoPE scaling are "
                                                                               "implemented")),
     *DEEPSEEK2_GGUF_RULES,  # DeepSeek-V2's MLA and DeepSeekMoE keys (models/gguf_deepseek2.py)
 )
