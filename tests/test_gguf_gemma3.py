@@ -21,7 +21,7 @@ import torch
 from goodserve import LLM, SamplingParams
 from goodserve.models.loader import load_model
 from test_gemma3 import make_tiny_gemma3
-from tiny_models import EQUALITY_PROMPTS, add_smollm2_tokenizer, hf_greedy
+from tiny_models import EQUALITY_PROMPTS, add_shape_metadata, add_smollm2_tokenizer, hf_greedy
 
 W, NEW = 8, 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -51,13 +51,7 @@ def _gguf_name(name: str) -> str:
 def _writer(path: str, config, extra: dict | None = None, window: bool = True):
     """A GGUFWriter holding the metadata llama.cpp's Gemma3Model converter writes for ``config``."""
     writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_shape_metadata(writer, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     full = config.rope_parameters["full_attention"]

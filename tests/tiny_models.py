@@ -195,6 +195,18 @@ def _smollm2_tokenizer_metadata() -> dict[str, Any]:
     return meta
 
 
+def add_shape_metadata(writer: Any, config: Any) -> None:
+    """Write the HF ``config``'s shape keys every llama.cpp converter writes: layers, context, widths, heads,
+    KV heads and the RMSNorm epsilon."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
 def add_smollm2_tokenizer(writer: Any, bos: int = 1, eos: int = 2) -> None:
     """Write the default GGUF's byte-level BPE tokenizer (vocabulary, merges, ``smollm`` split) into ``writer``,
     with the given BOS / EOS ids and no BOS added to prompts."""
@@ -262,14 +274,8 @@ def make_tiny_gguf(
 
     path = str(Path(tmp_path) / f"tiny-{arch}{'' if qtype == 'F32' else '-' + qtype}.gguf")
     writer = gguf.GGUFWriter(path, gguf_arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_shape_metadata(writer, config)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
