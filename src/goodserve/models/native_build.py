@@ -168,16 +168,16 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cxx = compiler()
     if cxx is None:
-        print("no C++ compiler found: goodserve will run on PyTorch ops only", file=sys.stderr)
+        logger.warning("no C++ compiler found: goodserve will run on PyTorch ops only")
         return 0
     t0 = time.perf_counter()
     try:
         path = build(cxx)
     except (OSError, subprocess.SubprocessError) as e:
-        print(f"building goodserve's native kernels failed (the engine will run on PyTorch ops): "
-              f"{getattr(e, 'stderr', '') or e}", file=sys.stderr)
+        logger.warning("building goodserve's native kernels failed (the engine will run on PyTorch ops): %s",
+                       getattr(e, "stderr", "") or e)
         return 0
-    print(f"goodserve native kernels: {path} ({time.perf_counter() - t0:.1f} s)")
+    logger.info("goodserve native kernels: %s (%.1f s)", path, time.perf_counter() - t0)
     load()
     return 0
 
