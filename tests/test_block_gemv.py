@@ -121,6 +121,12 @@ def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype):
     model = _model(c, _weights(c, qtype))
     assert model.decode_plan is not None
     assert model.lm_head.kind == "blocks" and model.lm_head.qtype == "Q8_0"
+    decode_both_ways(model, c)
+
+
+def decode_both_ways(model: LlamaForCausalLM, c: ModelConfig) -> None:
+    """Prefill six requests, then decode 5 steps (6 rows, then 1) with the one-call decode step and with the
+    layer-by-layer path into two caches; assert every step's hidden states and the caches are equal."""
     attn, bs = NativeAttentionBackend(), 4
     shape = (32, bs, c.num_key_value_heads, c.head_dim)
     caches = {flag: [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))

@@ -7,7 +7,7 @@
 - :func:`rms_norm` (with the residual add before it) and :func:`rope`: at decode sizes each is several eager
   ops of a few microseconds of dispatch, more than their arithmetic, ~180 calls per step of the default
   model; here each is one call, rounded as the ops it replaces.
-- :func:`block_gemv`: ``x W^T`` for a few rows with ``W`` in the GGUF file's Q4_0/Q4_1/Q8_0 blocks and ``x``
+- :func:`block_gemv`: ``x W^T`` for a few rows with ``W`` in the GGUF file's Q4_0/Q4_1/Q8_0 or K-quant blocks and ``x``
   quantized to int16 per block of 32, on AVX-512 VNNI: at batch 1 the
   decode step is a read of every weight, and this reads the file's bytes once, at the memory's rate.
 - :func:`decode_layers`: a decode step of 1-8 rows through every layer in one call, on the kernels above,
@@ -239,7 +239,18 @@ INVARIANT_DECODE_MAX_ROWS = 256
 #: Kind codes past this one in :class:`DecodeLayers` are the batch-invariant GEMM's (``csrc/decode_step.cpp``).
 INVARIANT_KIND = 16
 #: :func:`block_gemv`'s ``kind`` codes.
-BLOCK_KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1}
+BLOCK_KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+# K-quants: bits of each code per weight in the packed codes, and the sub-block scales' dtype.
+_K_CODE_BITS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+_K_SUB_DTYPES = {"Q4_K": torch.uint8, "Q5_K": torch.uint8, "Q6_K": torch.int8}
+
+
+def block_in_features(kind: str, scales: torch.Tensor) -> int:
+    """``K`` of a :func:`block_gemv` weight from its ``scales`` operand: 32 weights per fp16 scale, 256 per
+    super-block for the K-quants (two fp16 per super-block, ``d`` and ``dmin``, except Q6_K's one)."""
+    if kind in _K_CODE_BITS:
+        return scales.shape[1] // (1 if kind == "Q6_K" else 2) * 256
+    return scales.shape[1] * 32
 
 
 def block_gemv_usable(x: torch.Tensor) -> bool:
@@ -258,12 +269,16 @@ def check_blocks(kind: str, codes: torch.Tensor, scales: torch.Tensor, mins: Opt
 
     Raises:
         ValueError: for shapes, dtypes or layouts outside the kernel's range (``K`` a multiple of 64 up to
-        16,384, ``N`` a multiple of 16).
+        16,384, of 256 for the K-quants, ``N`` a multiple of 16).
     """
-    n, k = scales.shape[0], scales.shape[1] * 32
-    width = k // 2 if BLOCK_KINDS[kind] == 0 else k
-    if codes.dtype != torch.uint8 or codes.shape != (n, width) or scales.dtype != torch.float16 \
-            or (mins is not None and (mins.shape != scales.shape or mins.dtype != torch.float16)):
+    n, k = scales.shape[0], block_in_features(kind, scales)
+    if kind in _K_CODE_BITS:  # packed codes, fp16 super-block scales, 8-bit sub-block scales (and minimums)
+        width, mins_ok = k * _K_CODE_BITS[kind] // 8, mins is not None and mins.dtype == _K_SUB_DTYPES[kind] \
+            and mins.shape == (n, k // 16)
+    else:
+        width = k // 2 if BLOCK_KINDS[kind] == 0 else k
+        mins_ok = mins is None or (mins.shape == scales.shape and mins.dtype == torch.float16)
+    if codes.dtype != torch.uint8 or codes.shape != (n, width) or scales.dtype != torch.float16 or not mins_ok:
         raise ValueError(f"{kind} operands do not hold a [{n}, {k}] weight")
     if not (codes.is_contiguous() and scales.is_contiguous() and (mins is None or mins.is_contiguous())):
         raise ValueError("the weight's operands must be contiguous")
@@ -273,18 +288,21 @@ def check_blocks(kind: str, codes: torch.Tensor, scales: torch.Tensor, mins: Opt
 
 def block_gemv(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
                offset: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """``y = x W^T`` with ``W[n, 32 b + j] = scales[n, b] * (u - offset) + mins[n, b]`` (``u`` the code),
-    ``x`` quantized to int16 per row and block of 32 (``csrc/block_gemv.cpp`` states the arithmetic).
+    """``y = x W^T`` with ``W[n, 32 b + j] = scales[n, b] * (u - offset) + mins[n, b]`` (``u`` the code), or a
+    K-quant's super-blocks, ``x`` quantized to int16 per row and block of 32 (``csrc/block_gemv.cpp`` states
+    the arithmetic and the layouts).
 
     Args:
         x: ``[rows, K]``, float32 or bfloat16, rows contiguous (a row stride is allowed). Each group of
             :data:`BLOCK_GEMV_MAX_ROWS` rows is one pass over the weight: the kernel is for decode steps.
         kind: A GGUF block type of :data:`BLOCK_KINDS`.
         codes: Q4: ``[N, K // 2]`` uint8, the file's code bytes of each block (weight ``j`` in the low
-            nibble of byte ``j``, weight ``j + 16`` in its high nibble); Q8_0: ``[N, K]`` uint8, ``q + 128``.
-        scales: ``[N, K // 32]`` float16.
-        mins: ``[N, K // 32]`` float16 (Q4_1), or ``None``.
-        offset: Subtracted from each code: 8 for Q4_0, 0 for Q4_1, 128 for Q8_0 as stored here.
+            nibble of byte ``j``, weight ``j + 16`` in its high nibble); Q8_0: ``[N, K]`` uint8, ``q + 128``;
+            K-quants: :class:`goodserve.models.kquant.KQuantized`'s ``q``.
+        scales: ``[N, K // 32]`` float16; K-quants: ``KQuantized.scales``.
+        mins: ``[N, K // 32]`` float16 (Q4_1), or ``None``; K-quants: ``KQuantized.mins``.
+        offset: Subtracted from each code: 8 for Q4_0, 0 for Q4_1, 128 for Q8_0 as stored here; 0 for
+            Q4_K / Q5_K, 32 for Q6_K.
         out_dtype: float32 or bfloat16.
 
     The weight's operands are checked by :func:`check_blocks` (once, by the caller that holds them).
@@ -298,10 +316,13 @@ def block_gemv(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Te
     """
     ops = _ops(x)
     rows, k = x.shape
-    if scales.dtype != torch.float16 or (mins is not None and mins.dtype != torch.float16):
-        raise ValueError("the weight's scales and minimums must stay float16 (see check_blocks)")
-    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or k != scales.shape[1] * 32 or x.stride(1) != 1:
-        raise ValueError(f"x must be [rows, {scales.shape[1] * 32}] float32 or bfloat16 with contiguous rows, "
+    sub = _K_SUB_DTYPES.get(kind, torch.float16)
+    if scales.dtype != torch.float16 or (mins is not None and mins.dtype != sub) \
+            or (kind in _K_SUB_DTYPES and mins is None):
+        raise ValueError("the weight's scales and minimums must keep their dtypes (see check_blocks)")
+    width = block_in_features(kind, scales)
+    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or k != width or x.stride(1) != 1:
+        raise ValueError(f"x must be [rows, {width}] float32 or bfloat16 with contiguous rows, "
                          f"got {x.dtype} {tuple(x.shape)}")
     return ops.block_gemv(x, BLOCK_KINDS[kind], codes, scales, mins, offset, out_dtype)
 

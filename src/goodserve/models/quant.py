@@ -16,7 +16,8 @@ bfloat16's 8 significant bits, the same relative error as widening the dequantiz
 symmetric, round to nearest) and never exact.
 
 goodserve's block kernel (:func:`goodserve.models.native.block_gemv`, AVX-512 VNNI) reads ``Q4_0``,
-``Q4_1`` and ``Q8_0`` blocks with their fp16 scales and minimums exactly as the file holds them, and rounds
+``Q4_1`` and ``Q8_0`` blocks with their fp16 scales and minimums exactly as the file holds them (and the
+K-quants ``Q4_K`` / ``Q5_K`` / ``Q6_K``, repacked at load: :mod:`goodserve.models.kquant`), and rounds
 the activations to int16 per block of 32 instead (2^-15 of the block's largest value; the products are
 exact integers). It is what ``--quantization auto`` runs where it builds, for the tied LM head too.
 
@@ -100,7 +101,7 @@ class BlockQuantized:
     def permute_rows(self, index: torch.Tensor) -> "BlockQuantized":
         """The same weight with its rows reordered (``index``: ``[out_features]`` new -> old row)."""
         mins = None if self.mins is None else self.mins[index]
-        return BlockQuantized(self.qtype, self.q[index], self.scales[index], mins)
+        return type(self)(self.qtype, self.q[index], self.scales[index], mins)
 
     def split_rows(self, sizes: list[int]) -> list["BlockQuantized"]:
         """The weight cut along its output rows into parts of ``sizes`` rows (views; the inverse of :meth:`cat`).
@@ -111,7 +112,7 @@ class BlockQuantized:
         if sum(sizes) != self.q.shape[0]:
             raise ValueError(f"cannot split {self.q.shape[0]} rows into {sizes}")
         mins = [None] * len(sizes) if self.mins is None else self.mins.split(sizes)
-        return [BlockQuantized(self.qtype, q, s, m)
+        return [type(self)(self.qtype, q, s, m)
                 for q, s, m in zip(self.q.split(sizes), self.scales.split(sizes), mins)]
 
     @staticmethod
@@ -125,7 +126,7 @@ class BlockQuantized:
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse weights of different quantization types {sorted(kinds)}")
         mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
-        return BlockQuantized(parts[0].qtype, torch.cat([p.q for p in parts]),
+        return type(parts[0])(parts[0].qtype, torch.cat([p.q for p in parts]),
                               torch.cat([p.scales for p in parts]), mins)
 
 
@@ -138,10 +139,9 @@ def dequantize_rows(weight: BlockQuantized, dtype: torch.dtype, rows: int = 4096
     """
     n, k = weight.shape
     out = torch.empty(n, k, dtype=dtype)
-    for start in range(0, n, rows):
-        end = min(start + rows, n)
-        mins = None if weight.mins is None else weight.mins[start:end]
-        out[start:end] = BlockQuantized(weight.qtype, weight.q[start:end], weight.scales[start:end], mins).dequantize()
+    sizes = [min(rows, n - start) for start in range(0, n, rows)]
+    for start, part in zip(range(0, n, rows), weight.split_rows(sizes)):
+        out[start:start + part.shape[0]] = part.dequantize()
     return out
 
 
@@ -269,11 +269,16 @@ def unpack_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: tor
 
 #: Code offset of each type in :func:`pack_blocks`' layout (the weight is ``d * (u - offset) + m``).
 _BLOCK_OFFSETS = {"Q4_0": 8, "Q4_1": 0, "Q8_0": 128}
+# The same for the K-quants (``goodserve.models.kquant.KQUANT_OFFSETS``, ``tests/test_kquant.py`` checks).
+_K_OFFSETS = {"Q4_K": 0, "Q5_K": 0, "Q6_K": 32}
 
 
 def pack_blocks(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
     """The native block kernel's operands (:func:`goodserve.models.native.block_gemv`): the file's blocks
     without re-rounding anything.
+
+    A K-quant weight (:class:`goodserve.models.kquant.KQuantized`) is already in the kernel's layout: its
+    ``(q, scales, mins)`` and offset 0 (Q4_K, Q5_K) or 32 (Q6_K).
 
     Returns:
         ``(codes, scales, mins, offset)``: Q4: ``[out, in // 2]`` uint8, byte ``j`` of each block holding
@@ -281,6 +286,8 @@ def pack_blocks(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, Opt
         uint8 ``q + 128``. ``scales`` and ``mins`` (Q4_1, else ``None``): ``[out, in // 32]`` float16, the
         file's values. ``offset``: 8, 0 and 128 for Q4_0, Q4_1 and Q8_0.
     """
+    if weight.qtype in _K_OFFSETS:
+        return weight.q.contiguous(), weight.scales.contiguous(), weight.mins.contiguous(), _K_OFFSETS[weight.qtype]
     n, k = weight.shape
     if weight.qtype == "Q8_0":
         codes = (weight.q.view(torch.uint8) ^ 0x80).contiguous()  # two's complement q + 128
@@ -294,6 +301,10 @@ def pack_blocks(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, Opt
 def unpack_blocks(qtype: str, codes: torch.Tensor, scales: torch.Tensor,
                   mins: Optional[torch.Tensor]) -> BlockQuantized:
     """The :class:`BlockQuantized` weight of :func:`pack_blocks`' operands."""
+    if qtype in _K_OFFSETS:
+        from goodserve.models.kquant import KQuantized  # kquant builds on this module
+
+        return KQuantized(qtype, codes, scales, mins)
     if qtype == "Q8_0":
         q = (codes ^ 0x80).view(torch.int8)
     else:
@@ -320,8 +331,8 @@ class QuantLinear(nn.Module):
 
     Args:
         kind: ``"int4"`` or ``"int8"`` (PyTorch's kernels), or ``"blocks"`` (the native block kernel).
-        weight: For int4, a Q4_0/Q4_1 :class:`BlockQuantized`; for blocks, a Q4_0/Q4_1/Q8_0 one; for int8, a
-            dense ``[out, in]`` tensor.
+        weight: For int4, a Q4_0/Q4_1 :class:`BlockQuantized`; for blocks, a Q4_0/Q4_1/Q8_0 one or a K-quant
+            (:class:`goodserve.models.kquant.KQuantized`); for int8, a dense ``[out, in]`` tensor.
         dtype: Activation dtype (the kernels are fast in bfloat16).
         bias: ``[out]`` or ``None``.
         max_rows: Steps of more rows run on a dense ``dtype`` copy of the weight, once it is made.
@@ -417,9 +428,10 @@ def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quanti
     """The linear layer that runs ``weight`` under ``--quantization`` (rules in :data:`QUANTIZATIONS`).
 
     ``auto`` keeps each weight as the file holds it where a kernel exists, when ``dtype`` is bfloat16:
-    Q4_0/Q4_1/Q8_0 blocks on the native block kernel where it builds (:func:`runs_on_blocks`), else Q4_0/Q4_1
-    on PyTorch's int4 kernel; every other weight, and every weight in float32 (the precision mode; PyTorch
-    2.13's int4 kernel has no fast float32 path on CPU: ~30x slower), is dequantized to ``dtype``.
+    Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks on the native block kernel where it builds
+    (:func:`runs_on_blocks`), else Q4_0/Q4_1 on PyTorch's int4 kernel; every other weight, and every weight in
+    float32 (the precision mode; PyTorch 2.13's int4 kernel has no fast float32 path on CPU: ~30x slower), is
+    dequantized to ``dtype``.
 
     Args:
         weight: ``[out, in]`` tensor or :class:`BlockQuantized`.

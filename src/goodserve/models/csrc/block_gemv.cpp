@@ -14,10 +14,22 @@
 // Layouts. Q4: row n's codes are the file's code bytes without the scales, [N, K / 2]: byte j of block b
 // holds weight j in its low nibble and weight j + 16 in its high one. Q8: [N, K] uint8 codes. Scales and
 // minimums: [N, K / 32] fp16.
+//
+// K-quants (ggml-common.h block_q4_K / block_q5_K / block_q6_K, super-blocks of 256 weights; dequantized as
+// ggml-quants.c's dequantize_row_q*_K does). Codes: per pair of 32-blocks, the 32 nibble bytes of the Q4
+// layout, then (Q5_K) one or (Q6_K) two little-endian uint64 bit planes of code bits 4 and 5, bit i of a
+// plane for the pair's weights in the activations' pair order (block 2p's 0-15, block 2p + 1's 0-15, block
+// 2p's 16-31, block 2p + 1's 16-31): [N, K / 2], [N, 5 K / 8], [N, 3 K / 4] bytes. Q4_K / Q5_K: d = [N,
+// K / 256, 2] fp16 (d, dmin), mins = [N, K / 256, 16] uint8 (the 8 sub-block scales, then the 8 minimums,
+// 6-bit), w = (d * sc) * u - (dmin * m), offset 0. Q6_K: d = [N, K / 256] fp16, mins = [N, K / 16] int8
+// scales, one per 16 weights, w = (d * sc) * (u - 32), offset 32: lanes 0-7 and 8-15 of a dot product over
+// the low nibbles (weights 0-15 of each block) and over the high ones (16-31) each get their own scale.
+// Bytes per weight: 4.625, 5.625 and 6.5625 bits (the file: 4.5, 5.5, 6.5625).
 
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -65,17 +77,73 @@ void quantize_row(const T* x, int64_t nb, bool pairs, int16_t* xq, float* dx, fl
   }
 }
 
+// Kinds (goodserve_block_gemv's kind argument).
+constexpr int kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4;
+// Bits of each code above its low nibble, stored as bit planes (Q5_K: 1, Q6_K: 2).
+constexpr int high_bits(int kind) { return kind == kQ5K ? 1 : kind == kQ6K ? 2 : 0; }
+
+// The per-row scale table of a K-quant weight (2 and 3: Q4_K / Q5_K, 4: Q6_K), as the ggml-quants.c
+// dequantizers compute the scales: s = (d * sc) * dx per block of 32 (Q6_K: per 16, s[2b + h] for half h
+// of block b), d * sc exact in float32 (11 + 6 or 8 significant bits); the minimums' term
+// -sum_b (dmin * m_b) * sx_b (dmin * m exact) for Q4_K / Q5_K, 0 for Q6_K.
+template <int Kind, int M>
+void ksuper_scales(const uint16_t* dr, const uint8_t* sub, const float* dx, const float* sx, int64_t nb,
+                   float (*s)[2 * kMaxBlocks], float* mterm) {
+  const int64_t nsb = nb / 8;
+  if (Kind == kQ6K) {
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    for (int64_t j = 0; j < nsb; ++j) {
+      const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(dr[j])),
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sub + 16 * j)))));
+      for (int m = 0; m < M; ++m) {
+        const __m512 dx16 = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dx + m * nb + 8 * j)));
+        _mm512_store_ps(s[m] + 16 * j, _mm512_mul_ps(dsc, dx16));
+      }
+    }
+    for (int m = 0; m < M; ++m) mterm[m] = 0.f;
+    return;
+  }
+  __m256 mt[M];
+  for (int m = 0; m < M; ++m) mt[m] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nsb; ++j) {
+    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dr[2 * j])),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 16 * j)))));
+    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dr[2 * j + 1])),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 16 * j + 8)))));
+    for (int m = 0; m < M; ++m) {
+      _mm256_store_ps(s[m] + 8 * j, _mm256_mul_ps(dsc, _mm256_loadu_ps(dx + m * nb + 8 * j)));
+      mt[m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(sx + m * nb + 8 * j), mt[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(mt[m]), _mm256_extractf128_ps(mt[m], 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    mterm[m] = -_mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+}
+
 // Rows [n0, n1) of y, R weight rows at a time (R x M independent accumulator chains).
-template <bool Q4, int M, int R, typename Y>
+template <int Kind, int M, int R, typename Y>
 void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* codes,
                const uint16_t* d, const uint16_t* mins, int offset, int64_t n0, int64_t n1, Y* y, int64_t y_stride) {
+  constexpr bool kq = Kind >= kQ4K, q4 = Kind != kQ8, per16 = Kind == kQ6K;
+  constexpr int hb = high_bits(Kind);
   const int64_t nb = K / 32;
+  // Bytes per row and per pair of blocks: the nibbles (Q4, K-quants) and the high bit planes.
+  const int64_t pair_bytes = 32 + 8 * hb, row_bytes = q4 ? nb / 2 * pair_bytes : K;
   const __m512i nibble = _mm512_set1_epi16(0x0F);
   const __m512i off = _mm512_set1_epi16(static_cast<int16_t>(offset));
-  alignas(64) float s[R][M][kMaxBlocks];  // d * dx per weight row, activation row and block
+  const __m512i b4 = _mm512_set1_epi16(16), b5 = _mm512_set1_epi16(32);
+  alignas(64) float s[R][M][2 * kMaxBlocks];  // d * dx per weight row, activation row and block (Q6_K: half)
   for (int64_t n = n0; n < n1; n += R) {
-    float mterm[R][M];  // Q4_1: sum over blocks of m * dx * sum(q)
+    float mterm[R][M];  // Q4_1, Q4_K, Q5_K: sum over blocks of the minimum * dx * sum(q)
     for (int r = 0; r < R; ++r) {
+      if constexpr (kq) {
+        const int64_t sb = nb / 8;  // super-blocks of 256 per row
+        const uint8_t* sub = reinterpret_cast<const uint8_t*>(mins) + (n + r) * sb * 16;
+        ksuper_scales<Kind, M>(d + (n + r) * sb * (per16 ? 1 : 2), sub, dx, sx, nb, s[r], mterm[r]);
+        continue;
+      }
       const uint16_t* dr = d + (n + r) * nb;
       const uint16_t* mr = mins == nullptr ? nullptr : mins + (n + r) * nb;
       __m512 mt[M];
@@ -94,7 +162,7 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
     __m512 acc[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    if (Q4) {  // a pair of blocks at a time: 32 code bytes widen to the low and the high nibbles
+    if (q4) {  // a pair of blocks at a time: 32 code bytes widen to the low and the high nibbles
       for (int64_t p = 0; p < nb / 2; ++p) {
         __m512i xa[M], xb[M];
         for (int m = 0; m < M; ++m) {
@@ -102,13 +170,39 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
           xb[m] = _mm512_loadu_si512((const void*)(xq + m * K + 64 * p + 32));
         }
         for (int r = 0; r < R; ++r) {
-          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + (n + r) * (K / 2) + 32 * p)));
-          const __m512i lo = _mm512_sub_epi16(_mm512_and_si512(w, nibble), off);
-          const __m512i hi = _mm512_sub_epi16(_mm512_srli_epi16(w, 4), off);
-          for (int m = 0; m < M; ++m) {  // lanes 0-7: block 2p's exact integer dot product, 8-15: block 2p + 1's
-            const __m512i dot = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, xa[m]), hi, xb[m]);
-            const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[r][m][2 * p]), _mm512_set1_ps(s[r][m][2 * p + 1]));
-            acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[r][m]);
+          const uint8_t* c = codes + (n + r) * row_bytes + pair_bytes * p;
+          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)c));
+          __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_srli_epi16(w, 4);
+          if (hb >= 1) {  // bit plane 4: one bit per lane of lo (bits 0-31) and of hi (bits 32-63)
+            uint64_t plane;
+            std::memcpy(&plane, c + 32, 8);
+            lo = _mm512_mask_add_epi16(lo, (__mmask32)plane, lo, b4);
+            hi = _mm512_mask_add_epi16(hi, (__mmask32)(plane >> 32), hi, b4);
+          }
+          if (hb >= 2) {  // bit plane 5
+            uint64_t plane;
+            std::memcpy(&plane, c + 40, 8);
+            lo = _mm512_mask_add_epi16(lo, (__mmask32)plane, lo, b5);
+            hi = _mm512_mask_add_epi16(hi, (__mmask32)(plane >> 32), hi, b5);
+          }
+          lo = _mm512_sub_epi16(lo, off);
+          hi = _mm512_sub_epi16(hi, off);
+          for (int m = 0; m < M; ++m) {
+            if (per16) {  // lo: lanes 0-7 block 2p's weights 0-15, 8-15 block 2p + 1's; hi: their weights 16-31
+              const float* sp = s[r][m] + 4 * p;
+              const __m512i dl = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, xa[m]);
+              const __m512i dh = _mm512_dpwssd_epi32(_mm512_setzero_si512(), hi, xb[m]);
+              acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl),
+                  _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sp[0]), _mm512_set1_ps(sp[2])), acc[r][m]);
+              acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh),
+                  _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sp[1]), _mm512_set1_ps(sp[3])), acc[r][m]);
+            } else {  // lanes 0-7: block 2p's exact integer dot product, 8-15: block 2p + 1's
+              const __m512i dot =
+                  _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, xa[m]), hi, xb[m]);
+              const __m512 sc =
+                  _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[r][m][2 * p]), _mm512_set1_ps(s[r][m][2 * p + 1]));
+              acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[r][m]);
+            }
           }
         }
       }
@@ -118,7 +212,7 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
         for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512((const void*)(xq + m * K + 32 * b));
         for (int r = 0; r < R; ++r) {
           const __m512i w = _mm512_sub_epi16(
-              _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + (n + r) * K + 32 * b))), off);
+              _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + (n + r) * row_bytes + 32 * b))), off);
           for (int m = 0; m < M; ++m) {
             const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xv[m]);
             acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(s[r][m][b]), acc[r][m]);
@@ -132,47 +226,55 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
   }
 }
 
-template <bool Q4, int M, typename Y>
+template <int Kind, int M, typename Y>
 void gemv(const int16_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* codes, const uint16_t* d,
           const uint16_t* mins, int offset, int64_t N, Y* y, int64_t y_stride, int num_threads) {
   constexpr int R = M <= 2 ? 4 : 2;
   const int64_t chunks = N / kRowChunk;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t c = 0; c < chunks; ++c)
-    gemv_rows<Q4, M, R>(xq, dx, sx, K, codes, d, mins, offset, c * kRowChunk, (c + 1) * kRowChunk, y, y_stride);
+    gemv_rows<Kind, M, R>(xq, dx, sx, K, codes, d, mins, offset, c * kRowChunk, (c + 1) * kRowChunk, y, y_stride);
 }
 
-template <bool Q4, typename Y>
+template <int Kind, typename Y>
 void dispatch_rows(int64_t M, const int16_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* codes,
                    const uint16_t* d, const uint16_t* mins, int offset, int64_t N, Y* y, int64_t y_stride,
                    int num_threads) {
   switch (M) {
-    case 1: gemv<Q4, 1>(xq, dx, sx, K, codes, d, mins, offset, N, y, y_stride, num_threads); break;
-    case 2: gemv<Q4, 2>(xq, dx, sx, K, codes, d, mins, offset, N, y, y_stride, num_threads); break;
-    case 3: gemv<Q4, 3>(xq, dx, sx, K, codes, d, mins, offset, N, y, y_stride, num_threads); break;
-    default: gemv<Q4, 4>(xq, dx, sx, K, codes, d, mins, offset, N, y, y_stride, num_threads); break;
+    case 1: gemv<Kind, 1>(xq, dx, sx, K, codes, d, mins, offset, N, y, y_stride, num_threads); break;
+    case 2: gemv<Kind, 2>(xq, dx, sx, K, codes, d, mins, offset, N, y, y_stride, num_threads); break;
+    case 3: gemv<Kind, 3>(xq, dx, sx, K, codes, d, mins, offset, N, y, y_stride, num_threads); break;
+    default: gemv<Kind, 4>(xq, dx, sx, K, codes, d, mins, offset, N, y, y_stride, num_threads); break;
   }
 }
 
 template <typename X, typename Y>
-void run(bool q4, int64_t M, const X* x, int64_t x_stride, int64_t K, const uint8_t* codes, const uint16_t* d,
+void run(int kind, int64_t M, const X* x, int64_t x_stride, int64_t K, const uint8_t* codes, const uint16_t* d,
          const uint16_t* mins, int offset, int64_t N, Y* y, int64_t y_stride, int num_threads) {
   const int64_t nb = K / 32;
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<float> dx, sx;
   const int64_t group = M < 4 ? M : 4;  // activation rows per pass over the weight
+  const bool pairs = kind != kQ8;
   xq.resize(group * K);
   dx.resize(group * nb + 16);  // + 16: the masked vector loads stay inside
   sx.resize(group * nb + 16);
   for (int64_t m0 = 0; m0 < M; m0 += group) {
     const int64_t rows = M - m0 < group ? M - m0 : group;
     for (int64_t m = 0; m < rows; ++m)
-      quantize_row(x + (m0 + m) * x_stride, nb, q4, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
+      quantize_row(x + (m0 + m) * x_stride, nb, pairs, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
     Y* out = y + m0 * y_stride;
-    if (q4)
-      dispatch_rows<true>(rows, xq.data(), dx.data(), sx.data(), K, codes, d, mins, offset, N, out, y_stride, num_threads);
-    else
-      dispatch_rows<false>(rows, xq.data(), dx.data(), sx.data(), K, codes, d, mins, offset, N, out, y_stride, num_threads);
+    auto go = [&](auto k) {  // k: std::integral_constant of the kind
+      dispatch_rows<decltype(k)::value>(rows, xq.data(), dx.data(), sx.data(), K, codes, d, mins, offset, N, out,
+                                        y_stride, num_threads);
+    };
+    switch (kind) {
+      case kQ4: go(std::integral_constant<int, kQ4>()); break;
+      case kQ8: go(std::integral_constant<int, kQ8>()); break;
+      case kQ4K: go(std::integral_constant<int, kQ4K>()); break;
+      case kQ5K: go(std::integral_constant<int, kQ5K>()); break;
+      default: go(std::integral_constant<int, kQ6K>()); break;
+    }
   }
 }
 
@@ -191,27 +293,28 @@ int goodserve_block_gemv_supported() {
 #endif
 }
 
-// kind: 0 = 4-bit codes (Q4_0 / Q4_1), 1 = 8-bit codes (Q8_0 as q + 128). x_dtype, y_dtype: 0 = float32,
+// kind: 0 = 4-bit codes (Q4_0 / Q4_1), 1 = 8-bit codes (Q8_0 as q + 128), 2 = Q4_K, 3 = Q5_K, 4 = Q6_K (the
+// K-quant layouts above; d and mins then point to the fp16 super-block scales and the 8-bit sub-block
+// scales). x_dtype, y_dtype: 0 = float32,
 // 1 = bfloat16. x: [M, K] with row stride x_stride; codes, d, mins (nullable): see the layouts above;
 // y: [M, N] with row stride y_stride (M >= 1; each group of 4 rows is one pass over the weight). Returns 0;
-// 1 for arguments outside the kernel's range (M < 1, K not a multiple of 64 up to 16384, N not a multiple
-// of 16); 2 when the build has no kernel.
+// 1 for arguments outside the kernel's range (M < 1, K not a multiple of 64 up to 16384 (of 256 for the
+// K-quants), N not a multiple of 16); 2 when the build has no kernel.
 int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
                          const uint8_t* codes, const uint16_t* d, const uint16_t* mins, int offset, int64_t N,
                          int y_dtype, void* y, int64_t y_stride, int num_threads) {
 #ifdef GOODSERVE_VNNI
-  if (M < 1 || K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || (kind != 0 && kind != 1) ||
-      x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
+  if (M < 1 || K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ6K ||
+      (kind >= kQ4K && (K % 256 || mins == nullptr)) || x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
     return 1;
-  const bool q4 = kind == 0;
   if (x_dtype == 0 && y_dtype == 0)
-    run(q4, M, static_cast<const float*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<float*>(y), y_stride, num_threads);
+    run(kind, M, static_cast<const float*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<float*>(y), y_stride, num_threads);
   else if (x_dtype == 0)
-    run(q4, M, static_cast<const float*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<uint16_t*>(y), y_stride, num_threads);
+    run(kind, M, static_cast<const float*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<uint16_t*>(y), y_stride, num_threads);
   else if (y_dtype == 0)
-    run(q4, M, static_cast<const uint16_t*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<float*>(y), y_stride, num_threads);
+    run(kind, M, static_cast<const uint16_t*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<float*>(y), y_stride, num_threads);
   else
-    run(q4, M, static_cast<const uint16_t*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<uint16_t*>(y), y_stride, num_threads);
+    run(kind, M, static_cast<const uint16_t*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<uint16_t*>(y), y_stride, num_threads);
   return 0;
 #else
   (void)kind; (void)x_dtype; (void)x; (void)x_stride; (void)M; (void)K; (void)codes; (void)d; (void)mins;
