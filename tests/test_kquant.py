@@ -1,5 +1,7 @@
 """GGUF K-quants (Q4_K, Q5_K, Q6_K) kept as blocks and multiplied on the native block kernel (issue 32, item 1)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from goodserve.models.kquant import (HIGH_BITS, KQUANT_OFFSETS, KQUANT_TYPES, KQ
                                      unpack_gguf_kquant)
 from goodserve.models.quant import QuantLinear, dequantize_rows, make_linear, pack_blocks, unpack_blocks
 
+TINY_Q4_K_M = str(Path(__file__).parent / "data" / "tiny-llama-q4_k_m.gguf")
 _FILE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 needs_kernel = pytest.mark.skipif(not native.block_gemv_usable(torch.empty(0)),
                                   reason="the block kernel needs AVX-512 VNNI and a C++ compiler")
@@ -175,3 +178,49 @@ def test_decode_step_in_one_call_runs_kquant_projections():
     assert [p.qtype for p in (model.layers[0].qkv_proj, model.layers[0].o_proj, model.layers[0].down_proj,
                               model.lm_head)] == ["Q4_K", "Q5_K", "Q6_K", "Q6_K"]
     decode_both_ways(model, c)
+
+
+def test_q4_k_m_file_keeps_its_kquants_as_blocks():
+    """``tests/data/tiny-llama-q4_k_m.gguf`` (llama-quantize Q4_K_M, ``attn_output`` forced to Q5_K: see
+    ``tests/data/README.md``): every 2-D weight kept as the file's K-quant blocks, values equal to the dense
+    load's (gguf's dequantization); the mix as llama.cpp chose it (Q6_K for the tied embedding and for the
+    second layer's ``attn_v`` / ``ffn_down``)."""
+    from goodserve.models.gguf_file import tensor_type_mix
+    from goodserve.models.gguf_reader import GGUFFile
+    from goodserve.models.loader import load_model
+
+    assert tensor_type_mix(GGUFFile(TINY_Q4_K_M).tensors) == "Q4_K ×10, F32 ×5, Q6_K ×3, Q5_K ×2"
+    blocks = load_model(TINY_Q4_K_M, torch.float32, keep_quantized=True).weights
+    dense = load_model(TINY_Q4_K_M, torch.float32).weights
+    kinds = {name: w.qtype for name, w in blocks.items() if isinstance(w, KQuantized)}
+    assert kinds["model.embed_tokens.weight"] == "Q6_K"
+    assert kinds["model.layers.1.self_attn.v_proj.weight"] == kinds["model.layers.1.mlp.down_proj.weight"] == "Q6_K"
+    assert kinds["model.layers.0.self_attn.v_proj.weight"] == kinds["model.layers.0.mlp.down_proj.weight"] == "Q4_K"
+    assert {kinds[f"model.layers.{i}.self_attn.o_proj.weight"] for i in range(2)} == {"Q5_K"}
+    assert len(kinds) == 15 and set(blocks) == set(dense)
+    for name, qtype in kinds.items():
+        assert torch.equal(blocks[name].dequantize(), dense[name]), name
+
+
+@needs_kernel
+def test_q4_k_m_file_greedy_tokens_equal_the_float32_dense_run():
+    """The file served under ``--quantization auto`` in bfloat16 (K-quant blocks on the block kernel, the
+    tied Q6_K head too; the second layer's q/k/v mix Q4_K and Q6_K, so its fused qkv runs dense and the
+    one-call decode step declines) against the file dequantized to float32, eight prompts batched.
+
+    Measured (2026-12-04) on ten prompts of this family: the two runs' logprobs of the chosen tokens
+    differed by at most 0.23; the float32 run's top-2 logit margins went down to 0.09, and the two prompts
+    left out (lengths 3 and 40) are those whose greedy tokens flipped at a margin of 0.30 and 0.09, near
+    ties within the bfloat16 run's error (a dense bfloat16 run flips such ties as well)."""
+    from goodserve import LLM, SamplingParams
+
+    prompts = [[100 + (7 * i + 3 * j) % 400 for j in range(n)] for i, n in enumerate((5, 17, 33, 48, 3, 9, 12, 25, 7))
+               if n != 3]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for dtype, quantization in (("float32", "none"), ("bfloat16", "auto")):
+        llm = LLM(TINY_Q4_K_M, dtype=dtype, quantization=quantization, block_size=4, num_blocks=256,
+                  log_stats_interval=0)
+        runs[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert runs["bfloat16"] == runs["float32"]
+    assert len({t for ids in runs["float32"] for t in ids}) > 10  # not one token repeated

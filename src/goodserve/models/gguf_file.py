@@ -1,8 +1,9 @@
 """Read a GGUF file (llama.cpp format): metadata, quantized tensors and the embedded tokenizer.
 
 The file is read with :class:`~goodserve.models.gguf_reader.GGUFFile`. Tensors are kept as the file's
-Q4_0/Q4_1/Q8_0 blocks for the low-bit kernels (:mod:`goodserve.models.quant`) or dequantized (those block
-types in torch, a few thousand rows at a time; any other with ``gguf.quants``), and renamed to Hugging Face
+Q4_0/Q4_1/Q8_0 blocks for the low-bit kernels (:mod:`goodserve.models.quant`) or its Q4_K/Q5_K/Q6_K
+super-blocks (:mod:`goodserve.models.kquant`), or dequantized (those types in torch, a few thousand rows at a
+time; any other with ``gguf.quants``), and renamed to Hugging Face
 parameter names (``model.layers.0.self_attn.q_proj.weight``, shape ``[out_features, in_features]``). The
 tokenizer comes from :mod:`goodserve.models.gguf_tokenizer`.
 
@@ -40,6 +41,7 @@ from goodserve.models.config_support import check_gguf_metadata, check_gguf_tens
 from goodserve.models.gguf_gemma3 import GEMMA3_GGUF_LAYER_NAMES, GGUF_GEMMA3, HF_GEMMA3, gemma3_config_fields, \
     hf_norm_weight
 from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
+from goodserve.models.kquant import KQUANT_TYPES, unpack_gguf_kquant
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks
 from goodserve.models.checkpoint import (LoadedModel, split_fused_projections, tokenizer_chat_template,
                                         with_tokenizer_eos)
@@ -227,8 +229,8 @@ def _rotary_heads(config: ModelConfig, hf_name: str) -> Optional[int]:
 def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: torch.dtype,
                  keep_quantized: bool) -> Union[torch.Tensor, BlockQuantized]:
     """One GGUF tensor in HF layout (``[out, in]`` for linear weights): dequantized to ``dtype``, or as the
-    file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q8_0 linear weight or the token embedding
-    (the tied LM head's weight)."""
+    file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q8_0 or Q4_K/Q5_K/Q6_K linear weight or the
+    token embedding (the tied LM head's weight)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -241,8 +243,9 @@ def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: t
         array = hf_norm_weight(dequantize(data, qtype).reshape(shape))
         return torch.from_numpy(array).to(dtype)
     blocks = hf_name.endswith("proj.weight") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
-    if keep_quantized and qtype.name in BLOCK_TYPES and blocks and len(shape) == 2:
-        weight = unpack_gguf_blocks(data, qtype.name, shape)
+    if keep_quantized and qtype.name in BLOCK_TYPES + KQUANT_TYPES and blocks and len(shape) == 2:
+        unpack = unpack_gguf_blocks if qtype.name in BLOCK_TYPES else unpack_gguf_kquant
+        weight = unpack(data, qtype.name, shape)
         if heads is not None:
             index = _unpermute_rotary_rows(np.arange(shape[0]), heads)
             weight = weight.permute_rows(torch.from_numpy(index))
@@ -281,14 +284,23 @@ def _gguf_weights(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype,
     return weights
 
 
+def tensor_type_mix(tensors: list[GGUFTensor]) -> str:
+    """The file's tensor types with their counts, most frequent first (ties by name): ``"Q4_K ×14, F32 ×5"``."""
+    counts: dict[str, int] = {}
+    for tensor in tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return ", ".join(f"{name} ×{n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> LoadedModel:
     """Load a GGUF file: metadata, tensors (dequantized with numpy, or kept as blocks) and the tokenizer.
 
     Args:
         path: The ``.gguf`` file.
         dtype: Dtype every dense weight is cast to (quantized tensors are dequantized to float32 first).
-        keep_quantized: Keep Q4_0/Q4_1/Q8_0 linear weights (``*proj.weight``), the token embedding and the
-            LM head as :class:`~goodserve.models.quant.BlockQuantized` codes, scales and minimums, as in the file.
+        keep_quantized: Keep Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K linear weights (``*proj.weight``), the token
+            embedding and the LM head as :class:`~goodserve.models.quant.BlockQuantized` codes, scales and
+            minimums, as in the file (K-quants as :class:`~goodserve.models.kquant.KQuantized`).
 
     Returns:
         The :class:`LoadedModel` (weights on CPU, HF names, fused projections split); ``vocab_size`` is the
@@ -298,6 +310,7 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
         ValueError: On an unsupported architecture, metadata field, tensor or tensor type.
     """
     reader = GGUFFile(path)
+    logger.info("GGUF %s: tensor types: %s", os.path.basename(path), tensor_type_mix(reader.tensors))
     n_tokens = len(reader.get("tokenizer.ggml.tokens", ()))
     config = _gguf_config(reader, n_tokens)
     check_split_rule(reader.fields)
