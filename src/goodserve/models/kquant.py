@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from goodserve.models.quant import BlockQuantized
 
@@ -162,3 +163,22 @@ def unpack_gguf_kquant(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> 
     packed = pack_codes(q.astype(np.uint8), HIGH_BITS[qtype])
     return KQuantized(qtype, torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(scales)),
                       torch.from_numpy(np.ascontiguousarray(sub)))
+
+
+class PartsLinear(nn.Module):
+    """``y = [x W_1^T, ..., x W_p^T]``: a fused projection (q/k/v, gate/up) whose parts the file holds in
+    different block types, each part on its own layer. llama.cpp's Q4_K_M gives ``attn_v`` (and
+    ``ffn_down``) Q6_K in about half the layers beside Q4_K ``attn_q`` / ``attn_k``; fused into one dense
+    matrix, those layers' q/k/v would stream bfloat16 (16 bits per weight) instead of 4.6-6.6.
+
+    Args:
+        parts: The parts' layers (``[rows, in] -> [rows, out_i]``), in output order.
+    """
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[rows, in_features]`` -> ``[rows, sum of the parts' out_features]``."""
+        return torch.cat([part(x) for part in self.parts], dim=-1)

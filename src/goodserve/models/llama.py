@@ -27,6 +27,7 @@ from goodserve.models.attention import AttentionBackend, AttentionMetadata, Nati
 from goodserve.models.checkpoint import dense_weight, take_weight
 from goodserve.models.invariant import InvariantLinear, rms_norm_torch
 from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend
+from goodserve.models.kquant import PartsLinear
 from goodserve.models.linear import dense_linear
 from goodserve.models.moe import SparseMoeBlock
 from goodserve.models.quant import BlockQuantized, QuantLinear, make_linear, runs_on_blocks
@@ -299,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
             parts = [take(n, s) for n, s in zip(names, shapes)]
             if all(isinstance(p, BlockQuantized) for p in parts) and len({p.qtype for p in parts}) == 1:
                 return BlockQuantized.cat(parts)
+            if not batch_invariant and quantization == "auto" and all(runs_on_blocks(p, dtype) for p in parts):
+                return parts  # blocks of mixed types (Q4_K_M: a Q6_K attn_v beside Q4_K q/k): a layer per part
             return torch.cat([p.dequantize() if isinstance(p, BlockQuantized) else p for p in parts])
 
         c = self.config
@@ -306,6 +309,9 @@ class LlamaForCausalLM(nn.Module):
         self.batch_invariant = batch_invariant
 
         def linear(weight, bias):
+            if isinstance(weight, list):
+                biases = [None] * len(weight) if bias is None else bias.split([w.shape[0] for w in weight])
+                return PartsLinear([make_linear(w, b, dtype, quantization) for w, b in zip(weight, biases)])
             if batch_invariant:
                 return InvariantLinear(weight, bias, dtype)
             return make_linear(weight, bias, dtype, quantization)
