@@ -203,16 +203,18 @@ def test_q4_k_m_file_keeps_its_kquants_as_blocks():
 
 
 @needs_kernel
-def test_mixed_type_fused_projection_runs_a_block_layer_per_part():
+def test_mixed_type_fused_projection_runs_a_block_layer_per_part_in_the_one_call_step_too():
     """Layer 1's q/k/v are Q4_K, Q4_K and Q6_K: one block layer each (not one dense bfloat16 matrix), their
-    outputs side by side; the one-call decode step declines and the model runs layer by layer."""
+    outputs side by side, and the one-call decode step runs them as parts of one projection, equal to the
+    layer-by-layer path."""
     from goodserve.models.kquant import PartsLinear
     from goodserve.models.loader import load_model
-    from test_block_gemv import _model
+    from test_block_gemv import _model, decode_both_ways
 
     loaded = load_model(TINY_Q4_K_M, torch.bfloat16, keep_quantized=True)
     model = _model(loaded.config, loaded.weights)
-    assert model.decode_plan is None
+    assert model.decode_plan is not None
+    assert model.decode_plan.layer_ints[1, :9].tolist() == [2, 0, 256, 2, 0, 128, 4, 32, 128]  # kind, offset, rows
     assert isinstance(model.layers[0].qkv_proj, QuantLinear) and model.layers[0].qkv_proj.qtype == "Q4_K"
     qkv = model.layers[1].qkv_proj
     assert isinstance(qkv, PartsLinear) and [p.qtype for p in qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
@@ -222,13 +224,15 @@ def test_mixed_type_fused_projection_runs_a_block_layer_per_part():
     x = torch.randn(3, 256).bfloat16()
     want = x.double() @ dense.double().t()
     assert ((qkv(x).double() - want).abs() <= 2 ** -8 * want.abs() + 1e-4 * want.abs().max()).all()
+    decode_both_ways(model, loaded.config)
 
 
 @needs_kernel
 def test_q4_k_m_file_greedy_tokens_equal_the_float32_dense_run():
     """The file served under ``--quantization auto`` in bfloat16 (K-quant blocks on the block kernel, the
-    tied Q6_K head too; the second layer's q/k/v mix Q4_K and Q6_K, so its q/k/v run as three block layers
-    and the one-call decode step declines) against the file dequantized to float32, eight prompts batched.
+    tied Q6_K head too; the second layer's q/k/v mix Q4_K and Q6_K and run as three block layers, in the
+    one-call decode step as parts of one projection) against the file dequantized to float32, eight prompts
+    batched.
 
     Measured (2026-12-04) on ten prompts of this family: the two runs' logprobs of the chosen tokens
     differed by at most 0.25 (the file dequantized to a dense bfloat16 run: 0.20); the two prompts left out

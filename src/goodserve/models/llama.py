@@ -226,6 +226,16 @@ class DecoderLayer(nn.Module):
         return self.down_proj.forward(F.silu(gate) * up), residual
 
 
+def _block_parts(layer: nn.Module) -> Optional[list[tuple]]:
+    """A projection's parts as :class:`goodserve.models.native.DecodeLayers` takes them, when every part runs on
+    the block kernel without bias (a :class:`PartsLinear` of up to ``DECODE_STEP_PARTS`` of them); else None."""
+    parts = list(layer.parts) if isinstance(layer, PartsLinear) else [layer]
+    if len(parts) > native.DECODE_STEP_PARTS or not all(
+            isinstance(p, QuantLinear) and p.kind == "blocks" and p.bias is None for p in parts):
+        return None
+    return [(p.qtype, p.packed, p.extra, p.mins, p.offset, p.out_features) for p in parts]
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head.
 
@@ -364,8 +374,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_plan(self) -> Optional[native.DecodeLayers]:
         """The operands of :func:`goodserve.models.native.decode_layers` when every projection runs on the
-        block kernel, or (batch-invariant mode) on the native batch-invariant GEMM, without bias, and the
-        norms on the native kernels; else ``None``."""
+        block kernel (whole, or as :class:`PartsLinear` parts), or (batch-invariant mode) on the native
+        batch-invariant GEMM, without bias, and the norms on the native kernels; else ``None``."""
         c = self.config
         if not native.usable(self.norm.weight) or c.qk_norm or c.num_experts or c.sliding_window is not None:
             return None  # the one-call kernel has no q/k norm, no mixture of experts and no window
@@ -376,11 +386,12 @@ class LlamaForCausalLM(nn.Module):
                 if not all(isinstance(p, InvariantLinear) and p.packed is not None and p.bias is None
                            for p in projections):
                     return None
-                ops = [(native.INVARIANT_KIND + p.kind, p.packed, None, None, 0) for p in projections]
-            elif all(isinstance(p, QuantLinear) and p.kind == "blocks" and p.bias is None for p in projections):
-                ops = [(p.qtype, p.packed, p.extra, p.mins, p.offset) for p in projections]
+                ops = [[(native.INVARIANT_KIND + p.kind, p.packed, None, None, 0, p.out_features)]
+                       for p in projections]
             else:
-                return None
+                ops = [_block_parts(p) for p in projections]
+                if any(parts is None for parts in ops):
+                    return None
             layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, ops))
         shape = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size)
         return native.DecodeLayers(layers, shape, c.rms_norm_eps, self.norm.weight)

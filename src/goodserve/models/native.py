@@ -234,6 +234,8 @@ BLOCK_GEMV_MAX_ROWS = 4
 #: against 269 MB of dense bfloat16 weights. Measured (BENCHMARKS.md, issue 15 run 7) against the
 #: layer-by-layer path on dense copies: faster at 6 and 8 rows, not at 12 or 16.
 DECODE_STEP_MAX_ROWS = 8
+#: The most parts side by side in one projection of :func:`decode_layers` (``kParts`` of ``csrc/decode_step.cpp``).
+DECODE_STEP_PARTS = 3
 #: The most rows :func:`decode_layers` takes on batch-invariant GEMMs.
 INVARIANT_DECODE_MAX_ROWS = 256
 #: Kind codes past this one in :class:`DecodeLayers` are the batch-invariant GEMM's (``csrc/decode_step.cpp``).
@@ -332,10 +334,12 @@ class DecodeLayers:
 
     Args:
         layers: Per layer ``(input_norm, post_norm, projections)``: the norms' ``[hidden]`` weights and the
-            qkv, o, gate_up and down projections, each ``(kind, codes, scales, mins, offset)``: a kind of
-            :data:`BLOCK_KINDS` with the operands :func:`block_gemv` takes (checked by
-            :func:`check_blocks`), or an int ``INVARIANT_KIND + k`` with the batch-invariant GEMM's kind
-            ``k`` and operands (:class:`goodserve.models.invariant.InvariantLinear`).
+            qkv, o, gate_up and down projections, each a list of 1 to :data:`DECODE_STEP_PARTS` parts side by
+            side along the outputs (q/k/v or gate/up held in different block types), each part
+            ``(kind, codes, scales, mins, offset, rows)``: a kind of :data:`BLOCK_KINDS` with the operands
+            :func:`block_gemv` takes (checked by :func:`check_blocks`), or an int ``INVARIANT_KIND + k`` with
+            the batch-invariant GEMM's kind ``k`` and operands (:class:`goodserve.models.invariant.InvariantLinear`);
+            ``rows`` its output features.
         shape: ``(hidden, num_heads, num_kv_heads, head_dim, intermediate)``.
         eps: The norms' epsilon.
         final_norm: ``[hidden]`` weight of the norm after the last layer.
@@ -353,10 +357,15 @@ class DecodeLayers:
         for input_norm, post_norm, projections in layers:
             row = [input_norm.data_ptr(), post_norm.data_ptr()]
             kinds = []
-            for kind, codes, scales, mins, offset in projections:
-                row += [t.data_ptr() if t is not None else 0 for t in (codes, scales, mins)]
-                invariant = invariant and isinstance(kind, int)
-                kinds += [kind if isinstance(kind, int) else BLOCK_KINDS[kind], int(offset)]
+            for parts in projections:
+                if not 1 <= len(parts) <= DECODE_STEP_PARTS:
+                    raise ValueError(f"a projection of the decode step has 1 to {DECODE_STEP_PARTS} parts")
+                for kind, codes, scales, mins, offset, rows in parts:
+                    row += [t.data_ptr() if t is not None else 0 for t in (codes, scales, mins)]
+                    invariant = invariant and isinstance(kind, int)
+                    kinds += [kind if isinstance(kind, int) else BLOCK_KINDS[kind], int(offset), int(rows)]
+                row += [0] * 3 * (DECODE_STEP_PARTS - len(parts))
+                kinds += [0] * 3 * (DECODE_STEP_PARTS - len(parts))
             ptrs.append(row)
             ints.append(kinds)
         #: The most rows a call takes: the block kernel reads its weights once per 4 rows, the

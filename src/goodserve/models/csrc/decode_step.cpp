@@ -15,13 +15,17 @@
 
 namespace {
 
-// Per layer, in this order: the input and post-attention norms' weights, then (codes, scales, mins) of
-// the qkv, o, gate_up and down projections.
-constexpr int kLayerPointers = 14;
-// Per layer: (kind, offset) of each of the four projections. A kind of kInvariant + k is the
-// batch-invariant GEMM's kind k (invariant_gemm.cpp; only the first pointer is used), else the block
-// kernel's.
-constexpr int kLayerInts = 8;
+// A projection is up to kParts weights side by side along its outputs (q/k/v or gate/up held in different
+// block types, e.g. llama.cpp's Q4_K_M: a Q6_K attn_v beside Q4_K attn_q / attn_k), each written into its
+// columns of the projection's output.
+constexpr int kParts = 3;
+// Per layer, in this order: the input and post-attention norms' weights, then per projection (qkv, o,
+// gate_up, down) kParts parts of (codes, scales, mins); unused parts are zero.
+constexpr int kLayerPointers = 2 + 4 * kParts * 3;
+// Per layer, projection and part: (kind, offset, rows), rows the part's output features (0: no part; the
+// parts' rows add up to the projection's). A kind of kInvariant + k is the batch-invariant GEMM's kind k
+// (invariant_gemm.cpp; only the first pointer is used), else the block kernel's.
+constexpr int kLayerInts = 4 * kParts * 3;
 constexpr int kInvariant = 16;
 
 template <typename T>
@@ -48,12 +52,20 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
   // As the layer-by-layer path computes it: in double, then rounded to float.
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   auto gemv = [&](const int64_t* p, const int32_t* ki, const T* in, int64_t K, int64_t N, T* y) {
-    if (ki[0] >= kInvariant)
-      return goodserve_bi_gemm(ki[0] - kInvariant, dtype, in, K, M, K, reinterpret_cast<const void*>(p[0]), N,
-                               nullptr, dtype, y, N, num_threads);
-    return goodserve_block_gemv(ki[0], dtype, in, K, M, K, reinterpret_cast<const uint8_t*>(p[0]),
-                                reinterpret_cast<const uint16_t*>(p[1]), reinterpret_cast<const uint16_t*>(p[2]),
-                                ki[1], N, dtype, y, N, num_threads);
+    int64_t col = 0;  // the part's first output column
+    for (int part = 0; part < kParts && ki[3 * part + 2] > 0; ++part) {
+      const int64_t* w = p + 3 * part;
+      const int32_t* k = ki + 3 * part;
+      const int rc = k[0] >= kInvariant
+          ? goodserve_bi_gemm(k[0] - kInvariant, dtype, in, K, M, K, reinterpret_cast<const void*>(w[0]), k[2],
+                              nullptr, dtype, y + col, N, num_threads)
+          : goodserve_block_gemv(k[0], dtype, in, K, M, K, reinterpret_cast<const uint8_t*>(w[0]),
+                                 reinterpret_cast<const uint16_t*>(w[1]), reinterpret_cast<const uint16_t*>(w[2]),
+                                 k[1], k[2], dtype, y + col, N, num_threads);
+      if (rc != 0) return rc;
+      col += k[2];
+    }
+    return col == N ? 0 : 1;
   };
   int rc = 0;
 #define GOODSERVE_TRY(call) \
@@ -88,12 +100,12 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
                                                      max_blocks, q_size + kv_size, split_tokens, num_splits, scale,
                                                      num_threads));
     }
-    GOODSERVE_TRY(gemv(p + 5, ki + 2, attn.data(), q_size, hidden, o.data()));
+    GOODSERVE_TRY(gemv(p + 2 + 3 * kParts, ki + 3 * kParts, attn.data(), q_size, hidden, o.data()));
     GOODSERVE_TRY(goodserve_rms_norm(dtype, o.data(), hidden, res.data(), hidden, res.data(), post_norm, h.data(), M,
                                      hidden, eps, num_threads));
-    GOODSERVE_TRY(gemv(p + 8, ki + 4, h.data(), hidden, 2 * inter, gu.data()));
+    GOODSERVE_TRY(gemv(p + 2 + 6 * kParts, ki + 6 * kParts, h.data(), hidden, 2 * inter, gu.data()));
     GOODSERVE_TRY(goodserve_silu_mul(dtype, gu.data(), 2 * inter, M, inter, act.data(), num_threads));
-    GOODSERVE_TRY(gemv(p + 11, ki + 6, act.data(), inter, hidden, x.data()));
+    GOODSERVE_TRY(gemv(p + 2 + 9 * kParts, ki + 9 * kParts, act.data(), inter, hidden, x.data()));
   }
 #undef GOODSERVE_TRY
   return goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), final_norm, out, M, hidden, eps,
@@ -105,8 +117,8 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
 extern "C" {
 
 // dtype: 0 = float32, 1 = bfloat16 (activations, norm weights, caches, rope table). M: decode rows (>= 1),
-// one token per request. layer_ptrs: [num_layers, 14] addresses (see kLayerPointers; a null mins for
-// Q4_0 and Q8_0); layer_ints: [num_layers, 8]; k_caches, v_caches: [num_layers] addresses of caches
+// one token per request. layer_ptrs: [num_layers, 38] addresses (see kLayerPointers; a null mins for
+// Q4_0 and Q8_0); layer_ints: [num_layers, 36] (kLayerInts); k_caches, v_caches: [num_layers] addresses of caches
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [M, max_blocks] int32, seq_lens [M] int32
 // (new token included), slots [M] int64: as paged_decode_attention and the slot mapping; rope_table: cos
 // rows then, rope_stride elements later, sin rows; positions [M] int64; embeddings, out: [M, hidden].
