@@ -11,6 +11,7 @@ import torch
 from goodserve.models import native, native_build
 from goodserve.models.attention import (AttentionMetadata, NativeAttentionBackend, TorchAttentionBackend,
                                         make_attention_backend)
+from goodserve.models.short_rows import MAX_SHORT_CHUNK
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="the native kernel cannot be built here")
 
@@ -109,6 +110,37 @@ def test_native_backend_equals_the_torch_backend_on_a_mixed_step():
         kc, vc = k_cache.clone(), v_cache.clone()
         outs.append(backend(q, k, v, kc, vc, meta))
         caches.append((kc, vc))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_short_chunks_are_attended_as_decodes_and_equal_the_chunk_path():
+    """Issue 33: chunks of at most MAX_SHORT_CHUNK new tokens after a cached context (rows verifying drafts)
+    are one decode query per token for the native backend, each attending its position + 1 tokens; a fresh
+    chunk and a longer one keep the chunk path. Output and cache writes equal the PyTorch backend's."""
+    bs, kv, heads, d = 4, 2, 6, 64
+    torch.manual_seed(1)
+    k_cache, v_cache = torch.randn(60, bs, kv, d), torch.randn(60, bs, kv, d)
+    long_new = MAX_SHORT_CHUNK + 1
+    chunks = [(6, 3, [10, 11, 12]), (0, 2, [20]), (2, long_new, [30, 31, 32, 33, 34, 35]), (9, 1, [40, 41, 42])]
+    slots = [11 * bs + 2, 11 * bs + 3, 12 * bs] + [20 * bs, 20 * bs + 1]
+    slots += [(30 + p // bs) * bs + p % bs for p in range(2, 2 + long_new)]  # its table is blocks 30..35
+    slots += [42 * bs + 1]
+    n = 1 + 3 + 2 + long_new + 1  # one decode first
+    q, k, v = torch.randn(n, heads, d), torch.randn(n, kv, d), torch.randn(n, kv, d)
+    outs, caches = [], []
+    for backend in (TorchAttentionBackend(), NativeAttentionBackend()):
+        meta = AttentionMetadata.build(bs, [[1, 2]], [7], chunks, torch.tensor([2 * bs + 2] + slots),
+                                       torch.device("cpu"), decode_groups=backend.uses_decode_groups)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append(backend(q, k, v, kc, vc, meta))
+        caches.append((kc, vc, meta))
+    rows = caches[1][2].short_rows
+    assert caches[0][2].short_rows is None
+    assert rows.index.tolist() == [1, 2, 3, n - 1]  # after the decode: the 3-token chunk, and the last one
+    assert rows.seq_lens.tolist() == [7, 8, 9, 10] and rows.max_len == 10
+    assert rows.block_tables.tolist() == [[10, 11, 12]] * 3 + [[40, 41, 42]]
+    assert [c.short for c in caches[1][2].prefills] == [True, False, False, True]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 

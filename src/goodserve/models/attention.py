@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from goodserve.config import ATTENTION_BACKENDS
 from goodserve.models import native
 from goodserve.models.kv_quant import read_kv, write_kv
+from goodserve.models.short_rows import MAX_SHORT_CHUNK, ShortRows, short_rows
 
 
 @dataclass
@@ -45,12 +46,15 @@ class PrefillChunk:
         block_table: ``[num_blocks_for_request]`` block ids, or ``None`` when the chunk has no cached context.
         mask: ``[num_new, num_computed + num_new]`` bool, True where a query may attend; ``None`` when the
             chunk has no cached context (plain causal attention).
+        short: Its tokens are also in the step's :class:`ShortRows` (a backend that reads those attends
+            them there).
     """
 
     start: int
     end: int
     block_table: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
+    short: bool = False
 
 
 @dataclass
@@ -134,6 +138,8 @@ class AttentionMetadata:
         layer_metadata: With several KV-cache groups (:mod:`goodserve.kv_cache.layout`), per layer the metadata of
             its group (its own block tables and slot mapping); read through :meth:`for_layer`. ``None``: one
             group, every layer uses this metadata.
+        short_rows: The short chunks' tokens as decode queries (built with ``decode_groups=False``; ``None``
+            without short chunks). The chunks stay in ``prefills`` too, marked ``short``.
     """
 
     slot_mapping: torch.Tensor
@@ -149,6 +155,7 @@ class AttentionMetadata:
     windowed: dict[int, "AttentionMetadata"] = field(default_factory=dict)
     window: Optional[int] = None
     layer_metadata: Optional[list["AttentionMetadata"]] = None
+    short_rows: Optional[ShortRows] = None
 
     def for_layer(self, layer: int) -> "AttentionMetadata":
         """The metadata layer ``layer`` attends with: its KV-cache group's (``self`` with one group)."""
@@ -184,7 +191,8 @@ class AttentionMetadata:
             slot_mapping: ``[num_tokens]`` slots, decodes first.
             device: Where the tensors live.
             decode_groups: Cut the decodes into :class:`DecodeGroup` s (for :class:`TorchAttentionBackend`);
-                ``False``: give them as one padded block table instead (``decode_block_tables``).
+                ``False``: give them as one padded block table instead (``decode_block_tables``), and the
+                short chunks' tokens as :class:`ShortRows`.
             per_row: Also give every token its own block table and context length (``row_block_tables``,
                 ``row_seq_lens``), for a backend that attends each token alone (batch-invariant); the
                 decodes' tables are then the first rows of those.
@@ -213,18 +221,23 @@ class AttentionMetadata:
                 first = group[0][0]
             groups.append(DecodeGroup(start, end, dbt, mask, max(decode_seq_lens[start:end]), first))
         prefills = []
+        short: list[tuple[int, int, int, list[int]]] = []  # (flat start, num_computed, num_new, table)
         start = num_decodes
         for num_computed, num_new, table in prefill_chunks:
             block_table = mask = None
+            is_short = not decode_groups and 0 < num_computed and num_new <= MAX_SHORT_CHUNK
             if num_computed > 0:
-                block_table = torch.tensor(table[: (num_computed + num_new + block_size - 1) // block_size],
-                                           dtype=torch.long, device=device)
+                used = table[: (num_computed + num_new + block_size - 1) // block_size]
+                block_table = torch.tensor(used, dtype=torch.long, device=device)
                 q_pos = torch.arange(num_computed, num_computed + num_new, device=device)
                 k_pos = torch.arange(num_computed + num_new, device=device)
                 mask = k_pos[None, :] <= q_pos[:, None]
-            prefills.append(PrefillChunk(start, start + num_new, block_table, mask))
+                if is_short:
+                    short.append((start, num_computed, num_new, used))
+            prefills.append(PrefillChunk(start, start + num_new, block_table, mask, is_short))
             start += num_new
-        return cls(slot_mapping, num_decodes, groups, prefills, tables, seq_lens, max(decode_seq_lens, default=0))
+        return cls(slot_mapping, num_decodes, groups, prefills, tables, seq_lens, max(decode_seq_lens, default=0),
+                   short_rows=short_rows(short, device))
 
 
     @classmethod
@@ -403,11 +416,14 @@ class TorchAttentionBackend:
             vd = self._decode_context(v_cache, g, "v", q.dtype)
             out[g.start:g.end] = decode_attention(q[g.start:g.end], kd, vd, g.mask)
 
-    @staticmethod
-    def _prefills_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def _prefills_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       skip_short: bool = False) -> None:
+        """Each prefill chunk's attention into ``out`` (``skip_short``: but the chunks marked ``short``)."""
         group = q.shape[1] // k_cache.shape[2]
         for chunk in meta.prefills:
+            if skip_short and chunk.short:
+                continue
             qp = q[chunk.start:chunk.end].transpose(0, 1)[None]  # [1, num_heads, n, head_dim]
             if chunk.block_table is None:  # no cached context: its own tokens (a window's mask, if any)
                 kp = k[chunk.start:chunk.end].transpose(0, 1)  # [num_kv_heads, n, head_dim]
@@ -447,6 +463,18 @@ class NativeAttentionBackend(TorchAttentionBackend):
             return super()._decodes(q, k_cache, v_cache, meta)
         return native.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
                                              meta.max_decode_len)
+
+    def _prefills_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       skip_short: bool = False) -> None:
+        """The short chunks' tokens as decode queries in one kernel call (:class:`ShortRows`), the others as
+        :class:`TorchAttentionBackend` attends them."""
+        rows = meta.short_rows
+        if rows is not None:
+            got = native.paged_decode_attention(q.index_select(0, rows.index), k_cache, v_cache, rows.block_tables,
+                                                rows.seq_lens, rows.max_len)
+            out.index_copy_(0, rows.index, got)
+        super()._prefills_into(out, q, k, v, k_cache, v_cache, meta, skip_short=rows is not None)
 
 
 def make_attention_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
