@@ -144,15 +144,19 @@ class DraftCost:
 def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
                  costs: Optional[tuple[float, float]]) -> float:
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
-    drafts each: the model's step of ``B (k + 1)`` positions, or if less, the model's step of plain decodes
-    plus what :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts (``costs``). A draft costs at
-    most a decode row: this bounds an estimate drawn from few steps."""
+    drafts each: the model's step of plain decodes plus what :class:`DraftCost` adds for ``B`` rows
+    verifying ``B k`` drafts (``costs``); before any draft was measured, the model's step of ``B (k + 1)``
+    positions.
+
+    Measured drafts are not capped at a decode row's cost: where plain decodes run on a faster path than rows
+    with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced a
+    row with drafts at ~0.3 of what it took and verified drafts under load, where they lengthened every step
+    (BENCHMARKS.md, "Speculative decoding", the AVX-512 host)."""
     rows = len(contexts)
-    as_rows = model.predict(rows * (k + 1), rows * (k + 1), sum(chunk_pairs(k + 1, c) for c in contexts))
     if costs is None or k == 0:
-        return as_rows
+        return model.predict(rows * (k + 1), rows * (k + 1), sum(chunk_pairs(k + 1, c) for c in contexts))
     base = model.predict(rows, rows, sum(chunk_pairs(1, c) for c in contexts))
-    return min(as_rows, base + rows * costs[0] + rows * k * costs[1])
+    return base + rows * costs[0] + rows * k * costs[1]
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
