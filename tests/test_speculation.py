@@ -102,6 +102,55 @@ def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
     assert choose_length(model, stats, [100] * 64, 4, costs=(0.004, 0.0005)) == 0
 
 
+def test_auto_length_prices_drafts_at_their_measured_cost_even_above_a_decode_row():
+    """Issue 33: where plain decodes run on a faster path than rows with drafts (the one-call decode step), a
+    draft costs more than a decode row, and auto must price it so. Model: 10 ms + 1 ms a decode row; measured:
+    4 ms a row verifying drafts and 3 ms a draft; acceptance 0.8. At batch 8, one draft a row makes a
+    18 + 32 + 24 = 74-ms step for 14.4 tokens (0.195 tokens/ms) against 8 in 18 ms (0.444): k = 0. (Capped at
+    the model's price of 16 decode rows, 26 ms, it looked like 0.554 and auto speculated.) At batch 1, 4 drafts
+    (27 ms, 3.36 tokens: 0.1245) still beat none (0.0909) and 3 (24 ms, 0.1230)."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = AcceptanceStats(4)
+    for _ in range(2000):
+        stats.record(4, 4)
+    stats._accepted = [0.8 * r for r in stats._reached]
+    assert choose_length(model, stats, [100] * 8, 4, costs=(0.004, 0.003)) == 0
+    assert choose_length(model, stats, [100], 4, costs=(0.004, 0.003)) == 4
+
+
+def test_auto_length_falls_to_zero_while_prompts_wait():
+    """Issue 33, past the knee: a step that may also prefill earns its prompt tokens in the same time, so a
+    draft must beat that. Model: 10 ms + 1 ms a token; acceptance 0.8. Alone, one row verifies 4 drafts
+    (3.36 tokens in 15 ms). Beside 512 waiting prompt tokens, 4 drafts make 515.4 tokens in 527 ms (0.978 a
+    ms) against 513 in 523 ms (0.981): k = 0. Beside 2 prompt tokens (a prompt's tail) drafts still pay:
+    5.36 tokens in 17 ms against 3 in 13."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = AcceptanceStats(4)
+    for _ in range(2000):
+        stats.record(4, 4)
+    stats._accepted = [0.8 * r for r in stats._reached]
+    assert choose_length(model, stats, [100], 4) == 4
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512) == 0
+    assert choose_length(model, stats, [100], 4, prompt_tokens=2) == 4
+
+
+def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():
+    """What ``auto`` prices drafts against: running requests' unprefilled tokens and waiting prompts, within
+    the budget the decodes leave (one token each)."""
+    spec = SpeculativeConfig("ngram", 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
+                      CacheConfig(num_blocks=32, block_size=4), StepTimeModel(adapt=False), speculative=spec)
+    a, b, c = create_requests(3, prompt_len=40, max_tokens=8)
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(0.0), {"r0": SampledToken(7)}, 0.1)  # a decodes now
+    assert sched._prompt_backlog(64) == 0
+    sched.add_request(b)
+    sched.add_request(c)
+    assert sched._prompt_backlog(64) == 63 and sched._prompt_backlog(1000) == 80
+    b.num_computed_tokens = 30  # b with 30 tokens computed (a prefix hit): 10 left
+    assert sched._prompt_backlog(1000) == 50
+
+
 def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     """Two steps: 4 rows verifying 8 drafts took 4 ms more than predicted without them, 8 rows verifying 24
     took 10 ms more: 0.5 ms a row and 0.25 ms a draft fit both. Under auto, the step-time model learns from

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 from goodserve.kv_cache.manager import KVCacheManager
 from goodserve.request import Request
 from goodserve.scheduler.output import SampledToken, SchedulerOutput
+from goodserve.scheduler.queue import RequestQueue
 from goodserve.scheduler.runner_diffs import RunnerDiffs
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
@@ -26,7 +27,23 @@ class SpecDecodeMixin:
 
     speculator: Optional[Speculator]
     kv_cache_manager: KVCacheManager
+    running: list[Request]
+    waiting: RequestQueue
     _runner: RunnerDiffs
+
+    def _prompt_backlog(self, budget: int) -> int:
+        """Prompt tokens the step may compute beside its decodes: what running requests have left to prefill
+        and the waiting requests' prompts, within the ``budget`` the decodes leave (what ``auto`` speculation
+        prices the step's time against; :meth:`goodserve.spec.speculator.Speculator.begin_step`)."""
+        left = decodes = 0
+        for r in self.running:
+            n = r.num_tokens - r.num_computed_tokens
+            if n == 1:
+                decodes += 1
+            else:
+                left += n
+        left += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return max(0, min(left, budget - decodes))
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """The drafts a decode row verifies this step, within ``room`` tokens of budget."""

@@ -142,26 +142,36 @@ class DraftCost:
 
 
 def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
-                 costs: Optional[tuple[float, float]]) -> float:
+                 costs: Optional[tuple[float, float]], prompt_tokens: int = 0) -> float:
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
-    drafts each: the model's step of plain decodes plus what :class:`DraftCost` adds for ``B`` rows
-    verifying ``B k`` drafts (``costs``); before any draft was measured, the model's step of ``B (k + 1)``
-    positions.
+    drafts each, beside ``prompt_tokens`` of prompt chunks: the model's step of plain decodes and the chunks
+    plus what :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts (``costs``); before any draft
+    was measured, the model's step of ``B (k + 1)`` positions and the chunks.
 
     Measured drafts are not capped at a decode row's cost: where plain decodes run on a faster path than rows
     with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced a
     row with drafts at ~0.3 of what it took and verified drafts under load, where they lengthened every step
     (BENCHMARKS.md, "Speculative decoding", the AVX-512 host)."""
     rows = len(contexts)
+    per_row = k + 1 if costs is None else 1
+    pairs = sum(chunk_pairs(per_row, c) for c in contexts) + chunk_pairs(prompt_tokens, 0)
+    base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)
     if costs is None or k == 0:
-        return model.predict(rows * (k + 1), rows * (k + 1), sum(chunk_pairs(k + 1, c) for c in contexts))
-    base = model.predict(rows, rows, sum(chunk_pairs(1, c) for c in contexts))
+        return base
     return base + rows * costs[0] + rows * k * costs[1]
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
-                  limit: float = math.inf, costs: Optional[tuple[float, float]] = None) -> int:
+                  limit: float = math.inf, costs: Optional[tuple[float, float]] = None,
+                  prompt_tokens: int = 0) -> int:
     """The number of drafts per decode row that maximises expected tokens per second this step.
+
+    The step's prompt tokens count as tokens too: a step that also prefills earns its chunk's tokens in the
+    same time, so a draft is verified only if what it is expected to earn per second beats what the step's
+    time earns otherwise. While prompts wait (past the knee, where TTFT decides goodput) prefill earns
+    several times what a draft does, and ``k`` falls to 0: a draft's time is prefill time taken from the
+    queue. Measured on the code-copy workload past the knee, speculating anyway doubled TTFT p50
+    (BENCHMARKS.md).
 
     Args:
         model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes and samples
@@ -172,6 +182,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         limit: The longest step allowed (seconds; e.g. a TPOT budget): longer choices are not taken.
         costs: What verifying adds, per row and per draft (:meth:`DraftCost.costs`); given, a step is priced
             by :func:`step_seconds` with them.
+        prompt_tokens: Prompt tokens the step may compute beside the decodes (the scheduler's backlog within
+            the token budget).
 
     Returns:
         ``k`` in ``[0, k_max]``; 0 without decode rows.
@@ -182,10 +194,10 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     rates = stats.rates()
     best_k, best = 0, -1.0
     for k in range(k_max + 1):
-        seconds = step_seconds(model, contexts, k, costs)
+        seconds = step_seconds(model, contexts, k, costs, prompt_tokens)
         if k > 0 and seconds > limit:
             break
-        rate = rows * stats.expected_tokens(rates, k) / max(seconds, 1e-9)
+        rate = (rows * stats.expected_tokens(rates, k) + prompt_tokens) / max(seconds, 1e-9)
         if rate > best:
             best_k, best = k, rate
     return best_k

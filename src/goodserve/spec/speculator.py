@@ -52,11 +52,12 @@ class Speculator:
         that may be rejected; constrained requests decode a token a step)."""
         return req.sampling_params.structured_outputs is None
 
-    def begin_step(self, running: Sequence[Request], limit: float = math.inf, again: bool = False) -> None:
+    def begin_step(self, running: Sequence[Request], limit: float = math.inf, again: bool = False,
+                   prompt_tokens: int = 0) -> None:
         """Choose the step's length: the fixed one, or under ``auto`` the one maximising expected tokens per
-        second over the eligible decode rows (:func:`~goodserve.spec.length.choose_length`), keeping the
-        step within ``limit`` seconds. ``again``: the same step chooses anew (after a preemption), its
-        probes counted once."""
+        second over the eligible decode rows and the ``prompt_tokens`` the step may prefill beside them
+        (:func:`~goodserve.spec.length.choose_length`), keeping the step within ``limit`` seconds.
+        ``again``: the same step chooses anew (after a preemption), its probes counted once."""
         if self.config.length != "auto":
             self.length = self.config.length
             return
@@ -66,7 +67,8 @@ class Speculator:
         contexts = [r.num_computed_tokens for r in running
                     if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
         costs = self.cost.costs()
-        self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs)
+        self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
+                                                   prompt_tokens)
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
@@ -75,7 +77,8 @@ class Speculator:
         # none (drafts are asked for the step before).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
-        if self._steps_at_zero > EXPLORE_EVERY and step_seconds(self.model, contexts, 1, costs) <= limit:
+        if self._steps_at_zero > EXPLORE_EVERY and \
+                step_seconds(self.model, contexts, 1, costs, prompt_tokens) <= limit:
             self.length, self._steps_at_zero = 1, 0
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
