@@ -7,8 +7,8 @@
 - :func:`rms_norm` (with the residual add before it) and :func:`rope`: at decode sizes each is several eager
   ops of a few microseconds of dispatch, more than their arithmetic, ~180 calls per step of the default
   model; here each is one call, rounded as the ops it replaces.
-- :func:`block_gemv`: ``x W^T`` for a few rows with ``W`` in the GGUF file's Q4_0/Q4_1/Q8_0 or K-quant blocks and ``x``
-  quantized to int16 per block of 32, on AVX-512 VNNI: at batch 1 the
+- :func:`block_gemv`: ``x W^T`` for a few rows with ``W`` in the GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 or K-quant
+  blocks and ``x`` quantized to int16 per block of 32, on AVX-512 VNNI: at batch 1 the
   decode step is a read of every weight, and this reads the file's bytes once, at the memory's rate.
 - :func:`decode_layers`: a decode step of 1-8 rows through every layer in one call, on the kernels above,
   for a model whose projections all run on :func:`block_gemv`: at batch 1 the eager step spent about as
@@ -241,7 +241,7 @@ INVARIANT_DECODE_MAX_ROWS = 256
 #: Kind codes past this one in :class:`DecodeLayers` are the batch-invariant GEMM's (``csrc/decode_step.cpp``).
 INVARIANT_KIND = 16
 #: :func:`block_gemv`'s ``kind`` codes.
-BLOCK_KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4}
+BLOCK_KINDS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 1, "Q4_K": 2, "Q5_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 5}
 # K-quants: bits of each code per weight in the packed codes, and the sub-block scales' dtype.
 _K_CODE_BITS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 _K_SUB_DTYPES = {"Q4_K": torch.uint8, "Q5_K": torch.uint8, "Q6_K": torch.int8}
@@ -277,8 +277,8 @@ def check_blocks(kind: str, codes: torch.Tensor, scales: torch.Tensor, mins: Opt
     if kind in _K_CODE_BITS:  # packed codes, fp16 super-block scales, 8-bit sub-block scales (and minimums)
         width, mins_ok = k * _K_CODE_BITS[kind] // 8, mins is not None and mins.dtype == _K_SUB_DTYPES[kind] \
             and mins.shape == (n, k // 16)
-    else:
-        width = k // 2 if BLOCK_KINDS[kind] == 0 else k
+    else:  # 4-, 5- (Q5_0 / Q5_1: nibbles and a bit plane) or 8-bit codes, fp16 scales (and minimums)
+        width = {0: k // 2, 1: k, 5: k * 5 // 8}[BLOCK_KINDS[kind]]
         mins_ok = mins is None or (mins.shape == scales.shape and mins.dtype == torch.float16)
     if codes.dtype != torch.uint8 or codes.shape != (n, width) or scales.dtype != torch.float16 or not mins_ok:
         raise ValueError(f"{kind} operands do not hold a [{n}, {k}] weight")
@@ -300,11 +300,12 @@ def block_gemv(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Te
         kind: A GGUF block type of :data:`BLOCK_KINDS`.
         codes: Q4: ``[N, K // 2]`` uint8, the file's code bytes of each block (weight ``j`` in the low
             nibble of byte ``j``, weight ``j + 16`` in its high nibble); Q8_0: ``[N, K]`` uint8, ``q + 128``;
-            K-quants: :class:`goodserve.models.kquant.KQuantized`'s ``q``.
+            Q5_0 / Q5_1: ``[N, K * 5 // 8]``, :class:`goodserve.models.q5.Q5Quantized`'s ``q``; K-quants:
+            :class:`goodserve.models.kquant.KQuantized`'s ``q``.
         scales: ``[N, K // 32]`` float16; K-quants: ``KQuantized.scales``.
-        mins: ``[N, K // 32]`` float16 (Q4_1), or ``None``; K-quants: ``KQuantized.mins``.
-        offset: Subtracted from each code: 8 for Q4_0, 0 for Q4_1, 128 for Q8_0 as stored here; 0 for
-            Q4_K / Q5_K, 32 for Q6_K.
+        mins: ``[N, K // 32]`` float16 (Q4_1, Q5_1), or ``None``; K-quants: ``KQuantized.mins``.
+        offset: Subtracted from each code: 8 for Q4_0, 16 for Q5_0, 0 for Q4_1 / Q5_1, 128 for Q8_0 as stored
+            here; 0 for Q4_K / Q5_K, 32 for Q6_K.
         out_dtype: float32 or bfloat16.
 
     The weight's operands are checked by :func:`check_blocks` (once, by the caller that holds them).

@@ -25,6 +25,11 @@
 // scales, one per 16 weights, w = (d * sc) * (u - 32), offset 32: lanes 0-7 and 8-15 of a dot product over
 // the low nibbles (weights 0-15 of each block) and over the high ones (16-31) each get their own scale.
 // Bytes per weight: 4.625, 5.625 and 6.5625 bits (the file: 4.5, 5.5, 6.5625).
+//
+// Q5_0 / Q5_1 (ggml-common.h block_q5_0 / block_q5_1, blocks of 32 with a fifth code bit per weight): the
+// codes as Q5_K's (per pair of blocks the 32 nibble bytes, then one uint64 plane of bit 4), [N, 5 K / 8];
+// scales and minimums as Q4's, [N, K / 32] fp16: Q5_0 w = d * (u - 16) (offset 16, no m), Q5_1 w = d * u + m
+// (offset 0). 5.5 and 6 bits per weight, the file's.
 
 #include <cstdint>
 #include <cstring>
@@ -78,9 +83,11 @@ void quantize_row(const T* x, int64_t nb, bool pairs, int16_t* xq, float* dx, fl
 }
 
 // Kinds (goodserve_block_gemv's kind argument).
-constexpr int kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4;
-// Bits of each code above its low nibble, stored as bit planes (Q5_K: 1, Q6_K: 2).
-constexpr int high_bits(int kind) { return kind == kQ5K ? 1 : kind == kQ6K ? 2 : 0; }
+constexpr int kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4, kQ5 = 5;
+// Bits of each code above its low nibble, stored as bit planes (Q5_K, Q5_0 / Q5_1: 1, Q6_K: 2).
+constexpr int high_bits(int kind) { return kind == kQ5K || kind == kQ5 ? 1 : kind == kQ6K ? 2 : 0; }
+// Whether the kind's scales are a K-quant's super-block scales (else one fp16 d, and m, per block of 32).
+constexpr bool super_blocks(int kind) { return kind == kQ4K || kind == kQ5K || kind == kQ6K; }
 
 // The per-row scale table of a K-quant weight (2 and 3: Q4_K / Q5_K, 4: Q6_K), as the ggml-quants.c
 // dequantizers compute the scales: s = (d * sc) * dx per block of 32 (Q6_K: per 16, s[2b + h] for half h
@@ -126,7 +133,7 @@ void ksuper_scales(const uint16_t* dr, const uint8_t* sub, const float* dx, cons
 template <int Kind, int M, int R, typename Y>
 void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* codes,
                const uint16_t* d, const uint16_t* mins, int offset, int64_t n0, int64_t n1, Y* y, int64_t y_stride) {
-  constexpr bool kq = Kind >= kQ4K, q4 = Kind != kQ8, per16 = Kind == kQ6K;
+  constexpr bool kq = super_blocks(Kind), q4 = Kind != kQ8, per16 = Kind == kQ6K;
   constexpr int hb = high_bits(Kind);
   const int64_t nb = K / 32;
   // Bytes per row and per pair of blocks: the nibbles (Q4, K-quants) and the high bit planes.
@@ -136,7 +143,7 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
   const __m512i b4 = _mm512_set1_epi16(16), b5 = _mm512_set1_epi16(32);
   alignas(64) float s[R][M][2 * kMaxBlocks];  // d * dx per weight row, activation row and block (Q6_K: half)
   for (int64_t n = n0; n < n1; n += R) {
-    float mterm[R][M];  // Q4_1, Q4_K, Q5_K: sum over blocks of the minimum * dx * sum(q)
+    float mterm[R][M];  // Q4_1, Q5_1, Q4_K, Q5_K: sum over blocks of the minimum * dx * sum(q)
     for (int r = 0; r < R; ++r) {
       if constexpr (kq) {
         const int64_t sb = nb / 8;  // super-blocks of 256 per row
@@ -162,7 +169,7 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
     __m512 acc[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    if (q4) {  // a pair of blocks at a time: 32 code bytes widen to the low and the high nibbles
+    if (q4) {  // a pair of blocks at a time: 32 code bytes widen to the low and the high nibbles (+ bit planes)
       for (int64_t p = 0; p < nb / 2; ++p) {
         __m512i xa[M], xb[M];
         for (int m = 0; m < M; ++m) {
@@ -273,7 +280,8 @@ void run(int kind, int64_t M, const X* x, int64_t x_stride, int64_t K, const uin
       case kQ8: go(std::integral_constant<int, kQ8>()); break;
       case kQ4K: go(std::integral_constant<int, kQ4K>()); break;
       case kQ5K: go(std::integral_constant<int, kQ5K>()); break;
-      default: go(std::integral_constant<int, kQ6K>()); break;
+      case kQ6K: go(std::integral_constant<int, kQ6K>()); break;
+      default: go(std::integral_constant<int, kQ5>()); break;
     }
   }
 }
@@ -295,7 +303,7 @@ int goodserve_block_gemv_supported() {
 
 // kind: 0 = 4-bit codes (Q4_0 / Q4_1), 1 = 8-bit codes (Q8_0 as q + 128), 2 = Q4_K, 3 = Q5_K, 4 = Q6_K (the
 // K-quant layouts above; d and mins then point to the fp16 super-block scales and the 8-bit sub-block
-// scales). x_dtype, y_dtype: 0 = float32,
+// scales), 5 = 5-bit codes (Q5_0 / Q5_1, the layout above). x_dtype, y_dtype: 0 = float32,
 // 1 = bfloat16. x: [M, K] with row stride x_stride; codes, d, mins (nullable): see the layouts above;
 // y: [M, N] with row stride y_stride (M >= 1; each group of 4 rows is one pass over the weight). Returns 0;
 // 1 for arguments outside the kernel's range (M < 1, K not a multiple of 64 up to 16384 (of 256 for the
@@ -304,8 +312,8 @@ int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride,
                          const uint8_t* codes, const uint16_t* d, const uint16_t* mins, int offset, int64_t N,
                          int y_dtype, void* y, int64_t y_stride, int num_threads) {
 #ifdef GOODSERVE_VNNI
-  if (M < 1 || K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ6K ||
-      (kind >= kQ4K && (K % 256 || mins == nullptr)) || x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
+  if (M < 1 || K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ5 ||
+      (super_blocks(kind) && (K % 256 || mins == nullptr)) || x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
     return 1;
   if (x_dtype == 0 && y_dtype == 0)
     run(kind, M, static_cast<const float*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<float*>(y), y_stride, num_threads);

@@ -118,7 +118,7 @@ extern "C" {
 
 // dtype: 0 = float32, 1 = bfloat16 (activations, norm weights, caches, rope table). M: decode rows (>= 1),
 // one token per request. layer_ptrs: [num_layers, 38] addresses (see kLayerPointers; a null mins for
-// Q4_0 and Q8_0); layer_ints: [num_layers, 36] (kLayerInts); k_caches, v_caches: [num_layers] addresses of caches
+// Q4_0, Q5_0 and Q8_0); layer_ints: [num_layers, 36] (kLayerInts); k_caches, v_caches: [num_layers] addresses of caches
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [M, max_blocks] int32, seq_lens [M] int32
 // (new token included), slots [M] int64: as paged_decode_attention and the slot mapping; rope_table: cos
 // rows then, rope_stride elements later, sin rows; positions [M] int64; embeddings, out: [M, hidden].
