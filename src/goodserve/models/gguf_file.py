@@ -1,8 +1,8 @@
 """Read a GGUF file (llama.cpp format): metadata, quantized tensors and the embedded tokenizer.
 
 The file is read with :class:`~goodserve.models.gguf_reader.GGUFFile`. Tensors are kept as the file's
-Q4_0/Q4_1/Q8_0 blocks for the low-bit kernels (:mod:`goodserve.models.quant`) or its Q4_K/Q5_K/Q6_K
-super-blocks (:mod:`goodserve.models.kquant`), or dequantized (those types in torch, a few thousand rows at a
+Q4_0/Q4_1/Q8_0 blocks for the low-bit kernels (:mod:`goodserve.models.quant`), its Q5_0/Q5_1 blocks
+(:mod:`goodserve.models.q5`) or its Q4_K/Q5_K/Q6_K super-blocks (:mod:`goodserve.models.kquant`), or dequantized (those types in torch, a few thousand rows at a
 time; any other with ``gguf.quants``), and renamed to Hugging Face
 parameter names (``model.layers.0.self_attn.q_proj.weight``, shape ``[out_features, in_features]``). The
 tokenizer comes from :mod:`goodserve.models.gguf_tokenizer`.
@@ -42,6 +42,7 @@ from goodserve.models.gguf_gemma3 import GEMMA3_GGUF_LAYER_NAMES, GGUF_GEMMA3, H
     hf_norm_weight
 from goodserve.models.gguf_reader import GGUFFile, GGUFTensor
 from goodserve.models.kquant import KQUANT_TYPES, unpack_gguf_kquant
+from goodserve.models.q5 import Q5_TYPES, unpack_gguf_q5
 from goodserve.models.quant import BLOCK_TYPES, BlockQuantized, dequantize_rows, unpack_gguf_blocks
 from goodserve.models.checkpoint import (LoadedModel, split_fused_projections, tokenizer_chat_template,
                                         with_tokenizer_eos)
@@ -226,11 +227,22 @@ def _rotary_heads(config: ModelConfig, hf_name: str) -> Optional[int]:
     return None
 
 
+# GGUF types kept as blocks, and how their bytes unpack.
+_UNPACK = {**{t: unpack_gguf_blocks for t in BLOCK_TYPES}, **{t: unpack_gguf_q5 for t in Q5_TYPES},
+           **{t: unpack_gguf_kquant for t in KQUANT_TYPES}}
+
+
+def _unpacks(qtype: str, shape: tuple[int, ...]) -> bool:
+    """Whether ``qtype``'s unpacker takes a weight of ``shape``: Q5_0 / Q5_1 in pairs of blocks (rows of a
+    multiple of 64 weights; llama.cpp's rows of 32 * odd are dequantized instead)."""
+    return qtype not in Q5_TYPES or shape[-1] % 64 == 0
+
+
 def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: torch.dtype,
                  keep_quantized: bool) -> Union[torch.Tensor, BlockQuantized]:
     """One GGUF tensor in HF layout (``[out, in]`` for linear weights): dequantized to ``dtype``, or as the
-    file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q8_0 or Q4_K/Q5_K/Q6_K linear weight or the
-    token embedding (the tied LM head's weight)."""
+    file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 or Q4_K/Q5_K/Q6_K linear weight
+    or the token embedding (the tied LM head's weight)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -243,15 +255,15 @@ def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: t
         array = hf_norm_weight(dequantize(data, qtype).reshape(shape))
         return torch.from_numpy(array).to(dtype)
     blocks = hf_name.endswith("proj.weight") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
-    if keep_quantized and qtype.name in BLOCK_TYPES + KQUANT_TYPES and blocks and len(shape) == 2:
-        unpack = unpack_gguf_blocks if qtype.name in BLOCK_TYPES else unpack_gguf_kquant
+    unpack = _UNPACK.get(qtype.name)
+    if keep_quantized and unpack is not None and blocks and len(shape) == 2 and _unpacks(qtype.name, shape):
         weight = unpack(data, qtype.name, shape)
         if heads is not None:
             index = _unpermute_rotary_rows(np.arange(shape[0]), heads)
             weight = weight.permute_rows(torch.from_numpy(index))
         return weight
-    if qtype.name in BLOCK_TYPES and len(shape) == 2 and heads is None:  # e.g. the Q8_0 token embedding
-        return dequantize_rows(unpack_gguf_blocks(data, qtype.name, shape), dtype)
+    if qtype.name in BLOCK_TYPES + Q5_TYPES and len(shape) == 2 and heads is None and _unpacks(qtype.name, shape):
+        return dequantize_rows(_UNPACK[qtype.name](data, qtype.name, shape), dtype)  # e.g. a Q8_0 embedding
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         array = np.array(data).reshape(shape)
     else:
@@ -298,9 +310,10 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
     Args:
         path: The ``.gguf`` file.
         dtype: Dtype every dense weight is cast to (quantized tensors are dequantized to float32 first).
-        keep_quantized: Keep Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K linear weights (``*proj.weight``), the token
+        keep_quantized: Keep Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K linear weights (``*proj.weight``), the token
             embedding and the LM head as :class:`~goodserve.models.quant.BlockQuantized` codes, scales and
-            minimums, as in the file (K-quants as :class:`~goodserve.models.kquant.KQuantized`).
+            minimums, as in the file (K-quants as :class:`~goodserve.models.kquant.KQuantized`, Q5_0 / Q5_1 as
+            :class:`~goodserve.models.q5.Q5Quantized`).
 
     Returns:
         The :class:`LoadedModel` (weights on CPU, HF names, fused projections split); ``vocab_size`` is the

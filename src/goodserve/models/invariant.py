@@ -62,7 +62,7 @@ def pack(weight: Union[torch.Tensor, BlockQuantized], dtype: torch.dtype) -> tor
     weight dequantized on the way in one pass (the values of its dense bfloat16 copy); float32
     ``[N/16, K, 16]``."""
     n, k = weight.shape
-    if isinstance(weight, BlockQuantized) and weight.qtype not in _OFFSETS:  # a K-quant: its float32 values
+    if isinstance(weight, BlockQuantized) and weight.qtype not in _OFFSETS:  # K-quant, Q5_0/Q5_1: float32 values
         weight = weight.dequantize()
     if dtype == torch.bfloat16:
         if isinstance(weight, BlockQuantized):

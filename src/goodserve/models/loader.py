@@ -56,9 +56,9 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bo
     Args:
         path: A HF model directory (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
         dtype: Dtype every dense weight is cast to (quantized GGUF tensors are dequantized to float32 first).
-        keep_quantized: Hand a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linear weights, token embedding and LM head over as
-            they are in the file (:class:`~goodserve.models.quant.BlockQuantized`, on the CPU) instead of
-            dequantizing them.
+        keep_quantized: Hand a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K linear weights, token embedding and LM
+            head over as they are in the file (:class:`~goodserve.models.quant.BlockQuantized`, on the CPU)
+            instead of dequantizing them.
 
     Returns:
         The :class:`LoadedModel` (weights on CPU).

@@ -17,8 +17,8 @@ symmetric, round to nearest) and never exact.
 
 goodserve's block kernel (:func:`goodserve.models.native.block_gemv`, AVX-512 VNNI) reads ``Q4_0``,
 ``Q4_1`` and ``Q8_0`` blocks with their fp16 scales and minimums exactly as the file holds them (and the
-K-quants ``Q4_K`` / ``Q5_K`` / ``Q6_K``, repacked at load: :mod:`goodserve.models.kquant`), and rounds
-the activations to int16 per block of 32 instead (2^-15 of the block's largest value; the products are
+K-quants ``Q4_K`` / ``Q5_K`` / ``Q6_K`` and ``Q5_0`` / ``Q5_1``, repacked at load:
+:mod:`goodserve.models.kquant`, :mod:`goodserve.models.q5`), and rounds the activations to int16 per block of 32 instead (2^-15 of the block's largest value; the products are
 exact integers). It is what ``--quantization auto`` runs where it builds, for the tied LM head too.
 
 These kernels are matrix-vector kernels: fast while a step has few rows, far slower than oneDNN's bfloat16
@@ -269,16 +269,19 @@ def unpack_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: tor
 
 #: Code offset of each type in :func:`pack_blocks`' layout (the weight is ``d * (u - offset) + m``).
 _BLOCK_OFFSETS = {"Q4_0": 8, "Q4_1": 0, "Q8_0": 128}
-# The same for the K-quants (``goodserve.models.kquant.KQUANT_OFFSETS``, ``tests/test_kquant.py`` checks).
+# The same for the types held in the kernel's layout from the load: the K-quants
+# (``goodserve.models.kquant.KQUANT_OFFSETS``) and Q5_0 / Q5_1 (``goodserve.models.q5.Q5_OFFSETS``; the tests check).
 _K_OFFSETS = {"Q4_K": 0, "Q5_K": 0, "Q6_K": 32}
+_PACKED_OFFSETS = {**_K_OFFSETS, "Q5_0": 16, "Q5_1": 0}
 
 
 def pack_blocks(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
     """The native block kernel's operands (:func:`goodserve.models.native.block_gemv`): the file's blocks
     without re-rounding anything.
 
-    A K-quant weight (:class:`goodserve.models.kquant.KQuantized`) is already in the kernel's layout: its
-    ``(q, scales, mins)`` and offset 0 (Q4_K, Q5_K) or 32 (Q6_K).
+    A K-quant weight (:class:`goodserve.models.kquant.KQuantized`) or a Q5_0 / Q5_1 one
+    (:class:`goodserve.models.q5.Q5Quantized`) is already in the kernel's layout: its ``(q, scales, mins)``
+    (``mins`` ``None`` for Q5_0) and offset 0 (Q4_K, Q5_K, Q5_1), 16 (Q5_0) or 32 (Q6_K).
 
     Returns:
         ``(codes, scales, mins, offset)``: Q4: ``[out, in // 2]`` uint8, byte ``j`` of each block holding
@@ -286,8 +289,9 @@ def pack_blocks(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, Opt
         uint8 ``q + 128``. ``scales`` and ``mins`` (Q4_1, else ``None``): ``[out, in // 32]`` float16, the
         file's values. ``offset``: 8, 0 and 128 for Q4_0, Q4_1 and Q8_0.
     """
-    if weight.qtype in _K_OFFSETS:
-        return weight.q.contiguous(), weight.scales.contiguous(), weight.mins.contiguous(), _K_OFFSETS[weight.qtype]
+    if weight.qtype in _PACKED_OFFSETS:
+        mins = None if weight.mins is None else weight.mins.contiguous()
+        return weight.q.contiguous(), weight.scales.contiguous(), mins, _PACKED_OFFSETS[weight.qtype]
     n, k = weight.shape
     if weight.qtype == "Q8_0":
         codes = (weight.q.view(torch.uint8) ^ 0x80).contiguous()  # two's complement q + 128
@@ -305,6 +309,10 @@ def unpack_blocks(qtype: str, codes: torch.Tensor, scales: torch.Tensor,
         from goodserve.models.kquant import KQuantized  # kquant builds on this module
 
         return KQuantized(qtype, codes, scales, mins)
+    if qtype in _PACKED_OFFSETS:
+        from goodserve.models.q5 import Q5Quantized  # q5 builds on this module
+
+        return Q5Quantized(qtype, codes, scales, mins)
     if qtype == "Q8_0":
         q = (codes ^ 0x80).view(torch.int8)
     else:
@@ -331,8 +339,9 @@ class QuantLinear(nn.Module):
 
     Args:
         kind: ``"int4"`` or ``"int8"`` (PyTorch's kernels), or ``"blocks"`` (the native block kernel).
-        weight: For int4, a Q4_0/Q4_1 :class:`BlockQuantized`; for blocks, a Q4_0/Q4_1/Q8_0 one or a K-quant
-            (:class:`goodserve.models.kquant.KQuantized`); for int8, a dense ``[out, in]`` tensor.
+        weight: For int4, a Q4_0/Q4_1 :class:`BlockQuantized`; for blocks, a Q4_0/Q4_1/Q8_0 one, a K-quant
+            (:class:`goodserve.models.kquant.KQuantized`) or a Q5_0/Q5_1 one (:class:`goodserve.models.q5.Q5Quantized`);
+            for int8, a dense ``[out, in]`` tensor.
         dtype: Activation dtype (the kernels are fast in bfloat16).
         bias: ``[out]`` or ``None``.
         max_rows: Steps of more rows run on a dense ``dtype`` copy of the weight, once it is made.
@@ -428,7 +437,7 @@ def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quanti
     """The linear layer that runs ``weight`` under ``--quantization`` (rules in :data:`QUANTIZATIONS`).
 
     ``auto`` keeps each weight as the file holds it where a kernel exists, when ``dtype`` is bfloat16:
-    Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks on the native block kernel where it builds
+    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks on the native block kernel where it builds
     (:func:`runs_on_blocks`), else Q4_0/Q4_1 on PyTorch's int4 kernel; every other weight, and every weight in
     float32 (the precision mode; PyTorch 2.13's int4 kernel has no fast float32 path on CPU: ~30x slower), is
     dequantized to ``dtype``.
