@@ -185,9 +185,10 @@ class EngineArgs:
                        help="auto (default): bfloat16 on a GPU or a CPU with a fast bfloat16 path (AVX-512 or "
                             "AMX), float32 on others (AVX2 only); float32 is the precision mode")
         g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                       help="auto (default): a GGUF's Q4_0/Q4_1/Q8_0 weights as they are, on the native block "
-                            "kernel (AVX-512 VNNI) or PyTorch's int4 CPU kernel (bfloat16 only); none: dequantize "
-                            "to --dtype; int4/int8: every linear layer on PyTorch's kernel")
+                       help="auto (default): a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K weights as "
+                            "they are, on the native block kernel (AVX-512 VNNI; without it Q4_0/Q4_1 on "
+                            "PyTorch's int4 CPU kernel, the others dense), bfloat16 only; none: dequantize to "
+                            "--dtype; int4/int8: every linear layer on PyTorch's kernel")
         g.add_argument("--kv-cache-dtype", default="auto",
                        help="dtype of the cached K/V: auto (default: --dtype), bfloat16, float32, or int8 "
                             "(a float32 scale per token and KV head: about half of bfloat16's bytes per token)")
