@@ -114,10 +114,17 @@ def test_kernel_operands_are_the_blocks_and_rows_permute_split_and_fuse(qtype):
 @pytest.mark.parametrize("k", [256, 512, 1536, 2304])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_gemv_on_kquants_matches_the_float64_product(qtype, k, dtype):
+    check_products_match_float64(
+        lambda n: unpack_gguf_kquant(kquant_bytes(qtype, n, k, seed=k + n, centered=True), qtype, (n, k)),
+        qtype, k, dtype)
+
+
+def check_products_match_float64(weight_of, qtype: str, k: int, dtype: torch.dtype) -> None:
     """Float32 out: the only rounding is the activations' to int16 per block of 32 (2^-15 of the block's
-    largest value) and float32 sums: within 1e-4 of the largest output, for 1-5 rows (5: two passes)."""
+    largest value) and float32 sums: within 1e-4 of the largest output, for 1-5 rows (5: two passes), for the
+    weights ``weight_of(n)`` (``[n, k]``) of 16 and 48 rows (also used by test_q5)."""
     for n in (16, 48):
-        weight = unpack_gguf_kquant(kquant_bytes(qtype, n, k, seed=k + n, centered=True), qtype, (n, k))
+        weight = weight_of(n)
         codes, scales, mins, offset = pack_blocks(weight)
         w64 = weight.dequantize().double()
         for rows in range(1, 6):
@@ -132,6 +139,17 @@ def test_block_gemv_on_kquants_matches_the_float64_product(qtype, k, dtype):
 @pytest.mark.parametrize("qtype", KQUANT_TYPES)
 def test_kquant_layer_runs_small_steps_on_the_kernel_and_nan_reaches_its_outputs(qtype):
     weight = unpack_gguf_kquant(kquant_bytes(qtype, 32, 512, centered=True), qtype, (32, 512))
+    layer = check_blocks_layer(weight, qtype)
+    with pytest.raises(ValueError, match=r"\[rows, 512\]"):
+        native.block_gemv(torch.randn(1, 256), qtype, layer.packed, layer.extra, layer.mins, layer.offset,
+                          torch.float32)
+
+
+
+def check_blocks_layer(weight, qtype: str) -> QuantLinear:
+    """A ``[32, 512]`` block weight under ``--quantization auto``: a blocks layer in bfloat16 whose dense copy
+    is the dequantized weight, dense in float32, and a NaN in one row of the input reaches that row only
+    (also used by test_q5). Returns the bfloat16 layer."""
     layer = make_linear(weight, None, torch.bfloat16, "auto")
     assert isinstance(layer, QuantLinear) and layer.kind == "blocks" and layer.qtype == qtype
     assert torch.equal(layer.dense_weight(), dequantize_rows(weight, torch.bfloat16))
@@ -140,10 +158,7 @@ def test_kquant_layer_runs_small_steps_on_the_kernel_and_nan_reaches_its_outputs
     x[1, 40] = float("nan")
     y = QuantLinear("blocks", weight, torch.float32)(x)
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
-    with pytest.raises(ValueError, match=r"\[rows, 512\]"):
-        native.block_gemv(torch.randn(1, 256), qtype, layer.packed, layer.extra, layer.mins, layer.offset,
-                          torch.float32)
-
+    return layer
 
 def _kquant_config() -> ModelConfig:
     return ModelConfig(architecture="llama", vocab_size=512, hidden_size=256, intermediate_size=512,

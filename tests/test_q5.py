@@ -10,6 +10,7 @@ import torch
 from goodserve.models import native
 from goodserve.models.q5 import Q5_OFFSETS, Q5_TYPES, Q5Quantized, unpack_gguf_q5
 from goodserve.models.quant import QuantLinear, dequantize_rows, make_linear, pack_blocks, unpack_blocks
+from test_kquant import check_blocks_layer, check_products_match_float64
 
 TINY_Q5 = str(Path(__file__).parent / "data" / "tiny-llama-q5.gguf")
 _FILE_BYTES = {"Q5_0": 22, "Q5_1": 24}
@@ -89,33 +90,16 @@ def test_kernel_operands_are_the_blocks_and_rows_permute_split_and_fuse(qtype):
 @pytest.mark.parametrize("k", [256, 512, 576, 1536, 2304])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_gemv_on_q5_matches_the_float64_product(qtype, k, dtype):
-    """Float32 out: the only rounding is the activations' to int16 per block of 32 and float32 sums: within
-    1e-4 of the largest output, for 1-5 rows (5: two passes)."""
-    for n in (16, 48):
-        weight = unpack_gguf_q5(q5_bytes(qtype, n, k, seed=k + n, centered=True), qtype, (n, k))
-        codes, scales, mins, offset = pack_blocks(weight)
-        w64 = weight.dequantize().double()
-        for rows in range(1, 6):
-            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-            got = native.block_gemv(x, qtype, codes, scales, mins, offset, torch.float32)
-            want = x.double() @ w64.t()
-            assert got.shape == (rows, n)
-            assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4, (n, rows)
+    check_products_match_float64(
+        lambda n: unpack_gguf_q5(q5_bytes(qtype, n, k, seed=k + n, centered=True), qtype, (n, k)), qtype, k, dtype)
 
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", Q5_TYPES)
 def test_q5_layer_runs_small_steps_on_the_kernel_and_nan_reaches_its_outputs(qtype):
     weight = unpack_gguf_q5(q5_bytes(qtype, 32, 512, centered=True), qtype, (32, 512))
-    layer = make_linear(weight, None, torch.bfloat16, "auto")
-    assert isinstance(layer, QuantLinear) and layer.kind == "blocks" and layer.qtype == qtype
+    layer = check_blocks_layer(weight, qtype)
     assert layer.nbytes == 32 * 512 * {"Q5_0": 11, "Q5_1": 12}[qtype] // 16
-    assert torch.equal(layer.dense_weight(), dequantize_rows(weight, torch.bfloat16))
-    assert not isinstance(make_linear(weight, None, torch.float32, "auto"), QuantLinear)  # float32: dense
-    x = torch.randn(2, 512)
-    x[1, 40] = float("nan")
-    y = QuantLinear("blocks", weight, torch.float32)(x)
-    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
 
 
 def test_without_the_kernel_q5_runs_dense(monkeypatch):
