@@ -168,10 +168,11 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
 
     The step's prompt tokens count as tokens too: a step that also prefills earns its chunk's tokens in the
     same time, so a draft is verified only if what it is expected to earn per second beats what the step's
-    time earns otherwise. While prompts wait (past the knee, where TTFT decides goodput) prefill earns
-    several times what a draft does, and ``k`` falls to 0: a draft's time is prefill time taken from the
-    queue. Measured on the code-copy workload past the knee, speculating anyway doubled TTFT p50
-    (BENCHMARKS.md).
+    time earns otherwise. While prompts wait (past the knee) prefill earns several times what a draft does,
+    and ``k`` falls to 0: a draft's time is prefill time taken from the queue. Measured on the code-copy
+    workload past the knee, speculating anyway gave TTFT p50 2-3× that without speculation (BENCHMARKS.md).
+    The rule maximises tokens per second; it does not read the SLOs, so where TPOT rather than TTFT binds,
+    a fixed ``k`` can meet more of them.
 
     Args:
         model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes and samples
