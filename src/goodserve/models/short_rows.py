@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 #: Chunks of at most this many new tokens after a cached context are :class:`ShortRows`. On the CPU the
-#: decode kernel reads the context in place, where the chunk path gathers it and repeats it per query head:
-#: in a step of 10 rows verifying 3 drafts each, that path took a third of the step (issue 33).
+#: decode kernel reads the context in place, where the chunk path gathers it and repeats it per query head
+#: (BENCHMARKS.md, "Speculative decoding on the AVX-512 host").
 MAX_SHORT_CHUNK = 16
 
 

@@ -149,9 +149,9 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
     was measured, the model's step of ``B (k + 1)`` positions and the chunks.
 
     Measured drafts are not capped at a decode row's cost: where plain decodes run on a faster path than rows
-    with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced a
-    row with drafts at ~0.3 of what it took and verified drafts under load, where they lengthened every step
-    (BENCHMARKS.md, "Speculative decoding", the AVX-512 host)."""
+    with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced
+    rows with drafts below what they took and verified drafts under load, where they lengthened every step
+    (BENCHMARKS.md, "Speculative decoding on the AVX-512 host")."""
     rows = len(contexts)
     per_row = k + 1 if costs is None else 1
     pairs = sum(chunk_pairs(per_row, c) for c in contexts) + chunk_pairs(prompt_tokens, 0)
@@ -169,8 +169,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     The step's prompt tokens count as tokens too: a step that also prefills earns its chunk's tokens in the
     same time, so a draft is verified only if what it is expected to earn per second beats what the step's
     time earns otherwise. While prompts wait (past the knee) prefill earns several times what a draft does,
-    and ``k`` falls to 0: a draft's time is prefill time taken from the queue. Measured on the code-copy
-    workload past the knee, speculating anyway gave TTFT p50 2-3× that without speculation (BENCHMARKS.md).
+    and ``k`` falls to 0: a draft's time is prefill time taken from the queue (BENCHMARKS.md has what
+    speculating anyway did to TTFT past the knee).
     The rule maximises tokens per second; it does not read the SLOs, so where TPOT rather than TTFT binds,
     a fixed ``k`` can meet more of them.
 
