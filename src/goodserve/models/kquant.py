@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from goodserve.models.quant import BlockQuantized
+from goodserve.models.quant import BlockQuantized, file_blocks
 
 QK_K = 256  # weights per super-block
 #: GGUF K-quant types :func:`unpack_gguf_kquant` reads.
@@ -138,13 +138,9 @@ def unpack_gguf_kquant(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> 
     Raises:
         ValueError: for another type, or a byte count that does not match ``shape``.
     """
-    if qtype not in _FILE_BYTES:
-        raise ValueError(f"no K-quant layout for GGUF type {qtype}")
+    blocks = file_blocks(data, qtype, shape, _FILE_BYTES, QK_K, "K-quant")
     n, k = shape
-    if k % QK_K or data.size != n * (k // QK_K) * _FILE_BYTES[qtype]:
-        raise ValueError(f"GGUF {qtype} tensor of {data.size} bytes does not hold a [{n}, {k}] weight")
     sb = k // QK_K
-    blocks = np.ascontiguousarray(data).reshape(n, sb, _FILE_BYTES[qtype])
     if qtype == "Q6_K":  # ql[128], qh[64], scales[16], d
         ql = (blocks[..., None, 0:128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 15
         qh = (blocks[..., None, 128:192].reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3

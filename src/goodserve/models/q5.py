@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from goodserve.models.kquant import pack_codes, unpack_codes
-from goodserve.models.quant import GROUP_SIZE, BlockQuantized
+from goodserve.models.quant import GROUP_SIZE, BlockQuantized, file_blocks
 
 _FILE_BYTES = {"Q5_0": 22, "Q5_1": 24}  # bytes of one block in the file
 #: GGUF types :func:`unpack_gguf_q5` reads.
@@ -84,14 +84,9 @@ def unpack_gguf_q5(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> Q5Qu
         ValueError: for another type, or a byte count that does not match ``shape``, or ``in_features`` not
             a multiple of 64.
     """
-    if qtype not in _FILE_BYTES:
-        raise ValueError(f"no Q5 layout for GGUF type {qtype}")
+    blocks = file_blocks(data, qtype, shape, _FILE_BYTES, GROUP_SIZE, "Q5", align=64)
     n, k = shape
     nb = k // GROUP_SIZE
-    if k % 64 or data.size != n * nb * _FILE_BYTES[qtype]:
-        raise ValueError(f"GGUF {qtype} tensor of {data.size} bytes does not hold a [{n}, {k}] weight "
-                         "(in_features a multiple of 64)")
-    blocks = np.ascontiguousarray(data).reshape(n, nb, _FILE_BYTES[qtype])
     head = 2 if qtype == "Q5_0" else 4  # d [, m]
     qh = blocks[..., head:head + 4].reshape(n, nb, 4, 1) >> np.arange(8, dtype=np.uint8)  # [n, nb, byte, bit]
     qs = blocks[..., head + 4:].reshape(n, nb, 1, 16) >> np.array([0, 4], np.uint8)[:, None]  # [n, nb, 2, 16]

@@ -145,6 +145,26 @@ def dequantize_rows(weight: BlockQuantized, dtype: torch.dtype, rows: int = 4096
     return out
 
 
+def file_blocks(data: np.ndarray, qtype: str, shape: tuple[int, int], block_bytes: dict[str, int],
+                block_len: int, family: str, align: Optional[int] = None) -> np.ndarray:
+    """A GGUF tensor's raw bytes cut into its blocks: ``[out_features, in_features // block_len, bytes per
+    block]`` uint8, for ``qtype`` among ``block_bytes`` (bytes per block of each type of the ``family``),
+    ``shape`` ``(out_features, in_features)`` and ``in_features`` a multiple of ``align`` (default
+    ``block_len``, the weights per block). Every block family's unpacker starts here.
+
+    Raises:
+        ValueError: for a type outside the family, or a byte count that does not match ``shape``.
+    """
+    if qtype not in block_bytes:
+        raise ValueError(f"no {family} layout for GGUF type {qtype}")
+    n, k = shape
+    align = align or block_len
+    if k % align or data.size != n * (k // block_len) * block_bytes[qtype]:
+        raise ValueError(f"GGUF {qtype} tensor of {data.size} bytes does not hold a [{n}, {k}] weight"
+                         + (f" (in_features a multiple of {align})" if align != block_len else ""))
+    return np.ascontiguousarray(data).reshape(n, k // block_len, block_bytes[qtype])
+
+
 def unpack_gguf_blocks(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> BlockQuantized:
     """Split a GGUF tensor's raw bytes into codes, scales and minimums.
 
@@ -160,12 +180,8 @@ def unpack_gguf_blocks(data: np.ndarray, qtype: str, shape: tuple[int, int]) -> 
     Raises:
         ValueError: for another type, or a byte count that does not match ``shape``.
     """
-    if qtype not in _BLOCK_BYTES:
-        raise ValueError(f"no block layout for GGUF type {qtype}")
+    blocks = file_blocks(data, qtype, shape, _BLOCK_BYTES, GROUP_SIZE, "block")
     n, k = shape
-    if k % GROUP_SIZE or data.size != n * (k // GROUP_SIZE) * _BLOCK_BYTES[qtype]:
-        raise ValueError(f"GGUF {qtype} tensor of {data.size} bytes does not hold a [{n}, {k}] weight")
-    blocks = np.ascontiguousarray(data).reshape(n, k // GROUP_SIZE, _BLOCK_BYTES[qtype])
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if qtype == "Q8_0":
         q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))
