@@ -50,20 +50,26 @@ def kquant_bytes(qtype: str, n: int, k: int, seed: int = 0, centered: bool = Fal
     return blocks.reshape(n, -1)
 
 
-@pytest.mark.parametrize("qtype", KQUANT_TYPES)
-@pytest.mark.parametrize("n,k", [(16, 256), (48, 512), (32, 1536), (8, 2304)])
-def test_unpacked_kquants_dequantize_exactly_as_gguf(qtype, n, k):
+def check_dequantizes_as_gguf(data: np.ndarray, qtype: str, shape: tuple[int, int], weight, cls) -> None:
+    """``weight`` (unpacked from ``data``) is a ``cls`` of ``shape`` whose dequantization equals
+    ``gguf.quants.dequantize`` bit for bit, whole and in row pieces (the dense copy, the embedding lookup;
+    also used by test_q5)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    data = kquant_bytes(qtype, n, k, seed=n + k)
-    want = dequantize(data, GGMLQuantizationType[qtype]).reshape(n, k)
-    weight = unpack_gguf_kquant(data, qtype, (n, k))
-    assert isinstance(weight, KQuantized) and weight.shape == (n, k)
+    want = dequantize(data, GGMLQuantizationType[qtype]).reshape(shape)
+    assert isinstance(weight, cls) and weight.shape == shape
     got = weight.dequantize()
     assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
-    # In thousand-row pieces (the dense copy, the embedding lookup) the same values.
     assert torch.equal(dequantize_rows(weight, torch.float32, rows=5), got)
+
+
+@pytest.mark.parametrize("qtype", KQUANT_TYPES)
+@pytest.mark.parametrize("n,k", [(16, 256), (48, 512), (32, 1536), (8, 2304)])
+def test_unpacked_kquants_dequantize_exactly_as_gguf(qtype, n, k):
+    data = kquant_bytes(qtype, n, k, seed=n + k)
+    weight = unpack_gguf_kquant(data, qtype, (n, k))
+    check_dequantizes_as_gguf(data, qtype, (n, k), weight, KQuantized)
     # Bytes held: the codes' bits per weight, 8-bit sub-block scales, fp16 super-block scales.
     held = sum(t.numel() * t.element_size() for t in (weight.q, weight.scales, weight.mins))
     assert held * 8 / (n * k) == {"Q4_K": 4.625, "Q5_K": 5.625, "Q6_K": 6.5625}[qtype]

@@ -10,7 +10,7 @@ import torch
 from goodserve.models import native
 from goodserve.models.q5 import Q5_OFFSETS, Q5_TYPES, Q5Quantized, unpack_gguf_q5
 from goodserve.models.quant import QuantLinear, dequantize_rows, make_linear, pack_blocks, unpack_blocks
-from test_kquant import check_blocks_layer, check_products_match_float64
+from test_kquant import check_blocks_layer, check_dequantizes_as_gguf, check_products_match_float64
 
 TINY_Q5 = str(Path(__file__).parent / "data" / "tiny-llama-q5.gguf")
 _FILE_BYTES = {"Q5_0": 22, "Q5_1": 24}
@@ -37,16 +37,9 @@ def q5_bytes(qtype: str, n: int, k: int, seed: int = 0, centered: bool = False) 
 @pytest.mark.parametrize("qtype", Q5_TYPES)
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 512), (32, 576), (8, 1536), (16, 2304)])
 def test_unpacked_q5_dequantizes_exactly_as_gguf(qtype, n, k):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     data = q5_bytes(qtype, n, k, seed=n + k)
-    want = dequantize(data, GGMLQuantizationType[qtype]).reshape(n, k)
     weight = unpack_gguf_q5(data, qtype, (n, k))
-    assert isinstance(weight, Q5Quantized) and weight.shape == (n, k)
-    got = weight.dequantize()
-    assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
-    assert torch.equal(dequantize_rows(weight, torch.float32, rows=5), got)
+    check_dequantizes_as_gguf(data, qtype, (n, k), weight, Q5Quantized)
     # Codes 0..31 as the file holds them: block 0's weight j from qs[j] (low nibble) and bit j of qh.
     first = data[0, 6 if qtype == "Q5_0" else 8:][:16]
     qh = int.from_bytes(data[0, 2 if qtype == "Q5_0" else 4:][:4].tobytes(), "little")
