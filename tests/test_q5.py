@@ -10,7 +10,8 @@ import torch
 from goodserve.models import native
 from goodserve.models.q5 import Q5_OFFSETS, Q5_TYPES, Q5Quantized, unpack_gguf_q5
 from goodserve.models.quant import QuantLinear, dequantize_rows, make_linear, pack_blocks, unpack_blocks
-from test_kquant import check_blocks_layer, check_dequantizes_as_gguf, check_products_match_float64
+from test_kquant import (check_blocks_layer, check_dequantizes_as_gguf, check_greedy_equals_dense_float32,
+                         check_products_match_float64)
 
 TINY_Q5 = str(Path(__file__).parent / "data" / "tiny-llama-q5.gguf")
 _FILE_BYTES = {"Q5_0": 22, "Q5_1": 24}
@@ -159,15 +160,4 @@ def test_q5_file_greedy_tokens_equal_the_float32_dense_run():
     33) flips its sixth token, at a float32 top-2 logprob margin of 0.38 (-0.52 against -0.90): a near tie
     within bfloat16's error; the file dequantized to a dense bfloat16 run flips it too, and two more (lengths
     17 and 12)."""
-    from goodserve import LLM, SamplingParams
-
-    prompts = [[100 + (7 * i + 3 * j) % 400 for j in range(n)] for i, n in enumerate((5, 17, 33, 48, 3, 9, 12, 25, 7))
-               if n != 33]
-    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    runs = {}
-    for dtype, quantization in (("float32", "none"), ("bfloat16", "auto")):
-        llm = LLM(TINY_Q5, dtype=dtype, quantization=quantization, block_size=4, num_blocks=256,
-                  log_stats_interval=0)
-        runs[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert runs["bfloat16"] == runs["float32"]
-    assert len({t for ids in runs["float32"] for t in ids}) > 10  # not one token repeated
+    check_greedy_equals_dense_float32(TINY_Q5, left_out=33)
