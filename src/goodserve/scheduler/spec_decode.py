@@ -42,8 +42,12 @@ class SpecDecodeMixin:
                 decodes += 1
             else:
                 left += n
-        left += sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        return max(0, min(left, budget - decodes))
+        room = max(0, budget - decodes)
+        for r in self.waiting:  # a long queue is read only as far as the budget reaches
+            if left >= room:
+                break
+            left += r.num_tokens - r.num_computed_tokens
+        return min(left, room)
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """The drafts a decode row verifies this step, within ``room`` tokens of budget."""
