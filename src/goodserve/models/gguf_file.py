@@ -18,8 +18,9 @@ GGUF notes:
 * ``deepseek2`` (DeepSeek-V2: multi-head latent attention, DeepSeekMoE) has tensors, metadata and a split
   ``kv_b`` of its own: :mod:`goodserve.models.gguf_deepseek2`.
 * ``qwen3moe`` (Qwen3-MoE) stacks each layer's experts in 3-D tensors ``ffn_gate_exps`` / ``ffn_up_exps``
-  (``[E, I, hidden]``) and ``ffn_down_exps`` (``[E, hidden, I]``) beside the router ``ffn_gate_inp``; they
-  run dense (dequantized to the dtype), joined by :func:`goodserve.models.moe.join_gguf_experts`.
+  (``[E, I, hidden]``) and ``ffn_down_exps`` (``[E, hidden, I]``) beside the router ``ffn_gate_inp``, joined
+  by :func:`goodserve.models.moe.join_gguf_experts`; with ``keep_quantized`` their blocks are kept, per expert
+  (:func:`goodserve.models.moe_blocks.unpack_gguf_experts`), else they are dequantized to the dtype.
 * ``gemma3`` (Gemma 3 text) runs as ``gemma3_text``: its norm names, ``1 + w`` norm weights, layer layout and
   score scale follow llama.cpp (:mod:`goodserve.models.gguf_gemma3`).
 """
@@ -49,6 +50,8 @@ from goodserve.models.checkpoint import (LoadedModel, split_fused_projections, t
 from goodserve.models.gguf_deepseek2 import DEEPSEEK2_LAYER_NAMES, deepseek2_expected_names, deepseek2_fields, join_kv_b
 from goodserve.models.gguf_tokenizer import check_split_rule, gguf_tokenizer
 from goodserve.models.moe import GGUF_EXPERT_NAMES, join_gguf_experts
+from goodserve.models.moe_blocks import (BLOCK_EXPERT_ARCHITECTURES, EXPERT_BLOCK_TYPES, StackedBlocks, experts_mix,
+                                         unpack_gguf_experts)
 
 logger = logging.getLogger(__name__)
 
@@ -239,10 +242,11 @@ def _unpacks(qtype: str, shape: tuple[int, ...]) -> bool:
 
 
 def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: torch.dtype,
-                 keep_quantized: bool) -> Union[torch.Tensor, BlockQuantized]:
+                 keep_quantized: bool) -> Union[torch.Tensor, BlockQuantized, StackedBlocks]:
     """One GGUF tensor in HF layout (``[out, in]`` for linear weights): dequantized to ``dtype``, or as the
     file's blocks when ``keep_quantized`` and it is a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 or Q4_K/Q5_K/Q6_K linear weight
-    or the token embedding (the tied LM head's weight)."""
+    or the token embedding (the tied LM head's weight), or a ``qwen3moe`` layer's stacked experts
+    (``[E, out, in]``, :class:`~goodserve.models.moe_blocks.StackedBlocks`)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -254,6 +258,9 @@ def _gguf_tensor(tensor: GGUFTensor, hf_name: str, config: ModelConfig, dtype: t
     if config.architecture == HF_GEMMA3 and hf_name.endswith("norm.weight"):  # stored as 1 + w
         array = hf_norm_weight(dequantize(data, qtype).reshape(shape))
         return torch.from_numpy(array).to(dtype)
+    if keep_quantized and len(shape) == 3 and ".moe.experts." in hf_name and qtype.name in EXPERT_BLOCK_TYPES \
+            and config.architecture in BLOCK_EXPERT_ARCHITECTURES and _unpacks(qtype.name, shape):
+        return unpack_gguf_experts(data, qtype.name, shape)
     blocks = hf_name.endswith("proj.weight") or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
     unpack = _UNPACK.get(qtype.name)
     if keep_quantized and unpack is not None and blocks and len(shape) == 2 and _unpacks(qtype.name, shape):
@@ -334,6 +341,8 @@ def load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool = False) -> Lo
         weights = _gguf_weights(reader, config, dtype, keep_quantized)
         del reader
         tokenizer = tokenizer_future.result()
+    if experts_mix(weights):
+        logger.info("GGUF %s: MoE experts kept as blocks: %s", os.path.basename(path), experts_mix(weights))
 
     embed_rows = weights["model.embed_tokens.weight"].shape[0]
     if embed_rows != config.vocab_size:

@@ -278,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
                 :class:`BlockQuantized` weights as the GGUF file holds them; with ``config.qk_norm`` also
                 ``self_attn.q_norm.weight`` and ``self_attn.k_norm.weight`` (``[head_dim]`` each) per layer; a
                 mixture-of-experts layer's router and experts stacked by :func:`goodserve.models.moe.stack_experts`
-                (they run dense in ``dtype`` whatever ``quantization`` says).
+                (dense in ``dtype``; a GGUF's expert blocks on the block kernel under ``auto``:
+                :meth:`goodserve.models.moe.SparseMoeBlock.load`).
             dtype: Dtype of the dense weights and activations; default: the embedding's current dtype.
             quantization: How linear layers run, see :func:`goodserve.models.quant.make_linear`.
             batch_invariant: Every linear layer on :class:`~goodserve.models.invariant.InvariantLinear` (one
@@ -354,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
             layer.qkv_proj = linear(qkv, bias)
             layer.o_proj = linear(take(a + "o_proj.weight", (hidden, layer.q_size)), None)
             if layer.moe is not None:
-                layer.moe.load(dense, p)
+                layer.moe.load(dense, p, weights, dtype, quantization == "auto")
             else:
                 gate_up = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(inter, hidden)] * 2)
                 layer.gate_up_proj = linear(gate_up, None)

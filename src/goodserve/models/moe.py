@@ -19,18 +19,24 @@ Checkpoints hold one tensor per expert (``block_sparse_moe.experts.N.w1/w3/w2`` 
 :func:`stack_experts` stacks them at load into ``[num_experts, ...]`` tensors under :data:`GATE_UP` /
 :data:`DOWN`, and the router under :data:`ROUTER`. llama.cpp's ``qwen3moe`` GGUFs stack them already
 (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, router ``ffn_gate_inp``): :func:`join_gguf_experts`.
-Experts run dense in the model's dtype (a GGUF's quantized experts are dequantized at load).
+Experts run dense in the model's dtype, except a ``qwen3moe`` GGUF's quantized experts under ``--quantization
+auto`` in bfloat16, which stay as the file's blocks on the native block kernel
+(:mod:`goodserve.models.moe_blocks`); where that kernel is not built they are dequantized at load.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from goodserve.config import ModelConfig
+from goodserve.models.moe_blocks import BlockExperts, StackedBlocks, runs_on_blocks
+
+logger = logging.getLogger(__name__)
 
 #: Per family: the layer's MLP module name, then the expert's gate, up and down projection names.
 HF_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
@@ -79,10 +85,12 @@ GGUF_EXPERT_NAMES = {"ffn_gate_inp": "moe.router", "ffn_gate_exps": "moe.experts
                      "ffn_up_exps": "moe.experts.up_exps", "ffn_down_exps": "moe.experts.down_exps"}
 
 
-def join_gguf_experts(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+def join_gguf_experts(weights: dict[str, Union[torch.Tensor, StackedBlocks]], config: ModelConfig) -> None:
     """Replace, in place, each MoE layer's GGUF expert tensors (``[E, I, hidden]`` gate and up, ``[E, hidden,
     I]`` down, as llama.cpp stacks them) by :data:`GATE_UP` (gate rows then up rows per expert) and
-    :data:`DOWN`.
+    :data:`DOWN`. Experts kept as blocks (:class:`~goodserve.models.moe_blocks.StackedBlocks`) stay blocks:
+    gate and up of one type fused per expert, of two types a ``[gate, up]`` list; beside a dense part, a
+    part in blocks is dequantized to the dense part's dtype.
 
     Raises:
         ValueError: naming a missing tensor.
@@ -96,7 +104,12 @@ def join_gguf_experts(weights: dict[str, torch.Tensor], config: ModelConfig) -> 
         if missing:
             raise ValueError(f"weight {missing[0]!r} missing from the checkpoint")
         gate, up, down = (weights.pop(n) for n in names)
-        weights[p + GATE_UP] = torch.cat([gate, up], dim=1)
+        if isinstance(gate, StackedBlocks) and isinstance(up, StackedBlocks):
+            weights[p + GATE_UP] = StackedBlocks.cat_rows([gate, up]) if gate.qtype == up.qtype else [gate, up]
+        else:
+            dtype = (up if isinstance(gate, StackedBlocks) else gate).dtype
+            weights[p + GATE_UP] = torch.cat([w.dequantize(dtype) if isinstance(w, StackedBlocks) else w
+                                              for w in (gate, up)], dim=1)
         weights[p + DOWN] = down
 
 
@@ -144,19 +157,35 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         ``[num_tokens, hidden]``; each token's k terms summed in its slot order (most probable first), in
         ``weight_dtype``.
     """
-    n, k = experts.shape
     inter = down.shape[-1]
+
+    def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, gate_up[e]).split(inter, dim=-1)
+        return F.linear(F.silu(gate) * up, down[e])
+
+    return grouped_by_expert(x, weights, experts, gate_up.shape[0], expert_mlp, weight_dtype)
+
+
+def grouped_by_expert(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                      expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+                      weight_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`grouped_experts` with each expert's MLP given as ``expert_mlp(e, rows)`` (``[count, hidden]`` ->
+    ``[count, hidden]`` in ``x``'s dtype), called once per expert that has rows, in expert order.
+
+    Returns:
+        ``[num_tokens, hidden]`` in ``x``'s dtype (see :func:`grouped_experts`).
+    """
+    n, k = experts.shape
     flat = experts.reshape(-1)  # [n * k]: assignment a = t * k + slot
     by_expert = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     rows = x.index_select(0, by_expert // k)  # [n * k, hidden], expert 0's rows first
     out = torch.empty_like(rows)
     start = 0
-    for e, count in enumerate(counts):  # experts that have tokens; one matmul pair each
+    for e, count in enumerate(counts):  # experts that have tokens; one MLP call each
         if count == 0:
             continue
-        gate, up = F.linear(rows[start:start + count], gate_up[e]).split(inter, dim=-1)
-        out[start:start + count] = F.linear(F.silu(gate) * up, down[e])
+        out[start:start + count] = expert_mlp(e, rows[start:start + count])
         start += count
     scaled = out.to(weight_dtype) * weights.reshape(-1)[by_expert, None].to(weight_dtype)
     slots = torch.empty_like(scaled).index_copy_(0, by_expert, scaled).view(n, k, -1)
@@ -168,8 +197,11 @@ class SparseMoeBlock(nn.Module):
 
     Attributes:
         router: ``[num_experts, hidden]``.
-        gate_up: ``[num_experts, 2 * moe_intermediate_size, hidden]``.
-        down: ``[num_experts, hidden, moe_intermediate_size]``.
+        gate_up: ``[num_experts, 2 * moe_intermediate_size, hidden]``, or ``None`` when the experts run on
+            ``experts``.
+        down: ``[num_experts, hidden, moe_intermediate_size]``, or ``None`` likewise.
+        experts: The experts kept as a GGUF's blocks on the block kernel
+            (:class:`~goodserve.models.moe_blocks.BlockExperts`), or ``None``.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -181,15 +213,57 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
         self.scaling, self.groups = config.routed_scaling_factor, config.expert_groups  # DeepSeek-V2 only
         self.float32_weighting = config.architecture in FLOAT32_WEIGHTING
+        self.experts: Optional[BlockExperts] = None
 
-    def load(self, dense: Callable[[str, tuple[int, ...]], nn.Parameter], prefix: str) -> None:
-        """Take the stacked weights (:func:`stack_experts`) of the layer at ``prefix`` through ``dense``
-        (name, expected shape -> parameter in the model's dtype)."""
+    def load(self, dense: Callable[[str, tuple[int, ...]], nn.Parameter], prefix: str,
+             weights: Optional[dict] = None, dtype: Optional[torch.dtype] = None, on_blocks: bool = False) -> None:
+        """Take the stacked weights (:func:`stack_experts`, :func:`join_gguf_experts`) of the layer at ``prefix``
+        through ``dense`` (name, expected shape -> parameter in the model's dtype).
+
+        Experts a GGUF holds as blocks (``weights``' :class:`~goodserve.models.moe_blocks.StackedBlocks`) run
+        on the block kernel when ``on_blocks`` (``--quantization auto``) and
+        :func:`~goodserve.models.moe_blocks.runs_on_blocks` allows it for ``dtype``; else they are dequantized
+        to ``dtype``.
+
+        Raises:
+            ValueError: naming a missing weight or one of the wrong shape.
+        """
         self.router = dense(prefix + ROUTER, tuple(self.router.shape))
-        self.gate_up = dense(prefix + GATE_UP, tuple(self.gate_up.shape))
-        self.down = dense(prefix + DOWN, tuple(self.down.shape))
+        shapes = {GATE_UP: tuple(self.gate_up.shape), DOWN: tuple(self.down.shape)}
+        held = {n: None if weights is None else weights.get(prefix + n) for n in shapes}
+        parts = {n: v if isinstance(v, list) else [v] for n, v in held.items()}
+        if not any(isinstance(p, StackedBlocks) for ps in parts.values() for p in ps):
+            self.gate_up, self.down = (dense(prefix + n, s) for n, s in shapes.items())
+            return
+        for n, s in shapes.items():
+            if s != (s[0], sum(p.shape[1] for p in parts[n]), s[2]) or any(p.shape[::2] != s[::2] for p in parts[n]):
+                raise ValueError(f"weight {prefix + n!r} has shape {[tuple(p.shape) for p in parts[n]]}, expected {s}")
+        blocks = parts[GATE_UP] + parts[DOWN]
+        if on_blocks and all(isinstance(p, StackedBlocks) for p in blocks) and runs_on_blocks(blocks, dtype):
+            self.experts = BlockExperts(parts[GATE_UP], held[DOWN], dtype)
+            self.gate_up = self.down = None
+            return
+        _log_once(f"MoE experts held as GGUF blocks ({', '.join(sorted({p.qtype for p in blocks}))}) run dequantized"
+                  f" to {dtype}: the block kernel takes them under --quantization auto in bfloat16 where it is"
+                  " built (AVX-512 VNNI)")
+        self.gate_up, self.down = (nn.Parameter(torch.cat([p.dequantize(dtype) if isinstance(p, StackedBlocks)
+                                                           else p.to(dtype) for p in parts[n]], dim=1),
+                                                requires_grad=False) for n in shapes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(F.linear(x, self.router), self.top_k, self.renormalise, self.scaling, self.groups)
         weight_dtype = torch.float32 if self.float32_weighting else x.dtype
+        if self.experts is not None:
+            return grouped_by_expert(x, weights.to(weight_dtype), experts, self.experts.num_experts,
+                                     self.experts.expert_mlp, weight_dtype)
         return grouped_experts(x, weights.to(weight_dtype), experts, self.gate_up, self.down, weight_dtype)
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """Log ``message`` at info level the first time this process sees it (once per model, not per layer)."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
