@@ -102,7 +102,8 @@ def write_random_gguf(path: str, shape: RandomShape, qtype: str = "Q4_0", expert
     writer.add_rope_dimension_count(s.head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1000000.0)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)  # informative only; the tensors carry their own types
+    # general.file_type names the file's main type (llama-bench prints it); each tensor carries its own.
+    writer.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{qtype}", gguf.LlamaFileType.ALL_F32))
     if s.is_moe:
         writer.add_expert_count(s.experts)
         writer.add_expert_used_count(s.top_k)
