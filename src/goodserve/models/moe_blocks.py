@@ -40,7 +40,7 @@ BLOCK_EXPERT_ARCHITECTURES = ("qwen3_moe",)
 
 #: An expert's steps of more rows than this run on its dense copy, once made. Higher than a dense projection's
 #: :data:`goodserve.models.quant.DEFAULT_MAX_ROWS` (4) for memory, not speed: a batch-64 decode step of a
-#: 128-expert top-8 model gives an expert 4 rows on average (Poisson; more than 12 about once in 3,000), so
+#: 128-expert top-8 model gives an expert 4 rows on average (Poisson: more than 12 about once in 3,700), so
 #: at 4 half the experts' rows would count towards a copy and a few hundred such steps would copy every
 #: expert to bfloat16, 3.6x the bytes of a Q4_0 file's experts. The price, measured on this repository's CPU
 #: (2 threads, 64 experts of Qwen3-30B-A3B's shape, hidden 2048, width 768, in Q4_1; gate/up and down per
