@@ -354,6 +354,24 @@ def test_simulate_clips_lengths_and_draws_arrivals_as_the_benchmark_does():
     assert [r.arrival for r in sim] == gamma_arrivals(30, 2.0, 1.0, seed=3)
 
 
+def test_simulate_prefix_repetition_sends_the_benchmarks_shared_prefix_prompts():
+    """``--dataset prefix-repetition`` gives the simulator the token-id prompts ``goodserve bench serve`` sends
+    (shared prefixes intact), so routing and the prefix cache see the same sharing."""
+    from goodserve.workload.datasets import prefix_repetition
+    from goodserve.sim.simulate_cli import SIM_VOCAB
+
+    args = build_parser().parse_args(["simulate", "--model", "SmolLM2-135M", "--dataset", "prefix-repetition",
+                                      "--num-prompts", "12", "--prefix-len", "40", "--suffix-len", "8",
+                                      "--num-prefixes", "3", "--random-output-len", "5", "--seed", "4"])
+    sim = build_workload(args, 2.0, 1024)
+    prompts = prefix_repetition(12, 40, 8, 3, 5, SIM_VOCAB, 1024, seed=4)
+    assert [r.prompt_token_ids for r in sim] == prompts
+    assert {r.prompt_len for r in sim} == {48} and {r.output_len for r in sim} == {5}
+    assert len({p[:40] for p in prompts}) == 3
+    with pytest.raises(ValueError, match="trace"):
+        build_workload(args, math.nan, 1024)
+
+
 def test_replay_simulates_the_measured_requests_and_reports_errors(tmp_path, capsys):
     """Two measured requests (sent at 0 and 0.5 s, 4 prompt and 3 output tokens) replayed with 100 ms steps:
     simulated TTFT 100 ms and TPOT 100 ms exactly, against measured 125 ms and 80 ms."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from goodserve.workload.datasets import (AZURE_FILES, MOONCAKE_BLOCK, SPECIAL_IDS, clip_specs, load_azure,
-                                        load_mooncake, random_lengths, synthesise_prompts,
+                                        load_mooncake, prefix_repetition, random_lengths, synthesise_prompts,
                                         synthesise_shared_prompts)
 
 DATASETS = ("random", *sorted(AZURE_FILES), "mooncake", "prefix-repetition", "code-copy", "sharegpt-file", "jsonl")
@@ -129,68 +129,6 @@ def load_jsonl(path: str, num_prompts: int, tokenizer: Any, vocab_size: int, see
             out.append(BenchRequest(prompt, prompt_len, int(row["output_len"]), arrival))
     if len(out) < num_prompts:
         raise ValueError(f"{path} has only {len(out)} requests, asked for {num_prompts}")
-    return out
-
-
-def prefix_repetition(num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
-                      vocab_size: int, max_model_len: int, seed: int = 0) -> list[tuple[int, ...]]:
-    """Token-id prompts sharing ``num_prefixes`` prefixes (the ``prefix-repetition`` dataset).
-
-    Prefix ``i`` serves requests ``i, i + num_prefixes, ...`` before a seeded shuffle, so every prefix serves
-    ``num_prompts // num_prefixes`` or one more requests, in random order. Distinct prefixes start with
-    distinct tokens (they share no leading token, hence no cached block); suffixes are pairwise distinct.
-    Ids are drawn from ``[SPECIAL_IDS, vocab_size)``; the same arguments give the same prompts.
-
-    Args:
-        num_prompts: How many prompts.
-        prefix_len: Tokens of each shared prefix.
-        suffix_len: Tokens of each request's private suffix.
-        num_prefixes: How many distinct prefixes.
-        output_len: Output tokens per request (only checked against the context here).
-        vocab_size: Vocabulary size; ids come from ``[SPECIAL_IDS, vocab_size)``.
-        max_model_len: Context length in tokens.
-        seed: Seed of the prefixes, suffixes and order.
-
-    Returns:
-        ``num_prompts`` prompts of ``prefix_len + suffix_len`` token ids each.
-
-    Raises:
-        ValueError: if a length or count is below 1, ``num_prefixes > num_prompts`` (a prefix would go unused),
-            ``prefix_len + suffix_len + output_len > max_model_len``, or the vocabulary's ordinary ids are too
-            few for distinct first tokens or distinct suffixes.
-    """
-    for name, v in (("num_prompts", num_prompts), ("prefix_len", prefix_len), ("suffix_len", suffix_len),
-                    ("num_prefixes", num_prefixes), ("output_len", output_len)):
-        if v < 1:
-            raise ValueError(f"prefix-repetition: {name} must be >= 1, got {v}")
-    if num_prefixes > num_prompts:
-        raise ValueError(f"prefix-repetition: num_prefixes ({num_prefixes}) must be <= num_prompts ({num_prompts}), "
-                         "or some prefixes are never sent")
-    if prefix_len + suffix_len + output_len > max_model_len:
-        raise ValueError(f"prefix-repetition: prefix_len + suffix_len + output_len = {prefix_len} + {suffix_len} + "
-                         f"{output_len} = {prefix_len + suffix_len + output_len} tokens exceeds max_model_len "
-                         f"{max_model_len}")
-    ordinary = vocab_size - SPECIAL_IDS
-    if ordinary < num_prefixes:
-        raise ValueError(f"prefix-repetition: vocab_size {vocab_size} has {max(ordinary, 0)} ids above the "
-                         f"{SPECIAL_IDS} reserved ones, fewer than num_prefixes ({num_prefixes}) distinct first tokens")
-    n_suffixes = ordinary ** min(suffix_len, 64)  # >= 2**64 unless ordinary == 1: the cap changes no answer
-    if n_suffixes < num_prompts:
-        raise ValueError(f"prefix-repetition: {ordinary} ordinary ids make only {n_suffixes} distinct "
-                         f"{suffix_len}-token suffixes, fewer than num_prompts ({num_prompts})")
-    rng = random.Random(seed)
-    firsts = rng.sample(range(SPECIAL_IDS, vocab_size), num_prefixes)
-    prefixes = [(f, *(rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(prefix_len - 1))) for f in firsts]
-    order = [i % num_prefixes for i in range(num_prompts)]
-    rng.shuffle(order)
-    seen: set[tuple[int, ...]] = set()
-    out = []
-    for i in order:
-        suffix = tuple(rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(suffix_len))
-        while suffix in seen:
-            suffix = tuple(rng.randrange(SPECIAL_IDS, vocab_size) for _ in range(suffix_len))
-        seen.add(suffix)
-        out.append(prefixes[i] + suffix)
     return out
 
 

@@ -31,17 +31,20 @@ from goodserve.sim.replay import MeasuredRun, compare, format_comparison, load_b
 from goodserve.sim.simulator import Simulator
 from goodserve.sim.spec import ROUTING_POLICIES, ClusterConfig, Disaggregation, SimRequest
 from goodserve.workload.arrivals import poisson_arrivals
-from goodserve.workload.datasets import (AZURE_FILES, MOONCAKE_BLOCK, clip_specs, load_azure, load_mooncake,
-                                         random_lengths, synthesise_shared_prompts)
+from goodserve.workload.datasets import (AZURE_FILES, MOONCAKE_BLOCK, RequestSpec, clip_specs, load_azure,
+                                         load_mooncake, prefix_repetition, random_lengths,
+                                         synthesise_shared_prompts)
 from goodserve.workload.report import (RunResult, class_results, format_classes, format_summary, format_sweep,
                                        max_rate_meeting, plot, rate_str, save_json)
 from goodserve.workload.slo import assign_slo_classes, parse_slo_class_mix, parse_slos
 
 logger = logging.getLogger(__name__)
 
-DATASETS = (*AZURE_FILES, "mooncake", "random")
+DATASETS = (*AZURE_FILES, "mooncake", "prefix-repetition", "random")
 # Vocabulary of the synthesised Mooncake prompts: only equality of ids matters to the simulated prefix cache.
 SIM_VOCAB = 1 << 20
+#: Datasets whose prompts are token ids that share prefixes (the others' ids are private to each request).
+SHARED_PREFIX_DATASETS = ("mooncake", "prefix-repetition")
 MAX_TOKENS_POLICIES = ("exact", "pow2", "max")
 
 
@@ -77,7 +80,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--length-scale", type=float, default=1.0,
                    help="mooncake: multiply prompt and output lengths (and the 512-token shared blocks) by this")
     w.add_argument("--random-input-len", type=int, default=1024)
-    w.add_argument("--random-output-len", type=int, default=128)
+    w.add_argument("--random-output-len", type=int, default=128, help="random and prefix-repetition: output tokens")
+    w.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: tokens of each shared prefix")
+    w.add_argument("--suffix-len", type=int, default=32, help="prefix-repetition: tokens of each request's suffix")
+    w.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct shared prefixes")
     w.add_argument("--random-range-ratio", type=float, default=0.0)
     w.add_argument("--max-input-len", type=int, default=None, help="clip prompts to this many tokens")
     w.add_argument("--max-output-len", type=int, default=None, help="clip outputs to this many tokens")
@@ -200,12 +206,16 @@ def build_workload(args: argparse.Namespace, rate: float, max_model_len: int) ->
         clipped = clip_specs([s for s, _ in rows], max_model_len, args.max_input_len, args.max_output_len)
         block = max(1, round(MOONCAKE_BLOCK * args.length_scale))
         specs = synthesise_shared_prompts(list(zip(clipped, (h for _, h in rows))), SIM_VOCAB, block, args.seed)
+    elif args.dataset == "prefix-repetition":  # as `goodserve bench serve --dataset prefix-repetition` builds it
+        ids = prefix_repetition(args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes,
+                                args.random_output_len, SIM_VOCAB, max_model_len, args.seed)
+        specs = [RequestSpec(len(p), args.random_output_len, prompt_token_ids=p) for p in ids]
     else:
         specs = load_azure(args.dataset, args.num_prompts, max_model_len, args.trace_start)
     if args.dataset != "mooncake":
         specs = clip_specs(specs, max_model_len, args.max_input_len, args.max_output_len)
     if math.isnan(rate):
-        if args.dataset == "random":
+        if args.dataset in ("random", "prefix-repetition"):
             raise ValueError("--request-rate trace needs an Azure or the Mooncake dataset")
         arrivals = [s.arrival for s in specs]
     else:
@@ -215,7 +225,7 @@ def build_workload(args: argparse.Namespace, rate: float, max_model_len: int) ->
         cap = {"exact": s.output_len, "pow2": 1 << (s.output_len - 1).bit_length(),
                "max": max_model_len - s.prompt_len}[args.max_tokens]
         requests.append(SimRequest(f"req-{i}", t, s.prompt_len, s.output_len, min(cap, max_model_len - s.prompt_len),
-                                   prompt_token_ids=s.prompt_token_ids if args.dataset == "mooncake" else None))
+                                   prompt_token_ids=s.prompt_token_ids if args.dataset in SHARED_PREFIX_DATASETS else None))
     return requests
 
 
