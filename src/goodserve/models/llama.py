@@ -31,6 +31,7 @@ from goodserve.models.kquant import PartsLinear
 from goodserve.models.linear import dense_linear
 from goodserve.models.moe import SparseMoeBlock
 from goodserve.models.quant import BlockQuantized, QuantLinear, make_linear, runs_on_blocks
+from goodserve.models.short_rows import as_decode_rows, decode_rows
 
 
 def cos_sin_table(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype) -> torch.Tensor:
@@ -427,11 +428,12 @@ class LlamaForCausalLM(nn.Module):
 
     def can_decode_in_one_call(self, num_tokens: int, meta: AttentionMetadata, attn: AttentionBackend) -> bool:
         """Whether :meth:`decode_in_one_call` takes this step: a decode plan (every projection on the block
-        kernel, or in batch-invariant mode on the native invariant GEMM), only decodes, at most the plan's
-        rows, and the native attention kernel the plan attends with."""
+        kernel, or in batch-invariant mode on the native invariant GEMM), only decodes and short chunks after a
+        cached context (:func:`~goodserve.models.short_rows.as_decode_rows`; decodes alone in batch-invariant
+        mode), at most the plan's rows, and the native attention kernel the plan attends with."""
         plan = self.decode_plan
-        if plan is None or meta.num_decodes != num_tokens or num_tokens > plan.max_rows \
-                or meta.decode_block_tables is None:
+        if plan is None or num_tokens > plan.max_rows or not as_decode_rows(meta, num_tokens) \
+                or (self.batch_invariant and meta.num_decodes != num_tokens):
             return False
         if self.batch_invariant:
             return isinstance(attn, InvariantAttentionBackend) and attn.use_native
@@ -440,8 +442,11 @@ class LlamaForCausalLM(nn.Module):
     def decode_in_one_call(self, input_ids: torch.Tensor, positions: torch.Tensor,
                            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                            attn: AttentionBackend) -> torch.Tensor:
-        """:meth:`forward` for a decode-only step in one native call (:func:`goodserve.models.native.decode_layers`),
-        the same bits as the layer-by-layer path; the runner calls it where :meth:`can_decode_in_one_call`.
+        """:meth:`forward` for a step of decodes and short chunks in one native call
+        (:func:`goodserve.models.native.decode_layers`), each token one row
+        (:func:`~goodserve.models.short_rows.decode_rows`); the same bits as the layer-by-layer path on the same
+        kernels (the block kernel, not a dense copy) where its attention splits each context as this call does
+        (one split up to 256 tokens of context); the runner calls it where :meth:`can_decode_in_one_call`.
 
         Returns:
             ``[num_tokens, hidden_size]`` final hidden states.
@@ -450,9 +455,10 @@ class LlamaForCausalLM(nn.Module):
         amx = self.batch_invariant and attn.uses_amx(
             input_ids.new_empty((0, c.num_attention_heads, c.head_dim), dtype=self.norm.weight.dtype),
             c.num_key_value_heads)
+        tables, seq_lens, max_len = decode_rows(meta)
         return native.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
-                                    meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-                                    meta.max_decode_len, self.rope_cos_sin(self.norm.weight.dtype),
+                                    meta.slot_mapping, tables, seq_lens, max_len,
+                                    self.rope_cos_sin(self.norm.weight.dtype),
                                     SPLIT_TOKENS if self.batch_invariant else None, amx)
 
     def rope_cos_sin(self, dtype: torch.dtype) -> torch.Tensor:

@@ -401,11 +401,14 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                   rope_table: torch.Tensor, split_tokens: Optional[int] = None,
                   amx_attention: bool = False) -> torch.Tensor:
-    """A decode step through every layer and the final norm, one token per request, in one call.
+    """A decode step through every layer and the final norm, one query token per row, in one call.
 
     Each layer is the pre-norm attention + SwiGLU block of ``models/llama.py`` (``DecoderLayer.forward``)
-    on the same kernels: :func:`rms_norm`, :func:`rope`, the new K/V written to their slots,
-    :func:`paged_decode_attention` and :func:`block_gemv` for the projections.
+    on the same kernels: :func:`rms_norm`, :func:`rope`, every row's new K/V written to its slot, then
+    :func:`paged_decode_attention` and :func:`block_gemv` for the projections. Since every row's K/V is in
+    the cache before any row attends, several rows may be consecutive tokens of one request (a short chunk,
+    :func:`goodserve.models.short_rows.decode_rows`): each attends its ``seq_lens`` tokens, its chunk's
+    earlier tokens included.
 
     Args:
         plan: The model's operands.
