@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -31,6 +32,8 @@ from typing import Any, Callable, Optional, Sequence
 from goodserve.kv_events.events import InstanceLoad
 from goodserve.kv_events.index import KVIndex
 from goodserve.scheduler.step_time import DEFAULT_SEED, StepCoefficients
+
+logger = logging.getLogger(__name__)
 
 # A prompt given as text has no token count at the router (it has no tokenizer): it is estimated at this many
 # UTF-8 bytes per token (about right for English with a BPE vocabulary of ~50k).
@@ -438,6 +441,11 @@ class KVAware(RoutingPolicy):
         near = [i for i in healthy if cost[i] <= best * (1 + TIE_RTOL) + TIE_ATOL_S]  # fitted noise is no reason
         chosen = min(near, key=lambda i: (-hits[i], cost[i], backends[i].outstanding_tokens, i))
         self.index.expect(backends[chosen].name, hashes[chosen], now)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kv-aware: %d prompt tokens to %s; per backend: hit tokens, queued prefill, decoding, "
+                         "predicted s: %s", request.prompt_tokens, backends[chosen].name,
+                         {backends[i].name: (hits[i], backends[i].queued_prefill_tokens,
+                                             backends[i].decoding_requests, round(cost[i], 4)) for i in healthy})
         self._last = (request, {backends[i].name: request.prompt_tokens - hits[i] for i in healthy})
         return chosen
 
