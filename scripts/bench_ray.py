@@ -79,6 +79,21 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.5)
 
 
+def warm_up(url: str) -> None:
+    """Warm every instance behind ``url`` directly (each backend the router lists in
+    ``goodserve:router_backend_healthy``, else ``url`` itself): short prompts and one of ~300 tokens, so no
+    instance meets its first prefill in the measured window whatever the policy (through the router,
+    kv-aware sent every warm-up to the first replica, and the second met its first prompts under load).
+    Never part of the hit rate (read after)."""
+    metrics = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+    targets = [s.labels["backend"] for fam in metrics for s in fam.samples
+               if s.name == "goodserve:router_backend_healthy"] or [url]
+    for target in targets:
+        for prompt in ["warm-up 0", "warm-up 1", " ".join(["warm-up"] * 100), "warm-up 2"]:
+            httpx.post(target + "/v1/completions", timeout=120,
+                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 4}).raise_for_status()
+
+
 def prefix_counts(url: str) -> tuple[float, float]:
     """Sum over instances of prefix-cache (hits, queries), from the server's (or ingress's) /metrics."""
     hits = queries = 0.0
@@ -141,9 +156,7 @@ def run_real(label: str, serve_flags: list[str], args: argparse.Namespace) -> di
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(url, proc, 600)
-        for i in range(4):  # warm-up: never part of the hit rate
-            httpx.post(url + "/v1/completions", timeout=120,
-                       json={"model": "smollm2", "prompt": f"warm-up {i}", "max_tokens": 4})
+        warm_up(url)
         h0, q0 = prefix_counts(url)
         result = os.path.join(args.out, f"{label}.json")
         bench = [PY, "-m", "goodserve.cli", "bench", "serve", "--base-url", url, "--model", "smollm2",
