@@ -12,7 +12,7 @@ out=${1:?output folder}; mkdir -p "$out"
 py=${PYTHON:-.venv/bin/python}
 model=$("$py" -c 'from goodserve.models.loader import default_model_path; print(default_model_path())')
 ngram8='{{"method": "ngram", "num_speculative_tokens": 8}}'  # braces doubled: the launch templates are formatted
-serve="{python} -m goodserve.cli serve --port {port}"
+serve="{python} -m goodserve.cli serve --port {port} --slo-ttft 5 --slo-tpot 0.2"  # the goodput SLOs, which auto reads
 common=(--dataset code-copy --max-input-len 1024 --max-output-len 256 --seed 0 --num-warmups 1 --interleave
         --no-progress)
 run() { flock /tmp/goodserve-bench.lock "$py" -m goodserve.cli bench compare "$@"; }

@@ -6,6 +6,7 @@ slots of rejected drafts are freed (exact block counts, ``check_integrity()`` af
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -118,20 +119,53 @@ def test_auto_length_prices_drafts_at_their_measured_cost_even_above_a_decode_ro
     assert choose_length(model, stats, [100], 4, costs=(0.004, 0.003)) == 4
 
 
-def test_auto_length_falls_to_zero_while_prompts_wait():
-    """Issue 33, past the knee: a step that may also prefill earns its prompt tokens in the same time, so a
-    draft must beat that. Model: 10 ms + 1 ms a token; acceptance 0.8. Alone, one row verifies 4 drafts
-    (3.36 tokens in 15 ms). Beside 512 waiting prompt tokens, 4 drafts make 515.4 tokens in 527 ms (0.978 a
-    ms) against 513 in 523 ms (0.981): k = 0. Beside 2 prompt tokens (a prompt's tail) drafts still pay:
-    5.36 tokens in 17 ms against 3 in 13."""
-    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+def _stats_at(alpha: float) -> AcceptanceStats:
     stats = AcceptanceStats(4)
     for _ in range(2000):
         stats.record(4, 4)
-    stats._accepted = [0.8 * r for r in stats._reached]
+    stats._accepted = [alpha * r for r in stats._reached]
+    return stats
+
+
+def test_auto_length_falls_to_zero_while_prompts_wait():
+    """Issue 33, past the knee: beside a prompt chunk a draft must earn more decode time than it adds. Model:
+    10 ms + 1 ms a token (a decode token and a prompt token each worth 1 ms); acceptance 0.8. Alone, one
+    row verifies 4 drafts (3.36 tokens in 15 ms). Beside 512 waiting prompt tokens, 4 drafts make 515.4 ms
+    of work in 527 ms (0.978) against 513 in 523 (0.981): k = 0. Beside 2 prompt tokens (a prompt's tail)
+    drafts still pay: 5.36 ms of work in 17 ms against 3 in 13."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = _stats_at(0.8)
     assert choose_length(model, stats, [100], 4) == 4
     assert choose_length(model, stats, [100], 4, prompt_tokens=512) == 0
     assert choose_length(model, stats, [100], 4, prompt_tokens=2) == 4
+
+
+def test_auto_length_values_tokens_at_their_cost_beside_a_prompt_chunk():
+    """Issue 33: a decode token costs more than a prompt token (it is sampled), so beside a prompt chunk
+    drafts cheaper than a decode row still pay. Model: 10 ms a step, 0.5 ms a token, 2 ms a sampled token
+    (a decode row 2.5 ms, a prompt token 0.5); drafts measured at 0.5 ms each; acceptance 0.8. Four rows
+    beside 512 prompt tokens: without drafts 276 ms for 4 · 2.5 + 256 = 266 ms of work (0.964); 4 drafts a
+    row add 8 ms and 4 · 2.36 · 2.5 = 23.6 ms of work (289.6 in 284: 1.020), so k = 4. Counted one token
+    each, 525.4 tokens in 284 ms lost to 516 in 276, and ``auto`` verified none. Drafts at a decode row's
+    price (the model's, before any was measured) do not pay beside the chunk: 274 ms of work in 286 (0.958)
+    for one a row."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.0005, 0.002, 0.0), adapt=False)
+    stats = _stats_at(0.8)
+    assert choose_length(model, stats, [100] * 4, 4, costs=(0.0, 0.0005), prompt_tokens=512) == 4
+    assert choose_length(model, stats, [100] * 4, 4, prompt_tokens=512) == 0
+
+
+def test_auto_length_keeps_the_rows_tpot_budget():
+    """Issue 33: ``auto`` maximises work per second within the rows' TPOT SLO. Model: 10 ms + 1 ms a token;
+    acceptance 0.8; one row beside 512 prompt tokens. Without drafts its token takes 523 ms; within a 200-ms
+    TPOT, ``T / E[k]``: k = 2 gives 525 / 2.44 = 215 ms (out), k = 3 526 / 2.952 = 178 ms, k = 4
+    527 / 3.36 = 157 ms; of these k = 3 has the higher rate (0.97899 against 0.97792). A budget no k keeps
+    (100 ms) leaves the rate to decide: k = 0."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = _stats_at(0.8)
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, tpot=0.2) == 3
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, tpot=0.1) == 0
+    assert choose_length(model, stats, [100], 4, tpot=0.2) == 4
 
 
 def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():

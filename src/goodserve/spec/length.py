@@ -6,7 +6,8 @@ As the batch grows the step turns compute-bound and every draft token lengthens 
 past some load any fixed ``k`` costs more than it returns (SmartSpec, Liu et al. 2024, "Optimizing
 Speculative Decoding for Serving LLMs Using Goodput", §3). So ``auto`` chooses ``k`` each step from the
 online step-time model and the measured acceptance rates: the ``k`` maximising expected tokens per second,
-``B · E[tokens | k] / T(B, k)``, 0 included.
+``B · E[tokens | k] / T(B, k)``, 0 included, each token valued at its cost beside a prompt chunk, within the
+rows' TPOT budget (:func:`choose_length`).
 """
 
 from __future__ import annotations
@@ -161,18 +162,39 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
     return base + rows * costs[0] + rows * k * costs[1]
 
 
+def token_values(model: StepTimeModel, contexts: Sequence[int], prompt_tokens: int = 0) -> tuple[float, float]:
+    """What a step's work is worth, in the seconds it costs on the step-time model beyond a step's fixed
+    overhead: ``(seconds per decode token, seconds for the prompt tokens)``. A decode token is worth the mean
+    cost of a plain decode row of ``contexts`` (computed, sampled, attended); the ``prompt_tokens``, what
+    they add to an empty step (with the prefill terms). A step's time beyond these is overhead that
+    speculation amortises (the weights read once whatever the rows)."""
+    idle = model.predict(0, 0, 0)
+    per_decode = (step_seconds(model, contexts, 0, None) - idle) / max(1, len(contexts))
+    prompt = step_seconds(model, [], 0, None, prompt_tokens) - idle if prompt_tokens > 0 else 0.0
+    return max(per_decode, 1e-9), max(prompt, 0.0)
+
+
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
                   limit: float = math.inf, costs: Optional[tuple[float, float]] = None,
-                  prompt_tokens: int = 0) -> int:
-    """The number of drafts per decode row that maximises expected tokens per second this step.
+                  prompt_tokens: int = 0, tpot: float = math.inf) -> int:
+    """The number of drafts per decode row that maximises the step's work per second, within the rows'
+    TPOT budget.
 
-    The step's prompt tokens count as tokens too: a step that also prefills earns its chunk's tokens in the
-    same time, so a draft is verified only if what it is expected to earn per second beats what the step's
-    time earns otherwise. While prompts wait (past the knee) prefill earns several times what a draft does,
-    and ``k`` falls to 0: a draft's time is prefill time taken from the queue (BENCHMARKS.md has what
-    speculating anyway did to TTFT past the knee).
-    The rule maximises tokens per second; it does not read the SLOs, so where TPOT rather than TTFT binds,
-    a fixed ``k`` can meet more of them.
+    The work of a step is its tokens, each valued at what it costs on the step-time model
+    (:func:`token_values`): ``rate = (B · E[tokens | k] · d + p) / T(B, k, C)``, with ``d`` the seconds of a
+    plain decode row and ``p`` those of the ``C`` prompt tokens the step may compute beside the decodes.
+    Without a prompt chunk this is SmartSpec's tokens per second (Liu et al. 2024, §3): drafts pay while the
+    step's fixed cost dominates, and ``k`` falls to 0 as the batch turns the step compute-bound. Beside a
+    prompt chunk the step is mostly work already, so a draft is verified only if it is expected to earn more
+    decode time than it adds: while prompts wait, drafts that cost a decode row's time do not pay (that time
+    is taken from the queue, and TTFT grows), drafts cheaper than a decode row still do. Counted as one token
+    each, prompt tokens (cheap per token, a chunk computes many) priced every draft out of a step with a
+    prompt chunk, so ``auto`` speculated less than a fixed ``k`` where drafts cost little (BENCHMARKS.md).
+
+    ``tpot``: the tightest TPOT SLO of the rows (seconds a token). The choice is taken among the ``k`` whose
+    expected seconds per token of a row, ``T / E[tokens | k]``, are within it: a step slowed by a prompt
+    chunk past the budget speculates to keep its rows' TPOT (each accepted draft divides the step's time per
+    token). Where no ``k`` keeps it, the rate alone decides.
 
     Args:
         model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes and samples
@@ -180,11 +202,12 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         stats: The measured acceptance rates.
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
-        limit: The longest step allowed (seconds; e.g. a TPOT budget): longer choices are not taken.
+        limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
         costs: What verifying adds, per row and per draft (:meth:`DraftCost.costs`); given, a step is priced
             by :func:`step_seconds` with them.
         prompt_tokens: Prompt tokens the step may compute beside the decodes (the scheduler's backlog within
             the token budget).
+        tpot: The rows' TPOT budget, seconds per token (infinite: none).
 
     Returns:
         ``k`` in ``[0, k_max]``; 0 without decode rows.
@@ -193,12 +216,16 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     if rows == 0 or k_max <= 0:
         return 0
     rates = stats.rates()
-    best_k, best = 0, -1.0
+    per_decode, prompt_value = token_values(model, contexts, prompt_tokens)
+    best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within the TPOT budget
     for k in range(k_max + 1):
         seconds = step_seconds(model, contexts, k, costs, prompt_tokens)
         if k > 0 and seconds > limit:
             break
-        rate = (rows * stats.expected_tokens(rates, k) + prompt_tokens) / max(seconds, 1e-9)
-        if rate > best:
-            best_k, best = k, rate
-    return best_k
+        tokens = stats.expected_tokens(rates, k)
+        rate = (rows * tokens * per_decode + prompt_value) / max(seconds, 1e-9)
+        if rate > best[1]:
+            best = (k, rate)
+        if seconds / tokens <= tpot and rate > within[1]:
+            within = (k, rate)
+    return within[0] if within[0] >= 0 else best[0]

@@ -54,9 +54,10 @@ class Speculator:
 
     def begin_step(self, running: Sequence[Request], limit: float = math.inf, again: bool = False,
                    prompt_tokens: int = 0) -> None:
-        """Choose the step's length: the fixed one, or under ``auto`` the one maximising expected tokens per
-        second over the eligible decode rows and the ``prompt_tokens`` the step may prefill beside them
-        (:func:`~goodserve.spec.length.choose_length`), keeping the step within ``limit`` seconds.
+        """Choose the step's length: the fixed one, or under ``auto`` the one maximising the work per second of
+        the eligible decode rows and the ``prompt_tokens`` the step may prefill beside them, within the rows'
+        tightest TPOT SLO (``Request.slo_tpot``; :func:`~goodserve.spec.length.choose_length`), keeping the
+        step within ``limit`` seconds.
         ``again``: the same step chooses anew (after a preemption), its probes counted once."""
         if self.config.length != "auto":
             self.length = self.config.length
@@ -64,11 +65,12 @@ class Speculator:
         if again:
             self._steps_at_zero, self._steps_with = self._counted
         self._counted = (self._steps_at_zero, self._steps_with)
-        contexts = [r.num_computed_tokens for r in running
-                    if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
+        rows = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
+        contexts = [r.num_computed_tokens for r in rows]
+        tpot = min((r.slo_tpot for r in rows if r.slo_tpot is not None), default=math.inf)
         costs = self.cost.costs()
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
-                                                   prompt_tokens)
+                                                   prompt_tokens, tpot)
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
