@@ -168,6 +168,25 @@ def test_auto_length_keeps_the_rows_tpot_budget():
     assert choose_length(model, stats, [100], 4, tpot=0.2) == 4
 
 
+def test_auto_reads_the_tightest_tpot_slo_of_its_decode_rows():
+    """The speculator passes ``choose_length`` the tightest ``slo_tpot`` of the rows that decode this step
+    (the test above's figures: one row beside 512 prompt tokens verifies 3 drafts within 200 ms, none
+    without an SLO); a row still prefilling does not count."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
+                      model)
+    spec.stats = _stats_at(0.8)
+    decoding, prefilling = create_requests(2, prompt_len=100, max_tokens=8)
+    decoding.num_computed_tokens = 100
+    decoding.append_output_token(7)
+    prefilling.options = dataclasses.replace(prefilling.options, slo_tpot=0.001)
+    spec.begin_step([decoding, prefilling], prompt_tokens=512)
+    assert spec.length == 0
+    decoding.options = dataclasses.replace(decoding.options, slo_tpot=0.2)
+    spec.begin_step([decoding, prefilling], prompt_tokens=512)
+    assert spec.length == 3
+
+
 def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():
     """What ``auto`` prices drafts against: running requests' unprefilled tokens and waiting prompts, within
     the budget the decodes leave (one token each)."""
