@@ -78,6 +78,15 @@ def test_acceptance_rates_are_conditional_per_position():
     assert AcceptanceStats.expected_tokens([0.5, 0.5], 2) == 1.75 and AcceptanceStats.expected_tokens([], 0) == 1
 
 
+def _stats_at(alpha: float) -> AcceptanceStats:
+    """Acceptance statistics of ~500 rows at ``alpha`` at every position."""
+    stats = AcceptanceStats(4)
+    for _ in range(2000):
+        stats.record(4, 4)
+    stats._accepted = [alpha * r for r in stats._reached]
+    return stats
+
+
 def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
     """A step costs ``10 ms + 1 ms`` per token, and each draft is accepted with probability 0.8. At batch 1,
     4 drafts (a 15-ms step) emit ``1 + .8 + .64 + .512 + .41 = 3.36`` tokens: 0.224 tokens/ms against 0.091
@@ -85,10 +94,7 @@ def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
     tokens/ms) and one draft each 138 ms for 1.8 tokens a row (0.835): ``k = 0``. Within a 13.5-ms budget at
     batch 1, 3 drafts (14 ms) are out and 2 (13 ms, 0.188) beat 1 (12 ms, 0.150)."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
-    stats = AcceptanceStats(4)
-    for _ in range(2000):
-        stats.record(4, 4)
-    stats._accepted = [0.8 * r for r in stats._reached]  # acceptance 0.8 at every position
+    stats = _stats_at(0.8)
     assert stats.rates() == pytest.approx([0.8] * 4, abs=2e-3)  # the prior weighs ~2 of ~500 rows
     assert choose_length(model, stats, [100], 4) == 4
     assert choose_length(model, stats, [100] * 64, 4) == 0
@@ -111,20 +117,9 @@ def test_auto_length_prices_drafts_at_their_measured_cost_even_above_a_decode_ro
     the model's price of 16 decode rows, 26 ms, it looked like 0.554 and auto speculated.) At batch 1, 4 drafts
     (27 ms, 3.36 tokens: 0.1245) still beat none (0.0909) and 3 (24 ms, 0.1230)."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
-    stats = AcceptanceStats(4)
-    for _ in range(2000):
-        stats.record(4, 4)
-    stats._accepted = [0.8 * r for r in stats._reached]
+    stats = _stats_at(0.8)
     assert choose_length(model, stats, [100] * 8, 4, costs=(0.004, 0.003)) == 0
     assert choose_length(model, stats, [100], 4, costs=(0.004, 0.003)) == 4
-
-
-def _stats_at(alpha: float) -> AcceptanceStats:
-    stats = AcceptanceStats(4)
-    for _ in range(2000):
-        stats.record(4, 4)
-    stats._accepted = [alpha * r for r in stats._reached]
-    return stats
 
 
 def test_auto_length_falls_to_zero_while_prompts_wait():

@@ -187,9 +187,9 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     step's fixed cost dominates, and ``k`` falls to 0 as the batch turns the step compute-bound. Beside a
     prompt chunk the step is mostly work already, so a draft is verified only if it is expected to earn more
     decode time than it adds: while prompts wait, drafts that cost a decode row's time do not pay (that time
-    is taken from the queue, and TTFT grows), drafts cheaper than a decode row can still pay. Counted as one token
-    each, prompt tokens (cheap per token, a chunk computes many) priced every draft out of a step with a
-    prompt chunk, so ``auto`` speculated less than a fixed ``k`` where drafts cost little (BENCHMARKS.md).
+    is taken from the queue, and TTFT grows), drafts cheaper than a decode row can still pay. Prompt tokens
+    are not counted as one token each: a chunk computes many cheaply, and so counted they would price every
+    draft out of any step with a prompt chunk.
 
     ``tpot``: the tightest TPOT SLO of the rows (seconds a token). The choice is taken among the ``k`` whose
     expected seconds per token of a row, ``T / E[tokens | k]``, are within it: a step slowed by a prompt
