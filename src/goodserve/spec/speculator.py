@@ -19,10 +19,10 @@ from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, step_seconds
 
-#: Steps ``auto`` chooses no drafts for before one step verifies a draft per row, so the cost of a draft is
-#: measured (a 1-in-17 probe: at most ~6% more tokens under load); and steps it chooses drafts for before one
-#: step verifies none, so the step-time model keeps measuring the steps without them (at most ~6% of the
-#: drafts' tokens forgone).
+#: Steps ``auto`` chooses no drafts for before one step verifies drafts (1 per row and ``k_max`` per row in
+#: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
+#: verifies none, so the step-time model keeps measuring the steps without them (at most ~6% of the drafts'
+#: tokens forgone).
 EXPLORE_EVERY = 16
 
 
@@ -44,7 +44,8 @@ class Speculator:
         self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step (before a probe without drafts)
-        self._counted = (0, 0)  # the two counters before this step's first begin_step
+        self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
+        self._counted = (0, 0, 0)  # the three counters before this step's first begin_step
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -63,8 +64,8 @@ class Speculator:
             self.length = self.config.length
             return
         if again:
-            self._steps_at_zero, self._steps_with = self._counted
-        self._counted = (self._steps_at_zero, self._steps_with)
+            self._steps_at_zero, self._steps_with, self._probes = self._counted
+        self._counted = (self._steps_at_zero, self._steps_with, self._probes)
         rows = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
         contexts = [r.num_computed_tokens for r in rows]
         tpot = min((r.slo_tpot for r in rows if r.slo_tpot is not None), default=math.inf)
@@ -75,15 +76,25 @@ class Speculator:
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
         # step verifies drafts stops measuring what the decodes alone cost. So after EXPLORE_EVERY steps at
-        # 0, a step verifies one draft per row, and after EXPLORE_EVERY steps with drafts, a step verifies
-        # none (drafts are asked for the step before).
+        # 0, a step verifies drafts (1 or k_max per row, in turn), and after EXPLORE_EVERY steps with drafts,
+        # a step verifies none (drafts are asked for the step before).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
-        if self._steps_at_zero > EXPLORE_EVERY and \
-                step_seconds(self.model, contexts, 1, costs, prompt_tokens) <= limit:
-            self.length, self._steps_at_zero = 1, 0
+        if self._steps_at_zero > EXPLORE_EVERY:
+            probe = self._probe_length()
+            if step_seconds(self.model, contexts, probe, costs, prompt_tokens) > limit:
+                probe = 1
+            if step_seconds(self.model, contexts, probe, costs, prompt_tokens) <= limit:
+                self.length, self._steps_at_zero, self._probes = probe, 0, self._probes + 1
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
+
+    def _probe_length(self) -> int:
+        """Drafts per row of the next probe from 0: one, then ``k_max``, in turn. What drafts add to a step
+        is a cost per row verifying any and one per draft (:class:`~goodserve.spec.length.DraftCost`);
+        probes of one length alone cannot tell the two apart, and a row's first draft can cost more than a
+        decode row while each further one costs far less, so that ``k_max`` pays where one does not."""
+        return self.k_max if self._probes % 2 else 1
 
     @staticmethod
     def _left(req: Request) -> int:
@@ -112,7 +123,9 @@ class Speculator:
         if self.config.length != "auto":
             return self.length
         if self.length == 0:  # drafts for the step after a probe without drafts, or for a probe with one
-            return min(self.k_max, self._chosen + 1) if self._chosen else int(self._steps_at_zero == EXPLORE_EVERY)
+            if self._chosen:
+                return min(self.k_max, self._chosen + 1)
+            return self._probe_length() if self._steps_at_zero == EXPLORE_EVERY else 0
         return min(self.k_max, self.length + 1)
 
     def observe(self, out: SchedulerOutput, seconds: float) -> Optional[tuple[StepShape, float]]:
