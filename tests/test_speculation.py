@@ -150,53 +150,80 @@ def test_auto_length_values_tokens_at_their_cost_beside_a_prompt_chunk():
     assert choose_length(model, stats, [100] * 4, 4, prompt_tokens=512) == 0
 
 
-def test_auto_length_keeps_the_rows_tpot_budget():
-    """Issue 33: ``auto`` maximises work per second within the rows' TPOT SLO. Model: 10 ms + 1 ms a token;
-    acceptance 0.8; one row beside 512 prompt tokens. Without drafts its token takes 523 ms; within a 200-ms
-    TPOT, ``T / E[k]``: k = 2 gives 525 / 2.44 = 215 ms (out), k = 3 526 / 2.952 = 178 ms, k = 4
-    527 / 3.36 = 157 ms; of these k = 3 has the higher rate (0.97899 against 0.97792). A budget no k keeps
-    (100 ms) leaves the rate to decide: k = 0."""
+def test_auto_length_keeps_the_rows_tpot_allowances():
+    """Issue 33: ``auto`` maximises work per second within each row's TPOT allowance ``a`` plus ``c`` for each
+    token the step emits beyond one. Model: 10 ms + 1 ms a token; acceptance 0.8; one row beside 512 prompt
+    tokens, each further token worth 200 ms. Without drafts the step takes 523 ms.
+    ``a = 0.2`` (a fresh row, nothing banked: ``T / E[k] <= 200 ms``): k = 2 needs 525 <= 200 + 288 (out),
+    k = 3 526 <= 590 and k = 4 527 <= 672; of these k = 3 has the higher rate (0.97899 against 0.97792).
+    ``a = 0.3``: k = 2 fits too (525 <= 588), and its rate is higher (0.97989). ``a = 1`` (a row ahead of its
+    SLO lends the step its bank): every k fits and k = 0 has the best rate (0.98088). ``a = 0``: no k fits,
+    the rate decides: 0. The tightest row decides; without a chunk, 4 drafts fit (15 ms)."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
-    assert choose_length(model, stats, [100], 4, prompt_tokens=512, tpot=0.2) == 3
-    assert choose_length(model, stats, [100], 4, prompt_tokens=512, tpot=0.1) == 0
-    assert choose_length(model, stats, [100], 4, tpot=0.2) == 4
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(0.2, 0.2)]) == 3
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(0.3, 0.2)]) == 2
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(1.0, 0.2)]) == 0
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(0.0, 0.2)]) == 0
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(1.0, 0.2), (0.3, 0.2)]) == 2
+    assert choose_length(model, stats, [100], 4, allowances=[(0.2, 0.2)]) == 4
 
 
-def test_auto_reads_the_tightest_tpot_slo_of_its_decode_rows():
-    """The speculator passes ``choose_length`` the tightest ``slo_tpot`` of the rows that decode this step
-    (the test above's figures: one row beside 512 prompt tokens verifies 3 drafts within 200 ms, none
-    without an SLO); a row still prefilling does not count."""
+def test_auto_length_counts_the_prompt_tokens_drafts_displace():
+    """Drafts and prompt chunks share the budget the decodes leave. Model: 10 ms + 1 ms a token; acceptance
+    0.8; one row and 4 prompt tokens waiting. With room for more, 4 drafts make 3.36 + 4 ms of work in 19 ms
+    (0.387) against 5 in 15 (0.333): k = 4. With room for 4 tokens, k drafts leave 4 - k prompt tokens: the
+    step takes 15 ms whatever k, for 1 + 4 = 5 ms of work at k = 0, 1.8 + 3 at 1, ... 3.36 at 4: k = 0."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = _stats_at(0.8)
+    assert choose_length(model, stats, [100], 4, prompt_tokens=4) == 4
+    assert choose_length(model, stats, [100], 4, prompt_tokens=4, room=4) == 0
+
+
+def test_auto_reads_the_tpot_allowances_of_its_decode_rows():
+    """The speculator passes ``choose_length`` the TPOT allowance of each row that decodes this step, as the
+    ``slo`` policy reckons it, with later steps at the recent step time (300 ms here, so a further token is
+    worth the row's 200-ms SLO). A fresh row (its first token just out) may wait 200 ms a token: beside 512
+    prompt tokens, 3 drafts (the test above). A row that streamed 5 tokens in 200 ms has banked 800 ms: the
+    step fits without drafts, and the rate picks none. A row still prefilling does not count, nor does a row
+    without an SLO."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    model.recent_step_s = 0.3
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
                       model)
     spec.stats = _stats_at(0.8)
     decoding, prefilling = create_requests(2, prompt_len=100, max_tokens=8)
     decoding.num_computed_tokens = 100
     decoding.append_output_token(7)
+    decoding.first_token_time = 50.0
     prefilling.options = dataclasses.replace(prefilling.options, slo_tpot=0.001)
-    spec.begin_step([decoding, prefilling], prompt_tokens=512)
+    spec.begin_step([decoding, prefilling], prompt_tokens=512, now=50.0)
     assert spec.length == 0
     decoding.options = dataclasses.replace(decoding.options, slo_tpot=0.2)
-    spec.begin_step([decoding, prefilling], prompt_tokens=512)
+    spec.begin_step([decoding, prefilling], prompt_tokens=512, now=50.0)
     assert spec.length == 3
+    for _ in range(4):
+        decoding.append_output_token(7)
+    decoding.num_computed_tokens = decoding.num_tokens - 1
+    spec.begin_step([decoding, prefilling], prompt_tokens=512, now=50.2)
+    assert spec.length == 0
 
 
 def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():
     """What ``auto`` prices drafts against: running requests' unprefilled tokens and waiting prompts, within
-    the budget the decodes leave (one token each)."""
+    the room the decodes leave in the budget (one token each), and that room."""
     spec = SpeculativeConfig("ngram", 4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
                       CacheConfig(num_blocks=32, block_size=4), StepTimeModel(adapt=False), speculative=spec)
     a, b, c = create_requests(3, prompt_len=40, max_tokens=8)
     sched.add_request(a)
     sched.update_from_output(sched.schedule(0.0), {"r0": SampledToken(7)}, 0.1)  # a decodes now
-    assert sched._prompt_backlog(64) == 0
+    assert sched._prompt_backlog(64) == (0, 63)
     sched.add_request(b)
     sched.add_request(c)
-    assert sched._prompt_backlog(64) == 63 and sched._prompt_backlog(1000) == 80
+    assert sched._prompt_backlog(64) == (63, 63) and sched._prompt_backlog(1000) == (80, 999)
     b.num_computed_tokens = 30  # b with 30 tokens computed (a prefix hit): 10 left
-    assert sched._prompt_backlog(1000) == 50
+    assert sched._prompt_backlog(1000) == (50, 999)
 
 
 def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():

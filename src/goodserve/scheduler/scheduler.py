@@ -183,8 +183,8 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
             self.running.sort(key=lambda r: rank[r.request_id])
         self._tally = self.plan.tally()
         if self.speculator is not None:
-            self.speculator.begin_step(self.running, self.plan.max_step_s, again,
-                                       self._prompt_backlog(self.scheduler_config.max_num_batched_tokens))
+            prompt_tokens, room = self._prompt_backlog(self.scheduler_config.max_num_batched_tokens)
+            self.speculator.begin_step(self.running, self.plan.max_step_s, again, prompt_tokens, room, now)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens in order, preempting from the tail when blocks run out.

@@ -31,10 +31,11 @@ class SpecDecodeMixin:
     waiting: RequestQueue
     _runner: RunnerDiffs
 
-    def _prompt_backlog(self, budget: int) -> int:
-        """Prompt tokens the step may compute beside its decodes: what running requests have left to prefill
-        and the waiting requests' prompts, within the ``budget`` the decodes leave (what ``auto`` speculation
-        prices the step's time against; :meth:`goodserve.spec.speculator.Speculator.begin_step`)."""
+    def _prompt_backlog(self, budget: int) -> tuple[int, int]:
+        """``(prompt tokens, room)``: the prompt tokens the step may compute beside its decodes (what running
+        requests have left to prefill and the waiting requests' prompts, within the ``room`` of the
+        ``budget`` the decodes leave, which their drafts share); what ``auto`` speculation prices the step's
+        time against (:meth:`goodserve.spec.speculator.Speculator.begin_step`)."""
         left = decodes = 0
         for r in self.running:
             n = r.num_tokens - r.num_computed_tokens
@@ -47,7 +48,7 @@ class SpecDecodeMixin:
             if left >= room:
                 break
             left += r.num_tokens - r.num_computed_tokens
-        return min(left, room)
+        return min(left, room), room
 
     def _drafts(self, req: Request, room: int) -> list[int]:
         """The drafts a decode row verifies this step, within ``room`` tokens of budget."""

@@ -7,7 +7,7 @@ past some load any fixed ``k`` costs more than it returns (SmartSpec, Liu et al.
 Speculative Decoding for Serving LLMs Using Goodput", §3). So ``auto`` chooses ``k`` each step from the
 online step-time model and the measured acceptance rates: the ``k`` maximising expected tokens per second,
 ``B · E[tokens | k] / T(B, k)``, 0 included, each token valued at its cost beside a prompt chunk, within the
-rows' TPOT budget (:func:`choose_length`).
+rows' TPOT allowances (:func:`choose_length`).
 """
 
 from __future__ import annotations
@@ -162,39 +162,51 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
     return base + rows * costs[0] + rows * k * costs[1]
 
 
-def token_values(model: StepTimeModel, contexts: Sequence[int], prompt_tokens: int = 0) -> tuple[float, float]:
-    """What a step's work is worth, in the seconds it costs on the step-time model beyond a step's fixed
-    overhead: ``(seconds per decode token, seconds for the prompt tokens)``. A decode token is worth the mean
-    cost of a plain decode row of ``contexts`` (computed, sampled, attended); the ``prompt_tokens``, what
-    they add to an empty step (with the prefill terms). A step's time beyond these is overhead that
-    speculation amortises (the weights read once whatever the rows)."""
+def decode_token_value(model: StepTimeModel, contexts: Sequence[int]) -> float:
+    """What a decode token is worth, in the seconds it costs on the step-time model beyond a step's fixed
+    overhead: the mean cost of a plain decode row of ``contexts`` (computed, sampled, attended). A step's time
+    beyond the work it does is overhead that speculation amortises (the weights read once whatever the
+    rows)."""
     idle = model.predict(0, 0, 0)
-    per_decode = (step_seconds(model, contexts, 0, None) - idle) / max(1, len(contexts))
-    prompt = step_seconds(model, [], 0, None, prompt_tokens) - idle if prompt_tokens > 0 else 0.0
-    return max(per_decode, 1e-9), max(prompt, 0.0)
+    return max((step_seconds(model, contexts, 0, None) - idle) / max(1, len(contexts)), 1e-9)
+
+
+def prompt_value(model: StepTimeModel, prompt_tokens: int) -> float:
+    """What ``prompt_tokens`` of prompt chunks are worth: the seconds they add to an empty step on the
+    step-time model (with the prefill terms)."""
+    if prompt_tokens <= 0:
+        return 0.0
+    return max(step_seconds(model, [], 0, None, prompt_tokens) - model.predict(0, 0, 0), 0.0)
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
                   limit: float = math.inf, costs: Optional[tuple[float, float]] = None,
-                  prompt_tokens: int = 0, tpot: float = math.inf) -> int:
-    """The number of drafts per decode row that maximises the step's work per second, within the rows'
-    TPOT budget.
+                  prompt_tokens: int = 0, room: Optional[int] = None,
+                  allowances: Sequence[tuple[float, float]] = ()) -> int:
+    """The number of drafts per decode row that maximises the step's work per second, within the rows' TPOT
+    allowances.
 
-    The work of a step is its tokens, each valued at what it costs on the step-time model
-    (:func:`token_values`): ``rate = (B · E[tokens | k] · d + p) / T(B, k, C)``, with ``d`` the seconds of a
-    plain decode row and ``p`` those of the ``C`` prompt tokens the step may compute beside the decodes.
-    Without a prompt chunk this is SmartSpec's tokens per second (Liu et al. 2024, §3): drafts pay while the
-    step's fixed cost dominates, and ``k`` falls to 0 as the batch turns the step compute-bound. Beside a
-    prompt chunk the step is mostly work already, so a draft is verified only if it is expected to earn more
-    decode time than it adds: while prompts wait, drafts that cost a decode row's time do not pay (that time
-    is taken from the queue, and TTFT grows), drafts cheaper than a decode row can still pay. Prompt tokens
-    are not counted as one token each: a chunk computes many cheaply, and so counted they would price every
-    draft out of any step with a prompt chunk.
+    The work of a step is its tokens, each valued at what it costs on the step-time model: ``rate = (B ·
+    E[tokens | k] · d + p(C_k)) / T(B, k, C_k)``, with ``d`` the seconds of a plain decode row
+    (:func:`decode_token_value`) and ``p`` those of the ``C_k`` prompt tokens the step computes beside the
+    decodes (:func:`prompt_value`). Drafts and prompt chunks share the token budget the decodes leave
+    (``room``), so ``C_k = min(C, room - B k)``: a draft verified while prompts wait takes a prompt token's
+    place. Without a prompt chunk this is SmartSpec's tokens per second (Liu et al. 2024, §3): drafts pay
+    while the step's fixed cost dominates, and ``k`` falls to 0 as the batch turns the step compute-bound.
+    Beside a prompt chunk the step is mostly work already, so a draft is verified only if it is expected to
+    earn more decode time than it adds or displaces: while prompts wait, drafts that cost a decode row's time
+    do not pay (that time is taken from the queue, and TTFT grows), drafts cheaper than a decode row can
+    still pay. Prompt tokens are not counted as one token each: a chunk computes many cheaply, and so counted
+    they would price every draft out of any step with a prompt chunk.
 
-    ``tpot``: the tightest TPOT SLO of the rows (seconds a token). The choice is taken among the ``k`` whose
-    expected seconds per token of a row, ``T / E[tokens | k]``, are within it: a step slowed by a prompt
-    chunk past the budget speculates to keep its rows' TPOT (each accepted draft divides the step's time per
-    token). Where no ``k`` keeps it, the rate alone decides.
+    ``allowances``: for each decode row streaming under a TPOT SLO, ``(a, c)``: the seconds its next step
+    may take with its TPOT average still in its SLO, were the step to emit one token
+    (:meth:`goodserve.scheduler.slo_pace.SLOPredictor.allowance`), and the seconds each further token of
+    the step adds to that (its share of a later step, at most its SLO). The choice is taken among the ``k``
+    with ``T(B, k, C_k) <= a + c (E[tokens | k] - 1)`` for every row: a step slowed by a prompt chunk past
+    a row's allowance speculates to keep its TPOT (each accepted draft is a token the row does not wait a
+    later step for), while a row ahead of its SLO lends the step the time it banked. Where no ``k`` keeps
+    every row, the rate alone decides.
 
     Args:
         model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes and samples
@@ -205,9 +217,11 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
         costs: What verifying adds, per row and per draft (:meth:`DraftCost.costs`); given, a step is priced
             by :func:`step_seconds` with them.
-        prompt_tokens: Prompt tokens the step may compute beside the decodes (the scheduler's backlog within
-            the token budget).
-        tpot: The rows' TPOT budget, seconds per token (infinite: none).
+        prompt_tokens: Prompt tokens ``C`` the step may compute beside the decodes (the scheduler's backlog
+            within the token budget).
+        room: Tokens of the step's budget the decodes leave, shared by drafts and prompt chunks (``None``: no
+            limit).
+        allowances: ``(a, c)`` in seconds for each row under a TPOT SLO (none: no constraint).
 
     Returns:
         ``k`` in ``[0, k_max]``; 0 without decode rows.
@@ -216,16 +230,17 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     if rows == 0 or k_max <= 0:
         return 0
     rates = stats.rates()
-    per_decode, prompt_value = token_values(model, contexts, prompt_tokens)
-    best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within the TPOT budget
+    per_decode = decode_token_value(model, contexts)
+    best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within every allowance
     for k in range(k_max + 1):
-        seconds = step_seconds(model, contexts, k, costs, prompt_tokens)
+        chunk = prompt_tokens if room is None else max(0, min(prompt_tokens, room - rows * k))
+        seconds = step_seconds(model, contexts, k, costs, chunk)
         if k > 0 and seconds > limit:
             break
         tokens = stats.expected_tokens(rates, k)
-        rate = (rows * tokens * per_decode + prompt_value) / max(seconds, 1e-9)
+        rate = (rows * tokens * per_decode + prompt_value(model, chunk)) / max(seconds, 1e-9)
         if rate > best[1]:
             best = (k, rate)
-        if seconds / tokens <= tpot and rate > within[1]:
+        if all(seconds <= a + c * (tokens - 1) for a, c in allowances) and rate > within[1]:
             within = (k, rate)
     return within[0] if within[0] >= 0 else best[0]

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from goodserve.request import Request
 from goodserve.scheduler.output import SchedulerOutput, StepShape
+from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, step_seconds
@@ -40,12 +41,29 @@ class Speculator:
         self.k_max = config.num_speculative_tokens
         self.stats = AcceptanceStats(self.k_max)
         self.cost = DraftCost()
+        self._slo = SLOPredictor(model, max_num_batched_tokens=0, block_size=1)  # only its allowances are read
         self.length = 0  # drafts per row chosen for the step being built
         self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step (before a probe without drafts)
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
         self._counted = (0, 0, 0)  # the three counters before this step's first begin_step
+
+    def _allowances(self, running: Sequence[Request], rows: Sequence[Request], now: float) -> list[tuple[float, float]]:
+        """``(a, c)`` of each row streaming under a TPOT SLO (:func:`~goodserve.spec.length.choose_length`):
+        its allowance as the ``slo`` policy reckons it, and its SLO capped at what a later step takes (a
+        token this step emits is one a later step need not), left out where its TPOT is lost whatever this
+        step does."""
+        streaming = [r for r in rows if SLOPredictor.streams(r)]
+        if not streaming:
+            return []
+        fig = self._slo.figures(SLOPredictor.decodes(running))
+        out = []
+        for r in streaming:
+            a = self._slo.allowance(r, now, fig)
+            if a > -math.inf:
+                out.append((a, min(r.slo_tpot, fig.later_step)))
+        return out
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -54,11 +72,11 @@ class Speculator:
         return req.sampling_params.structured_outputs is None
 
     def begin_step(self, running: Sequence[Request], limit: float = math.inf, again: bool = False,
-                   prompt_tokens: int = 0) -> None:
+                   prompt_tokens: int = 0, room: Optional[int] = None, now: float = 0.0) -> None:
         """Choose the step's length: the fixed one, or under ``auto`` the one maximising the work per second of
-        the eligible decode rows and the ``prompt_tokens`` the step may prefill beside them, within the rows'
-        tightest TPOT SLO (``Request.slo_tpot``; :func:`~goodserve.spec.length.choose_length`), keeping the
-        step within ``limit`` seconds.
+        the eligible decode rows and the ``prompt_tokens`` the step may prefill beside them in the ``room``
+        their drafts share, within the TPOT allowances of the rows at ``now`` (monotonic seconds;
+        :func:`~goodserve.spec.length.choose_length`), keeping the step within ``limit`` seconds.
         ``again``: the same step chooses anew (after a preemption), its probes counted once."""
         if self.config.length != "auto":
             self.length = self.config.length
@@ -68,10 +86,9 @@ class Speculator:
         self._counted = (self._steps_at_zero, self._steps_with, self._probes)
         rows = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
         contexts = [r.num_computed_tokens for r in rows]
-        tpot = min((r.slo_tpot for r in rows if r.slo_tpot is not None), default=math.inf)
         costs = self.cost.costs()
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
-                                                   prompt_tokens, tpot)
+                                                   prompt_tokens, room, self._allowances(running, rows, now))
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
