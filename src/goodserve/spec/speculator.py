@@ -49,22 +49,6 @@ class Speculator:
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
         self._counted = (0, 0, 0)  # the three counters before this step's first begin_step
 
-    def _allowances(self, running: Sequence[Request], rows: Sequence[Request], now: float) -> list[tuple[float, float]]:
-        """``(a, c)`` of each row streaming under a TPOT SLO (:func:`~goodserve.spec.length.choose_length`):
-        its allowance as the ``slo`` policy reckons it, and its SLO capped at what a later step takes (a
-        token this step emits is one a later step need not), left out where its TPOT is lost whatever this
-        step does."""
-        streaming = [r for r in rows if SLOPredictor.streams(r)]
-        if not streaming:
-            return []
-        fig = self._slo.figures(SLOPredictor.decodes(running))
-        out = []
-        for r in streaming:
-            a = self._slo.allowance(r, now, fig)
-            if a > -math.inf:
-                out.append((a, min(r.slo_tpot, fig.later_step)))
-        return out
-
     @staticmethod
     def eligible(req: Request) -> bool:
         """Whether ``req`` speculates: not under a grammar (its matcher would have to advance over drafts
@@ -106,11 +90,27 @@ class Speculator:
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
 
+    def _allowances(self, running: Sequence[Request], rows: Sequence[Request], now: float) -> list[tuple[float, float]]:
+        """``(a, c)`` of each row streaming under a TPOT SLO (:func:`~goodserve.spec.length.choose_length`):
+        its allowance as the ``slo`` policy reckons it, and its SLO capped at what a later step takes (a
+        token this step emits is one a later step need not), left out where its TPOT is lost whatever this
+        step does."""
+        streaming = [r for r in rows if SLOPredictor.streams(r)]
+        if not streaming:
+            return []
+        fig = self._slo.figures(SLOPredictor.decodes(running))
+        out = []
+        for r in streaming:
+            a = self._slo.allowance(r, now, fig)
+            if a > -math.inf:
+                out.append((a, min(r.slo_tpot, fig.later_step)))
+        return out
+
     def _probe_length(self) -> int:
         """Drafts per row of the next probe from 0: one, then ``k_max``, in turn. What drafts add to a step
         is a cost per row verifying any and one per draft (:class:`~goodserve.spec.length.DraftCost`);
-        probes of one length alone cannot tell the two apart, and a row's first draft can cost more than a
-        decode row while each further one costs far less, so that ``k_max`` pays where one does not."""
+        probes of one length alone cannot tell the two apart, and where a row's first draft costs more than
+        each further one, ``k_max`` can pay where one does not."""
         return self.k_max if self._probes % 2 else 1
 
     @staticmethod
