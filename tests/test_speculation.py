@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from goodserve.scheduler.output import SampledToken, ScheduledRequest, Scheduler
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.step_time import StepCoefficients, StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length
+from goodserve.spec.length import AcceptanceStats, DraftCost, nonnegative_solve, choose_length
 from goodserve.spec.ngram import NgramProposer
 from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
 from tiny_models import make_tiny_hf_model
@@ -104,9 +105,9 @@ def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
     # step emitting 64 E[k] tokens: 0.865, 1.087, 1.132, 1.111, 1.065 tokens/ms for k = 0..4. With 0.5 ms
     # more for each row that verifies any (32 ms a step), 0.835, 0.919, 0.935, 0.919 for k = 1..4: 3. With
     # 4 ms a row, no k beats 0.865.
-    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.0005)) == 2
-    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0005, 0.0005)) == 3
-    assert choose_length(model, stats, [100] * 64, 4, costs=(0.004, 0.0005)) == 0
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.0, 0.0005)) == 2
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.0005, 0.0005)) == 3
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.004, 0.0005)) == 0
 
 
 def test_auto_length_prices_drafts_at_their_measured_cost_even_above_a_decode_row():
@@ -118,8 +119,8 @@ def test_auto_length_prices_drafts_at_their_measured_cost_even_above_a_decode_ro
     (27 ms, 3.36 tokens: 0.1245) still beat none (0.0909) and 3 (24 ms, 0.1230)."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
-    assert choose_length(model, stats, [100] * 8, 4, costs=(0.004, 0.003)) == 0
-    assert choose_length(model, stats, [100], 4, costs=(0.004, 0.003)) == 4
+    assert choose_length(model, stats, [100] * 8, 4, costs=(0.0, 0.004, 0.003)) == 0
+    assert choose_length(model, stats, [100], 4, costs=(0.0, 0.004, 0.003)) == 4
 
 
 def test_auto_length_falls_to_zero_while_prompts_wait():
@@ -135,6 +136,22 @@ def test_auto_length_falls_to_zero_while_prompts_wait():
     assert choose_length(model, stats, [100], 4, prompt_tokens=2) == 4
 
 
+def test_auto_asks_for_drafts_beside_a_prompt_chunk_for_the_step_after_it():
+    """A step beside 512 prompt tokens verifies no drafts (the test above's figures), but the next step may be
+    one of the decodes alone, where 4 pay: the runner is asked for 4 drafts, so that step has them to verify
+    (asked for none, it would verify none whatever it chose)."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("ngram", 4), model)
+    spec.stats = _stats_at(0.8)
+    (r,) = create_requests(1, prompt_len=100, max_tokens=50)
+    r.num_computed_tokens = 100
+    r.append_output_token(7)
+    spec.begin_step([r], prompt_tokens=512)
+    assert spec.length == 0 and spec.lookahead(r) == 4
+    spec.begin_step([r])
+    assert spec.length == 4 and spec.lookahead(r) == 4
+
+
 def test_auto_length_values_tokens_at_their_cost_beside_a_prompt_chunk():
     """Issue 33: a decode token costs more than a prompt token (it is sampled), so beside a prompt chunk
     drafts cheaper than a decode row still pay. Model: 10 ms a step, 0.5 ms a token, 2 ms a sampled token
@@ -146,7 +163,7 @@ def test_auto_length_values_tokens_at_their_cost_beside_a_prompt_chunk():
     for one a row."""
     model = StepTimeModel(StepCoefficients(0.010, 0.0005, 0.002, 0.0), adapt=False)
     stats = _stats_at(0.8)
-    assert choose_length(model, stats, [100] * 4, 4, costs=(0.0, 0.0005), prompt_tokens=512) == 4
+    assert choose_length(model, stats, [100] * 4, 4, costs=(0.0, 0.0, 0.0005), prompt_tokens=512) == 4
     assert choose_length(model, stats, [100] * 4, 4, prompt_tokens=512) == 0
 
 
@@ -227,19 +244,24 @@ def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():
 
 
 def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
-    """Two steps: 4 rows verifying 8 drafts took 4 ms more than predicted without them, 8 rows verifying 24
-    took 10 ms more: 0.5 ms a row and 0.25 ms a draft fit both. Under auto, the step-time model learns from
-    the steps without drafts, the draft costs from steps of decodes with drafts, and a step with drafts and a
-    prompt chunk teaches the model as if without its drafts, at those costs."""
+    """Three steps: 4 rows verifying 8 drafts took 5 ms more than predicted without them, 8 rows verifying 24
+    11 ms more, 2 rows verifying 8 4 ms more: 1 ms a step, 0.5 ms a row and 0.25 ms a draft fit all three.
+    With the first two alone the three are not told apart, and the least squares with the coefficients
+    kept non-negative (next test) still fit both. Under auto, the step-time model learns from the steps without drafts,
+    the draft costs from steps of decodes with drafts, and a step with drafts and a prompt chunk teaches the
+    model as if without its drafts, at those costs."""
     cost = DraftCost()
     assert cost.costs() is None
-    cost.observe(0.020, 0.024, 4, 8)
-    cost.observe(0.030, 0.040, 8, 24)
-    assert cost.costs() == pytest.approx((0.0005, 0.00025), rel=1e-3)
+    cost.observe(0.020, 0.025, 4, 8)
+    cost.observe(0.030, 0.041, 8, 24)
+    assert cost.excess(4, 8) == pytest.approx(0.005, rel=1e-3) and cost.excess(8, 24) == pytest.approx(0.011, rel=1e-3)
+    assert min(cost.costs()) >= 0
+    cost.observe(0.010, 0.014, 2, 8)
+    assert cost.costs() == pytest.approx((0.001, 0.0005, 0.00025), rel=1e-3, abs=1e-7)
     cost.observe(0.050, 0.040, 0, 0)  # a step without drafts teaches nothing
-    assert cost.num_steps == 2
+    assert cost.num_steps == 3
     one = DraftCost()
-    one.observe(0.020, 0.030, 2, 2)  # one kind of step: the two are not told apart, and the excess is kept
+    one.observe(0.020, 0.030, 2, 2)  # one kind of step: the three are not told apart, and the excess is kept
     assert one.excess(2, 2) == pytest.approx(0.010, rel=1e-3) and min(one.costs()) > 0
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
@@ -260,6 +282,24 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     fixed = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', "2"),
                        model)
     assert fixed.observe(out, 0.019) == (StepShape.of(out), 0.019)  # a fixed length: every step as it ran
+
+
+def test_draft_costs_are_the_nonnegative_least_squares():
+    """The costs are the least squares with every coefficient non-negative: at the solution the gradient
+    ``a θ - b`` is 0 where ``θ > 0`` and ``>= 0`` where ``θ = 0`` (the Karush-Kuhn-Tucker conditions, which
+    the minimum of a convex problem meets and no other point does), over random problems of which many have
+    an unconstrained fit with a negative coefficient."""
+    rng = np.random.default_rng(0)
+    clipped = 0
+    for _ in range(300):
+        x = rng.uniform(0, 1, (6, 3))
+        a, b = x.T @ x, x.T @ rng.normal(0, 1, 6)
+        theta = np.array(nonnegative_solve(a, b))
+        grad = a @ theta - b
+        assert (theta >= 0).all()
+        assert np.abs(grad[theta > 0]).max(initial=0.0) < 1e-9 and (grad[theta == 0] > -1e-9).all()
+        clipped += bool((np.linalg.solve(a, b) < 0).any())
+    assert clipped > 100
 
 
 # ------------------------------------------------------------------------------- scheduler: blocks

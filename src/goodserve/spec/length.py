@@ -12,6 +12,7 @@ rows' TPOT allowances (:func:`choose_length`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Optional, Sequence
 
@@ -93,23 +94,26 @@ COST_DECAY = 0.98
 
 
 class DraftCost:
-    """What verifying drafts adds to a step, learned from the steps that verified drafts: seconds per row
-    that verifies any, and per draft.
+    """What verifying drafts adds to a step, learned from the steps that verified drafts: seconds once per
+    step that verifies any, per row that verifies any, and per draft.
 
     A draft position has the figures of a decode row (a token computed and sampled, attending over its
     context) but not its cost: it rides in a row that is scheduled, attended and sampled anyway. But a row
     with drafts is computed as a chunk, not as a lone decode token (another kernel path), at a cost of its
-    own: the first draft of a row costs more than each further one (docs/speculation.md has the figures).
-    So under ``auto`` the step-time model is fitted on the steps without drafts, and this model holds the
-    rest:
-    ``measured − predicted without drafts = per_row · rows verifying + per_draft · drafts``, by
-    least squares over the steps of decodes with drafts, recency-weighted (:data:`COST_DECAY`), both
-    coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`).
+    own, and a step of a few decodes runs on a faster path than one with drafts (the one-call decode step):
+    verifying at all can cost a step a fixed time, the first draft of a row more than each further one
+    (docs/speculation.md has the figures). So under ``auto`` the step-time model is fitted on the steps
+    without drafts, and this model holds the rest:
+    ``measured − predicted without drafts = fixed + per_row · rows verifying + per_draft · drafts``, by
+    least squares over the steps of decodes with drafts, recency-weighted (:data:`COST_DECAY`), the three
+    coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed
+    term, the change of path at one row priced each draft at several times what it cost at ten rows, and
+    ``auto`` verified none there.
     """
 
     def __init__(self) -> None:
-        self._xtx = np.zeros((2, 2))  # decayed: Σ x xᵀ over x = (rows verifying, drafts)
-        self._xty = np.zeros(2)  # decayed: Σ x · excess seconds
+        self._xtx = np.zeros((3, 3))  # decayed: Σ x xᵀ over x = (1, rows verifying, drafts)
+        self._xty = np.zeros(3)  # decayed: Σ x · excess seconds
         self.num_steps = 0
 
     def observe(self, predicted_without: float, seconds: float, num_rows: int, num_drafts: int) -> None:
@@ -117,33 +121,50 @@ class DraftCost:
         was predicted to take ``predicted_without``."""
         if num_drafts <= 0:
             return
-        x = np.array([num_rows, num_drafts], dtype=float)
+        x = np.array([1.0, num_rows, num_drafts])
         self._xtx = COST_DECAY * self._xtx + np.outer(x, x)
         self._xty = COST_DECAY * self._xty + x * (seconds - predicted_without)
         self.num_steps += 1
 
-    def costs(self) -> Optional[tuple[float, float]]:
-        """``(seconds per row verifying, seconds per draft)``, ``None`` before any step verified a draft.
-        Where the steps seen do not tell the two apart (every row verified the same number of drafts), a
-        light ridge splits the excess between them."""
+    def costs(self) -> Optional[tuple[float, float, float]]:
+        """``(seconds per step verifying, per row verifying, per draft)``, ``None`` before any step verified a
+        draft. Where the steps seen do not tell the three apart (one batch, every row verifying the same
+        number of drafts), a light ridge splits the excess between them."""
         if not self.num_steps:
             return None
-        xtx = self._xtx + 1e-6 * np.trace(self._xtx) * np.eye(2)
-        per_row, per_draft = np.linalg.solve(xtx, self._xty)
-        if per_row < 0:
-            per_row, per_draft = 0.0, self._xty[1] / self._xtx[1, 1]
-        elif per_draft < 0:
-            per_row, per_draft = self._xty[0] / self._xtx[0, 0], 0.0
-        return max(0.0, float(per_row)), max(0.0, float(per_draft))
+        xtx = self._xtx + 1e-6 * np.diag(np.diag(self._xtx))
+        fixed, per_row, per_draft = nonnegative_solve(xtx, self._xty)
+        return fixed, per_row, per_draft
 
     def excess(self, num_rows: int, num_drafts: int) -> float:
         """Seconds ``num_rows`` rows verifying ``num_drafts`` drafts add (0 before any was measured)."""
         c = self.costs()
-        return 0.0 if c is None or num_drafts <= 0 else c[0] * num_rows + c[1] * num_drafts
+        return 0.0 if c is None or num_drafts <= 0 else c[0] + c[1] * num_rows + c[2] * num_drafts
+
+
+def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
+    """The ``θ >= 0`` minimising ``θᵀ a θ - 2 θᵀ b`` (least squares from its normal equations, ``a`` positive
+    definite): the unconstrained minimum on each support, the best of those that are non-negative (the
+    minimum lies on one: Lawson & Hanson 1974, ch. 23; the supports of three coefficients are seven)."""
+    n = len(b)
+    best, best_value = np.zeros(n), 0.0
+    for support in itertools.product((False, True), repeat=n):
+        idx = [i for i in range(n) if support[i]]
+        if not idx:
+            continue
+        part = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+        if (part < 0).any():
+            continue
+        theta = np.zeros(n)
+        theta[idx] = part
+        value = theta @ a @ theta - 2 * theta @ b
+        if value < best_value:
+            best, best_value = theta, value
+    return tuple(float(v) for v in best)
 
 
 def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
-                 costs: Optional[tuple[float, float]], prompt_tokens: int = 0) -> float:
+                 costs: Optional[tuple[float, float, float]], prompt_tokens: int = 0) -> float:
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
     drafts each, beside ``prompt_tokens`` of prompt chunks: the model's step of plain decodes and the chunks
     plus what :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts (``costs``); before any draft
@@ -159,7 +180,7 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
     base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)
     if costs is None or k == 0:
         return base
-    return base + rows * costs[0] + rows * k * costs[1]
+    return base + costs[0] + rows * costs[1] + rows * k * costs[2]
 
 
 def decode_token_value(model: StepTimeModel, contexts: Sequence[int]) -> float:
@@ -180,7 +201,7 @@ def prompt_value(model: StepTimeModel, prompt_tokens: int) -> float:
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
-                  limit: float = math.inf, costs: Optional[tuple[float, float]] = None,
+                  limit: float = math.inf, costs: Optional[tuple[float, float, float]] = None,
                   prompt_tokens: int = 0, room: Optional[int] = None,
                   allowances: Sequence[tuple[float, float]] = ()) -> int:
     """The number of drafts per decode row that maximises the step's work per second, within the rows' TPOT
@@ -215,7 +236,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
-        costs: What verifying adds, per row and per draft (:meth:`DraftCost.costs`); given, a step is priced
+        costs: What verifying adds, per step, row and draft (:meth:`DraftCost.costs`); given, a step is priced
             by :func:`step_seconds` with them.
         prompt_tokens: Prompt tokens ``C`` the step may compute beside the decodes (the scheduler's backlog
             within the token budget).

@@ -45,7 +45,7 @@ class Speculator:
         self.length = 0  # drafts per row chosen for the step being built
         self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
         self._steps_with = 0  # consecutive steps auto chose drafts for
-        self._chosen = 0  # the length auto chose for this step (before a probe without drafts)
+        self._chosen = 0  # the length auto chose for this step, or for its decodes alone if more (before probes)
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
         self._counted = (0, 0, 0)  # the three counters before this step's first begin_step
 
@@ -71,8 +71,12 @@ class Speculator:
         rows = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
         contexts = [r.num_computed_tokens for r in rows]
         costs = self.cost.costs()
+        allowances = self._allowances(running, rows, now)
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
-                                                   prompt_tokens, room, self._allowances(running, rows, now))
+                                                   prompt_tokens, room, allowances)
+        if prompt_tokens:  # the next step may be one of these decodes alone: drafts are asked for it too
+            self._chosen = max(self.length, choose_length(self.model, self.stats, contexts, self.k_max, limit,
+                                                          costs, 0, None, allowances))
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
@@ -130,8 +134,9 @@ class Speculator:
 
     def lookahead(self, req: Request) -> int:
         """Drafts the runner should propose for ``req`` after this step (at most what it may then verify): a
-        fixed length's; under ``auto`` one more than this step verifies (so it can lengthen), at most
-        ``k_max``, and none while speculation does not pay but for the step before a probe."""
+        fixed length's; under ``auto`` one more than this step verifies (so it can lengthen), or than its
+        decodes alone would where it has a prompt chunk (the next step may have none), at most ``k_max``,
+        and none while speculation does not pay but for the step before a probe."""
         return max(0, min(self._lookahead(req), self._left(req) - 1))  # after this step's token
 
     def _lookahead(self, req: Request) -> int:
@@ -139,11 +144,10 @@ class Speculator:
             return 0
         if self.config.length != "auto":
             return self.length
-        if self.length == 0:  # drafts for the step after a probe without drafts, or for a probe with one
-            if self._chosen:
-                return min(self.k_max, self._chosen + 1)
-            return self._probe_length() if self._steps_at_zero == EXPLORE_EVERY else 0
-        return min(self.k_max, self.length + 1)
+        ahead = max(self.length, self._chosen)  # after a probe without drafts, or a step with a prompt chunk
+        if ahead:
+            return min(self.k_max, ahead + 1)
+        return self._probe_length() if self._steps_at_zero == EXPLORE_EVERY else 0  # for a probe with drafts
 
     def observe(self, out: SchedulerOutput, seconds: float) -> Optional[tuple[StepShape, float]]:
         """A step took ``seconds``: what the step-time model should learn from it, as ``(shape, seconds)``, or
