@@ -513,15 +513,15 @@ def _auto_steps(per_token_s: float) -> tuple[list[int], list[int]]:
     return lengths, lookaheads
 
 
-def test_auto_explores_one_draft_then_k_max_after_sixteen_steps_at_zero():
+def test_auto_explores_k_max_then_one_draft_after_sixteen_steps_at_zero():
     """A model that prices every token at 1 s makes ``auto`` choose 0; after 16 such steps a step verifies
-    drafts (asked for on the step before), so the model can learn what a longer step costs: one draft per row,
-    and at the next probe ``k_max`` per row, so that the cost of a row verifying drafts and that of each
-    draft are told apart (a row's first draft may cost more than a decode row and each further one far less:
-    probing one length only, ``auto`` would never learn that ``k_max`` pays where one does not)."""
+    drafts (asked for on the step before), so the model can learn what a longer step costs: ``k_max`` per
+    row, and at the next probe one per row, so that the costs of verifying at all, of a row and of each
+    draft are told apart (where a row's first draft costs more than each further one, probing one length
+    only, ``auto`` would never learn that ``k_max`` pays where one does not)."""
     lengths, lookaheads = _auto_steps(1.0)
-    assert lengths == [0] * EXPLORE_EVERY + [1] + [0] * EXPLORE_EVERY + [4]
-    assert lookaheads == [0] * (EXPLORE_EVERY - 1) + [1, 2] + [0] * (EXPLORE_EVERY - 1) + [4, 4]
+    assert lengths == [0] * EXPLORE_EVERY + [4] + [0] * EXPLORE_EVERY + [1]
+    assert lookaheads == [0] * (EXPLORE_EVERY - 1) + [4, 4] + [0] * (EXPLORE_EVERY - 1) + [1, 2]
 
 
 def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():

@@ -20,7 +20,7 @@ from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, step_seconds
 
-#: Steps ``auto`` chooses no drafts for before one step verifies drafts (1 per row and ``k_max`` per row in
+#: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
 #: verifies none, so the step-time model keeps measuring the steps without them (at most ~6% of the drafts'
 #: tokens forgone).
@@ -81,7 +81,7 @@ class Speculator:
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
         # step verifies drafts stops measuring what the decodes alone cost. So after EXPLORE_EVERY steps at
-        # 0, a step verifies drafts (1 or k_max per row, in turn), and after EXPLORE_EVERY steps with drafts,
+        # 0, a step verifies drafts (k_max or 1 per row, in turn), and after EXPLORE_EVERY steps with drafts,
         # a step verifies none (drafts are asked for the step before).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
@@ -111,11 +111,11 @@ class Speculator:
         return out
 
     def _probe_length(self) -> int:
-        """Drafts per row of the next probe from 0: one, then ``k_max``, in turn. What drafts add to a step
+        """Drafts per row of the next probe from 0: ``k_max``, then one, in turn. What drafts add to a step
         is a cost per row verifying any and one per draft (:class:`~goodserve.spec.length.DraftCost`);
         probes of one length alone cannot tell the two apart, and where a row's first draft costs more than
         each further one, ``k_max`` can pay where one does not."""
-        return self.k_max if self._probes % 2 else 1
+        return 1 if self._probes % 2 else self.k_max
 
     @staticmethod
     def _left(req: Request) -> int:
