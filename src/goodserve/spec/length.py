@@ -132,9 +132,7 @@ class DraftCost:
         number of drafts), a light ridge splits the excess between them."""
         if not self.num_steps:
             return None
-        xtx = self._xtx + 1e-6 * np.diag(np.diag(self._xtx))
-        fixed, per_row, per_draft = nonnegative_solve(xtx, self._xty)
-        return fixed, per_row, per_draft
+        return nonnegative_solve(self._xtx + 1e-6 * np.diag(np.diag(self._xtx)), self._xty)
 
     def excess(self, num_rows: int, num_drafts: int) -> float:
         """Seconds ``num_rows`` rows verifying ``num_drafts`` drafts add (0 before any was measured)."""
