@@ -150,7 +150,10 @@ def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
         idx = [i for i in range(n) if support[i]]
         if not idx:
             continue
-        part = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+        try:
+            part = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+        except np.linalg.LinAlgError:  # singular on this support: the others decide
+            continue
         if (part < 0).any():
             continue
         theta = np.zeros(n)

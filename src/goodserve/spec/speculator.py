@@ -71,7 +71,7 @@ class Speculator:
         rows = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
         contexts = [r.num_computed_tokens for r in rows]
         costs = self.cost.costs()
-        allowances = self._allowances(running, rows, now)
+        allowances = self._allowances(running, now)
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
                                                    prompt_tokens, room, allowances)
         if prompt_tokens:  # the next step may be one of these decodes alone: drafts are asked for it too
@@ -94,27 +94,29 @@ class Speculator:
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
 
-    def _allowances(self, running: Sequence[Request], rows: Sequence[Request], now: float) -> list[tuple[float, float]]:
-        """``(a, c)`` of each row streaming under a TPOT SLO (:func:`~goodserve.spec.length.choose_length`):
-        its allowance as the ``slo`` policy reckons it, and its SLO capped at what a later step takes (a
-        token this step emits is one a later step need not), left out where its TPOT is lost whatever this
-        step does."""
-        streaming = [r for r in rows if SLOPredictor.streams(r)]
+    def _allowances(self, running: Sequence[Request], now: float) -> list[tuple[float, float]]:
+        """``(a, c)`` of each decode row streaming under a TPOT SLO (:func:`~goodserve.spec.length.choose_length`):
+        its allowance as the ``slo`` policy reckons it, and, for a row that speculates, its SLO capped at what
+        a later step takes (a token this step emits is one a later step need not; a row that does not
+        speculate emits one token whatever ``k``, so 0), left out where its TPOT is lost whatever this step
+        does."""
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        streaming = [r for r in decodes if SLOPredictor.streams(r)]
         if not streaming:
             return []
-        fig = self._slo.figures(SLOPredictor.decodes(running))
+        fig = self._slo.figures(SLOPredictor.decodes(decodes))
         out = []
         for r in streaming:
             a = self._slo.allowance(r, now, fig)
             if a > -math.inf:
-                out.append((a, min(r.slo_tpot, fig.later_step)))
+                out.append((a, min(r.slo_tpot, fig.later_step) if self.eligible(r) else 0.0))
         return out
 
     def _probe_length(self) -> int:
         """Drafts per row of the next probe from 0: ``k_max``, then one, in turn. What drafts add to a step
-        is a cost per row verifying any and one per draft (:class:`~goodserve.spec.length.DraftCost`);
-        probes of one length alone cannot tell the two apart, and where a row's first draft costs more than
-        each further one, ``k_max`` can pay where one does not."""
+        is a cost per step and per row verifying any, and one per draft
+        (:class:`~goodserve.spec.length.DraftCost`); probes of one length alone cannot tell them apart, and
+        where a row's first draft costs more than each further one, ``k_max`` can pay where one does not."""
         return 1 if self._probes % 2 else self.k_max
 
     @staticmethod
