@@ -539,6 +539,25 @@ def test_auto_explores_k_max_then_one_draft_after_sixteen_steps_at_zero():
     assert lookaheads == [0] * (EXPLORE_EVERY - 1) + [4, 4] + [0] * (EXPLORE_EVERY - 1) + [1, 2]
 
 
+def test_auto_probes_within_the_rows_tpot_allowances():
+    """A probe is a step like any other: it keeps the rows' TPOT allowances. Model: 10 ms + 1 ms a token;
+    drafts never accepted, so ``auto`` chooses 0. A fresh row with a 12.5-ms TPOT SLO (later steps 11 ms)
+    allows 12.5 ms: a probe of 4 drafts (15 ms) would break it, one draft (12 ms) does not."""
+    model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("ngram", 4), model)
+    spec.stats = _stats_at(0.0)
+    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
+    r.options = dataclasses.replace(r.options, slo_tpot=0.0125)
+    r.num_computed_tokens = 8
+    r.append_output_token(7)
+    r.first_token_time = 5.0
+    lengths = []
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step([r], now=5.0)
+        lengths.append(spec.length)
+    assert lengths == [0] * EXPLORE_EVERY + [1]
+
+
 def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():
     """Free tokens make ``auto`` choose all 4 drafts; after 16 such steps one step verifies none, so the
     step-time model keeps measuring the decodes alone, and asks for the drafts of the step after it."""

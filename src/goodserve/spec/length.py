@@ -201,6 +201,12 @@ def prompt_value(model: StepTimeModel, prompt_tokens: int) -> float:
     return max(step_seconds(model, [], 0, None, prompt_tokens) - model.predict(0, 0, 0), 0.0)
 
 
+def keeps(allowances: Sequence[tuple[float, float]], seconds: float, tokens: float) -> bool:
+    """Whether a step of ``seconds`` expected to emit ``tokens`` tokens a row keeps every row within its TPOT
+    allowance ``(a, c)``: ``seconds <= a + c (tokens - 1)`` (see :func:`choose_length`)."""
+    return all(seconds <= a + c * (tokens - 1) for a, c in allowances)
+
+
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
                   limit: float = math.inf, costs: Optional[tuple[float, float, float]] = None,
                   prompt_tokens: int = 0, room: Optional[int] = None,
@@ -263,6 +269,6 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         rate = (rows * tokens * per_decode + prompt_value(model, chunk)) / max(seconds, 1e-9)
         if rate > best[1]:
             best = (k, rate)
-        if all(seconds <= a + c * (tokens - 1) for a, c in allowances) and rate > within[1]:
+        if keeps(allowances, seconds, tokens) and rate > within[1]:
             within = (k, rate)
     return within[0] if within[0] >= 0 else best[0]

@@ -18,7 +18,7 @@ from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, step_seconds
+from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, keeps, step_seconds
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
@@ -86,10 +86,14 @@ class Speculator:
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
         if self._steps_at_zero > EXPLORE_EVERY:
-            probe = self._probe_length()
-            if step_seconds(self.model, contexts, probe, costs, prompt_tokens) > limit:
-                probe = 1
-            if step_seconds(self.model, contexts, probe, costs, prompt_tokens) <= limit:
+            rates = self.stats.rates()
+
+            def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
+                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens)
+                return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
+
+            probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
+            if probe:
                 self.length, self._steps_at_zero, self._probes = probe, 0, self._probes + 1
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
