@@ -68,10 +68,10 @@ class Speculator:
         if again:
             self._steps_at_zero, self._steps_with, self._probes = self._counted
         self._counted = (self._steps_at_zero, self._steps_with, self._probes)
-        rows = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and self.eligible(r)]
-        contexts = [r.num_computed_tokens for r in rows]
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        contexts = [r.num_computed_tokens for r in decodes if self.eligible(r)]
         costs = self.cost.costs()
-        allowances = self._allowances(running, now)
+        allowances = self._allowances(decodes, now)
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
                                                    prompt_tokens, room, allowances)
         if prompt_tokens:  # the next step may be one of these decodes alone: drafts are asked for it too
@@ -98,13 +98,13 @@ class Speculator:
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
 
-    def _allowances(self, running: Sequence[Request], now: float) -> list[tuple[float, float]]:
-        """``(a, c)`` of each decode row streaming under a TPOT SLO (:func:`~goodserve.spec.length.choose_length`):
+    def _allowances(self, decodes: Sequence[Request], now: float) -> list[tuple[float, float]]:
+        """``(a, c)`` of each of the step's ``decodes`` streaming under a TPOT SLO
+        (:func:`~goodserve.spec.length.choose_length`):
         its allowance as the ``slo`` policy reckons it, and, for a row that speculates, its SLO capped at what
         a later step takes (a token this step emits is one a later step need not; a row that does not
         speculate emits one token whatever ``k``, so 0), left out where its TPOT is lost whatever this step
         does."""
-        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         streaming = [r for r in decodes if SLOPredictor.streams(r)]
         if not streaming:
             return []
