@@ -104,15 +104,73 @@ def test_block_experts_equal_the_dense_grouped_experts(qtypes, num_tokens):
     layer = BlockExperts(gate_up, down, torch.float32, dense_after_rows=10 ** 9)
     from goodserve.models.moe import grouped_by_expert
 
-    got = grouped_by_expert(x, weights, experts, E, layer.expert_mlp, torch.float32)
+    got = grouped_by_expert(x, weights, experts, E, layer.run_sorted, torch.float32)
     scale = want.abs().max()
     assert got.shape == (num_tokens, HIDDEN) and got.dtype == torch.float32
     assert ((got.double() - want).abs().max() / scale).item() < 1e-4
     assert ((dense.double() - want).abs().max() / scale).item() < 1e-5
     assert layer.dense_copies() == 0
     bf16 = BlockExperts(gate_up, down, torch.bfloat16)
-    got16 = grouped_by_expert(x.bfloat16(), weights.bfloat16(), experts, E, bf16.expert_mlp, torch.bfloat16)
+    got16 = grouped_by_expert(x.bfloat16(), weights.bfloat16(), experts, E, bf16.run_sorted, torch.bfloat16)
     assert got16.dtype == torch.bfloat16 and ((got16.double() - want).abs().max() / scale).item() < 2e-2
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_kernel_equals_block_gemv_per_expert_bit_for_bit(qtype, dtype):
+    """``block_gemv_grouped`` is ``block_gemv`` of each group's expert over its rows, bit for bit: groups of 1,
+    6 (two passes: 4 + 2) and 3 rows, in no expert order; the row in no group is zero."""
+    from goodserve.models import native
+
+    k = 512
+    stacked = unpack_gguf_experts(expert_bytes(qtype, E, 48, k), qtype, (E, 48, k))
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    groups = torch.tensor([[5, 0, 1], [0, 1, 6], [7, 8, 3]])  # row 7 in no group
+    got = native.block_gemv_grouped(x, qtype, stacked.codes, stacked.scales, stacked.mins, stacked.offset, groups,
+                                    dtype)
+    assert got.shape == (11, 48) and got.dtype == dtype
+    for e, first, count in groups.tolist():
+        want = native.block_gemv(x[first:first + count], qtype, stacked.codes[e], stacked.scales[e],
+                                 None if stacked.mins is None else stacked.mins[e], stacked.offset, dtype)
+        assert torch.equal(got[first:first + count], want), (e, first, count)
+    assert torch.equal(got[7], torch.zeros(48, dtype=dtype))
+
+
+@needs_kernel
+def test_grouped_kernel_refuses_experts_and_rows_outside():
+    from goodserve.models import native
+
+    stacked = unpack_gguf_experts(expert_bytes("Q4_0", 4, 32, 256), "Q4_0", (4, 32, 256))
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    args = ("Q4_0", stacked.codes, stacked.scales, None, stacked.offset)
+    with pytest.raises(RuntimeError, match="expert 4 of 4"):
+        native.block_gemv_grouped(x, *args, torch.tensor([[4, 0, 1]]), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="refused the call"):
+        native.block_gemv_grouped(x, *args, torch.tensor([[1, 2, 2]]), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"groups must be \[G, 3\] int64"):
+        native.block_gemv_grouped(x, *args, torch.tensor([[1, 2]]), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x must be \[rows, 256\]"):
+        native.block_gemv_grouped(x[:, :128], *args, torch.tensor([[1, 0, 1]]), torch.bfloat16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtypes", [("Q4_0",) * 3, ("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_1")])
+def test_one_call_per_step_equals_one_call_per_expert_bit_for_bit(qtypes):
+    """:meth:`BlockExperts.run_sorted` (every expert of at most ``max_rows`` rows in one grouped call, the
+    others alone) gives the bits of the per-expert loop over :meth:`BlockExperts.expert_mlp` in bfloat16, at
+    batches where some experts get more than ``max_rows`` rows (those run alone, on the kernel here)."""
+    from goodserve.models.moe import grouped_by_expert, per_expert
+
+    gate_up, down, _, _ = _layer(qtypes)
+    layer = BlockExperts(gate_up, down, torch.bfloat16, max_rows=4, dense_after_rows=10 ** 9)
+    for n in (1, 5, 24):
+        x, weights, experts = _routing(n)
+        x, weights = x.bfloat16(), weights.bfloat16()
+        one_call = grouped_by_expert(x, weights, experts, E, layer.run_sorted, torch.bfloat16)
+        per_call = grouped_by_expert(x, weights, experts, E, per_expert(layer.expert_mlp), torch.bfloat16)
+        assert torch.equal(one_call, per_call), n
+        assert n < 24 or torch.bincount(experts.reshape(-1), minlength=E).max() > 4
 
 
 @needs_kernel
@@ -149,7 +207,7 @@ def test_decode_steps_of_a_128_expert_layer_make_no_dense_copy():
     for batch in (1, 16, 64):
         for step in range(100):
             x, weights, experts = _routing(batch, 128, 8, seed=1000 * step)
-            grouped_by_expert(x.bfloat16(), weights.bfloat16(), experts, 128, layer.expert_mlp, torch.bfloat16)
+            grouped_by_expert(x.bfloat16(), weights.bfloat16(), experts, 128, layer.run_sorted, torch.bfloat16)
     assert layer.dense_copies() == 0
     assert layer.nbytes == gate_up.nbytes + down.nbytes
 

@@ -38,6 +38,10 @@ from goodserve.models.moe_blocks import BlockExperts, StackedBlocks, runs_on_blo
 
 logger = logging.getLogger(__name__)
 
+#: A step's experts over their rows: ``run(rows, counts)``, ``rows`` ``[n, hidden]`` sorted by expert with
+#: ``counts[e]`` rows for expert ``e`` -> ``[n, hidden]``, each row through its expert's SwiGLU.
+RunSorted = Callable[[torch.Tensor, list], torch.Tensor]
+
 #: Per family: the layer's MLP module name, then the expert's gate, up and down projection names.
 HF_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
                    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -163,14 +167,27 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         gate, up = F.linear(rows, gate_up[e]).split(inter, dim=-1)
         return F.linear(F.silu(gate) * up, down[e])
 
-    return grouped_by_expert(x, weights, experts, gate_up.shape[0], expert_mlp, weight_dtype)
+    return grouped_by_expert(x, weights, experts, gate_up.shape[0], per_expert(expert_mlp), weight_dtype)
+
+
+def per_expert(expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> RunSorted:
+    """A :data:`RunSorted` calling ``expert_mlp(e, rows)`` (``[count, hidden]`` -> ``[count, hidden]``) once per
+    expert that has rows, in expert order."""
+    def run(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                out[start:start + count] = expert_mlp(e, rows[start:start + count])
+                start += count
+        return out
+    return run
 
 
 def grouped_by_expert(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
-                      expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],
-                      weight_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`grouped_experts` with each expert's MLP given as ``expert_mlp(e, rows)`` (``[count, hidden]`` ->
-    ``[count, hidden]`` in ``x``'s dtype), called once per expert that has rows, in expert order.
+                      run: RunSorted, weight_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`grouped_experts` with the experts given as ``run(rows, counts)``: the ``[n * k, hidden]`` rows
+    sorted by expert (``counts[e]`` of them for expert ``e``) -> each row's expert's output, in ``x``'s dtype.
 
     Returns:
         ``[num_tokens, hidden]`` in ``x``'s dtype (see :func:`grouped_experts`).
@@ -179,14 +196,7 @@ def grouped_by_expert(x: torch.Tensor, weights: torch.Tensor, experts: torch.Ten
     flat = experts.reshape(-1)  # [n * k]: assignment a = t * k + slot
     by_expert = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
-    rows = x.index_select(0, by_expert // k)  # [n * k, hidden], expert 0's rows first
-    out = torch.empty_like(rows)
-    start = 0
-    for e, count in enumerate(counts):  # experts that have tokens; one MLP call each
-        if count == 0:
-            continue
-        out[start:start + count] = expert_mlp(e, rows[start:start + count])
-        start += count
+    out = run(x.index_select(0, by_expert // k), counts)  # expert 0's rows first
     scaled = out.to(weight_dtype) * weights.reshape(-1)[by_expert, None].to(weight_dtype)
     slots = torch.empty_like(scaled).index_copy_(0, by_expert, scaled).view(n, k, -1)
     return slots.sum(dim=1).to(x.dtype)
@@ -255,7 +265,7 @@ class SparseMoeBlock(nn.Module):
         weight_dtype = torch.float32 if self.float32_weighting else x.dtype
         if self.experts is not None:
             return grouped_by_expert(x, weights.to(weight_dtype), experts, self.experts.num_experts,
-                                     self.experts.expert_mlp, weight_dtype)
+                                     self.experts.run_sorted, weight_dtype)
         return grouped_experts(x, weights.to(weight_dtype), experts, self.gate_up, self.down, weight_dtype)
 
 

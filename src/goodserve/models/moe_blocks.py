@@ -167,7 +167,8 @@ def experts_mix(weights: dict[str, object]) -> str:
 
 
 class BlockExperts(nn.Module):
-    """One MoE layer's experts on the block kernel: :meth:`expert_mlp` is expert ``e``'s SwiGLU.
+    """One MoE layer's experts on the block kernel: :meth:`run_sorted` runs a step's experts over their rows
+    (:meth:`expert_mlp`: expert ``e``'s SwiGLU alone).
 
     Args:
         gate_up: Each expert's gate rows then up rows (``[E, 2 * I, hidden]``): one :class:`StackedBlocks`, or
@@ -218,6 +219,29 @@ class BlockExperts(nn.Module):
             self._dense[e] = (dense_linear(gate_up), dense_linear(dequantize_rows(self.parts[-1].expert(e),
                                                                                   self.dtype)))
         return self._dense[e]
+
+    def run_sorted(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert's SwiGLU over its run of ``rows`` (sorted by expert, ``counts[e]`` rows for expert
+        ``e``): ``[n, hidden]`` -> ``[n, hidden]``. The experts with at most ``max_rows`` rows run together,
+        one :func:`goodserve.models.native.block_gemv_grouped` call for gate/up (one per part) and one for
+        down; an expert with more runs alone through :meth:`expert_mlp` (its dense copy, by the ski-rental
+        rule)."""
+        groups, alone, start = [], [], 0
+        for e, count in enumerate(counts):
+            if count:
+                (groups if count <= self.max_rows else alone).append((e, start, count))
+            start += count
+        table = torch.tensor(groups, dtype=torch.int64).view(-1, 3)
+        gate_up = [self._grouped(p, rows, table) for p in self.parts[:-1]]
+        out = self._grouped(self.parts[-1], native.silu_mul(gate_up[0] if len(gate_up) == 1
+                                                            else torch.cat(gate_up, dim=-1)), table)
+        for e, first, count in alone:
+            out[first:first + count] = self.expert_mlp(e, rows[first:first + count])
+        return out
+
+    @staticmethod
+    def _grouped(p: StackedBlocks, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        return native.block_gemv_grouped(x, p.qtype, p.codes, p.scales, p.mins, p.offset, groups, x.dtype)
 
     def _on_blocks(self, p: StackedBlocks, e: int, x: torch.Tensor) -> torch.Tensor:
         mins = None if p.mins is None else p.mins[e]

@@ -450,3 +450,37 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     return ops.decode_layers(plan.layer_ptrs, plan.layer_ints, k_addr, v_addr, embeddings, positions, slot_mapping,
                              block_tables, seq_lens, rope_table, plan.final_norm, list(plan.shape), plan.eps,
                              block_size, split_tokens, splits, amx_attention)
+
+
+def block_gemv_grouped(x: torch.Tensor, kind: str, codes: torch.Tensor, scales: torch.Tensor,
+                       mins: Optional[torch.Tensor], offset: int, groups: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`block_gemv` of stacked experts over groups of rows, in one call (a mixture of experts' step).
+
+    Args:
+        x: ``[rows, K]`` as :func:`block_gemv`'s.
+        kind, offset, out_dtype: As :func:`block_gemv`'s.
+        codes, scales, mins: :func:`block_gemv`'s operands of ``E`` experts stacked on a leading axis (each
+            expert's checked by :func:`check_blocks`).
+        groups: ``[G, 3]`` int64, each ``(expert, first row, rows)``: those rows of ``x`` times that expert's
+            weight. Every group's rows are one or more passes of up to :data:`BLOCK_GEMV_MAX_ROWS` rows; all
+            groups' passes share one parallel loop.
+
+    Returns:
+        ``[rows, N]`` in ``out_dtype``: each group's rows its product; rows in no group are zero.
+
+    Raises:
+        RuntimeError: if the kernel is not available or refuses the call (a group's rows outside ``x``, an
+        expert outside ``[0, E)``). ValueError: for activations or operands it does not take.
+    """
+    ops = _ops(x)
+    if codes.dim() != 3 or scales.dim() != 3 or (mins is not None and mins.dim() != 3):
+        raise ValueError("stacked operands must be [E, N, ...]")
+    if groups.dtype != torch.int64 or groups.dim() != 2 or groups.shape[1] != 3 or not groups.is_contiguous():
+        raise ValueError("groups must be [G, 3] int64 (expert, first row, rows), contiguous")
+    width = block_in_features(kind, scales[0])
+    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or x.dim() != 2 or x.shape[1] != width \
+            or x.stride(1) != 1:
+        raise ValueError(f"x must be [rows, {width}] float32 or bfloat16 with contiguous rows, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    return ops.block_gemv_grouped(x, BLOCK_KINDS[kind], codes, scales, mins, offset, groups, out_dtype)

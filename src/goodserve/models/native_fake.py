@@ -46,6 +46,11 @@ def _block_gemv(x, kind, codes, scales, mins, offset, out_dtype):
     return x.new_empty((x.shape[0], scales.shape[0]), dtype=out_dtype)
 
 
+@register_fake("goodserve::block_gemv_grouped")
+def _block_gemv_grouped(x, kind, codes, scales, mins, offset, groups, out_dtype):
+    return x.new_empty((x.shape[0], scales.shape[1]), dtype=out_dtype)
+
+
 @register_fake("goodserve::bi_gemm")
 def _bi_gemm(x, packed, n, bias):
     return x.new_empty((x.shape[0], n))

@@ -286,6 +286,72 @@ void run(int kind, int64_t M, const X* x, int64_t x_stride, int64_t K, const uin
   }
 }
 
+// One work item of the grouped product: rows [m0, m0 + rows) (rows <= 4) of the quantized activations against
+// output rows [c * kRowChunk, (c + 1) * kRowChunk) of one expert's weight.
+template <int Kind, typename Y>
+void grouped_item(int64_t rows, const int16_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* codes,
+                  const uint16_t* d, const uint16_t* mins, int offset, int64_t c, Y* y, int64_t y_stride) {
+  const int64_t n0 = c * kRowChunk, n1 = n0 + kRowChunk;
+  switch (rows) {
+    case 1: gemv_rows<Kind, 1, 4>(xq, dx, sx, K, codes, d, mins, offset, n0, n1, y, y_stride); break;
+    case 2: gemv_rows<Kind, 2, 4>(xq, dx, sx, K, codes, d, mins, offset, n0, n1, y, y_stride); break;
+    case 3: gemv_rows<Kind, 3, 2>(xq, dx, sx, K, codes, d, mins, offset, n0, n1, y, y_stride); break;
+    default: gemv_rows<Kind, 4, 2>(xq, dx, sx, K, codes, d, mins, offset, n0, n1, y, y_stride); break;
+  }
+}
+
+// Groups g of rows [start_g, start_g + count_g) of x, each against its expert's weight (groups[3 g ..] =
+// expert, start, count): every row quantized once, then one parallel loop over every group's passes of up
+// to 4 rows and every chunk of output rows, so the experts of a step share one team of threads.
+template <typename X, typename Y>
+void run_grouped(int kind, const X* x, int64_t x_stride, int64_t K, const uint8_t* codes, int64_t codes_stride,
+                 const uint8_t* d, int64_t d_stride, const uint8_t* mins, int64_t mins_stride, int offset, int64_t N,
+                 const int64_t* groups, int64_t num_groups, Y* y, int64_t y_stride, int num_threads) {
+  const int64_t nb = K / 32, chunks = N / kRowChunk;
+  std::vector<int64_t> pass_row, pass_group;  // each pass: its first row of x and its group
+  for (int64_t g = 0; g < num_groups; ++g)
+    for (int64_t m = groups[3 * g + 1]; m < groups[3 * g + 1] + groups[3 * g + 2]; m += 4) {
+      pass_row.push_back(m);
+      pass_group.push_back(g);
+    }
+  const int64_t rows_total = static_cast<int64_t>(pass_row.size()) * 4;  // quantized rows, by pass
+  std::vector<int16_t> xq(rows_total * K);
+  std::vector<float> dx(rows_total * nb + 16), sx(rows_total * nb + 16);
+  const bool pairs = kind != kQ8;
+  const int64_t passes = static_cast<int64_t>(pass_row.size());
+  auto pass_rows = [&](int64_t p) {
+    const int64_t g = pass_group[p], end = groups[3 * g + 1] + groups[3 * g + 2];
+    return end - pass_row[p] < 4 ? end - pass_row[p] : int64_t{4};
+  };
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < passes; ++p)
+      for (int64_t m = 0; m < pass_rows(p); ++m)
+        quantize_row(x + (pass_row[p] + m) * x_stride, nb, pairs, xq.data() + (4 * p + m) * K,
+                     dx.data() + (4 * p + m) * nb, sx.data() + (4 * p + m) * nb);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < passes * chunks; ++i) {
+      const int64_t p = i / chunks, c = i % chunks, e = groups[3 * pass_group[p]];
+      const int16_t* q = xq.data() + 4 * p * K;
+      const float *dp = dx.data() + 4 * p * nb, *sp = sx.data() + 4 * p * nb;
+      const uint8_t* ce = codes + e * codes_stride;
+      const uint16_t* de = reinterpret_cast<const uint16_t*>(d + e * d_stride);
+      const uint16_t* me = mins == nullptr ? nullptr : reinterpret_cast<const uint16_t*>(mins + e * mins_stride);
+      Y* out = y + pass_row[p] * y_stride;
+      const int64_t rows = pass_rows(p);
+      switch (kind) {
+        case kQ4: grouped_item<kQ4>(rows, q, dp, sp, K, ce, de, me, offset, c, out, y_stride); break;
+        case kQ8: grouped_item<kQ8>(rows, q, dp, sp, K, ce, de, me, offset, c, out, y_stride); break;
+        case kQ4K: grouped_item<kQ4K>(rows, q, dp, sp, K, ce, de, me, offset, c, out, y_stride); break;
+        case kQ5K: grouped_item<kQ5K>(rows, q, dp, sp, K, ce, de, me, offset, c, out, y_stride); break;
+        case kQ6K: grouped_item<kQ6K>(rows, q, dp, sp, K, ce, de, me, offset, c, out, y_stride); break;
+        default: grouped_item<kQ5>(rows, q, dp, sp, K, ce, de, me, offset, c, out, y_stride); break;
+      }
+    }
+  }
+}
+
 #endif  // GOODSERVE_VNNI
 
 }  // namespace
@@ -327,6 +393,44 @@ int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride,
 #else
   (void)kind; (void)x_dtype; (void)x; (void)x_stride; (void)M; (void)K; (void)codes; (void)d; (void)mins;
   (void)offset; (void)N; (void)y_dtype; (void)y; (void)y_stride; (void)num_threads;
+  return 2;
+#endif
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// Stacked experts' weights (expert e's codes, d and mins at byte offsets e * codes_stride, e * d_stride,
+// e * mins_stride; each as goodserve_block_gemv's) against groups of rows of x: groups is [num_groups, 3]
+// int64 (expert, first row, rows), and y's rows of group g are x's same rows times expert g's weight
+// (rows in no group are not written). Returns goodserve_block_gemv's codes, and 1 also for a group's rows
+// outside [0, M) or a negative expert (the caller checks experts against its stack).
+int goodserve_block_gemv_grouped(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
+                                 const uint8_t* codes, int64_t codes_stride, const uint8_t* d, int64_t d_stride,
+                                 const uint8_t* mins, int64_t mins_stride, int offset, int64_t N,
+                                 const int64_t* groups, int64_t num_groups, int y_dtype, void* y, int64_t y_stride,
+                                 int num_threads) {
+#ifdef GOODSERVE_VNNI
+  if (K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ5 ||
+      (super_blocks(kind) && (K % 256 || mins == nullptr)) || x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
+    return 1;
+  for (int64_t g = 0; g < num_groups; ++g)
+    if (groups[3 * g] < 0 || groups[3 * g + 1] < 0 || groups[3 * g + 2] < 0 || groups[3 * g + 1] + groups[3 * g + 2] > M)
+      return 1;
+  auto go = [&](auto* xp, auto* yp) {
+    run_grouped(kind, xp, x_stride, K, codes, codes_stride, d, d_stride, mins, mins_stride, offset, N, groups,
+                num_groups, yp, y_stride, num_threads);
+  };
+  if (x_dtype == 0 && y_dtype == 0) go(static_cast<const float*>(x), static_cast<float*>(y));
+  else if (x_dtype == 0) go(static_cast<const float*>(x), static_cast<uint16_t*>(y));
+  else if (y_dtype == 0) go(static_cast<const uint16_t*>(x), static_cast<float*>(y));
+  else go(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(y));
+  return 0;
+#else
+  (void)kind; (void)x_dtype; (void)x; (void)x_stride; (void)M; (void)K; (void)codes; (void)codes_stride; (void)d;
+  (void)d_stride; (void)mins; (void)mins_stride; (void)offset; (void)N; (void)groups; (void)num_groups;
+  (void)y_dtype; (void)y; (void)y_stride; (void)num_threads;
   return 2;
 #endif
 }

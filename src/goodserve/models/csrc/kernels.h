@@ -47,6 +47,11 @@ int goodserve_block_gemv_supported();
 int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
                          const uint8_t* codes, const uint16_t* d, const uint16_t* mins, int offset, int64_t N,
                          int y_dtype, void* y, int64_t y_stride, int num_threads);
+int goodserve_block_gemv_grouped(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
+                                 const uint8_t* codes, int64_t codes_stride, const uint8_t* d, int64_t d_stride,
+                                 const uint8_t* mins, int64_t mins_stride, int offset, int64_t N,
+                                 const int64_t* groups, int64_t num_groups, int y_dtype, void* y, int64_t y_stride,
+                                 int num_threads);
 int goodserve_bi_gemm_init(int force);
 int goodserve_bi_gemm(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
                       const void* packed, int64_t N, const float* bias, int y_dtype, void* y, int64_t y_stride,

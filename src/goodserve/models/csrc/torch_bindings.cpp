@@ -139,6 +139,34 @@ at::Tensor block_gemv(const at::Tensor& x, int64_t kind, const at::Tensor& codes
   return out;
 }
 
+at::Tensor block_gemv_grouped(const at::Tensor& x, int64_t kind, const at::Tensor& codes, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& mins, int64_t offset, const at::Tensor& groups,
+                              at::ScalarType out_dtype) {
+  TORCH_CHECK(codes.dim() == 3 && scales.dim() == 3 && codes.is_contiguous() && scales.is_contiguous() &&
+              (!mins || (mins->dim() == 3 && mins->is_contiguous() && mins->size(0) == codes.size(0))) &&
+              scales.size(0) == codes.size(0) && groups.scalar_type() == at::kLong && groups.is_contiguous() &&
+              groups.dim() == 2 && groups.size(1) == 3, "block_gemv_grouped: stacked [E, N, ...] operands and "
+              "[groups, 3] int64 (expert, first row, rows)");
+  const int64_t n = scales.size(1), experts = codes.size(0);
+  const int64_t* g = ptr<int64_t>(groups);
+  int64_t covered = 0;
+  for (int64_t i = 0; i < groups.size(0); ++i) {
+    TORCH_CHECK(g[3 * i] >= 0 && g[3 * i] < experts, "block_gemv_grouped: expert ", g[3 * i], " of ", experts);
+    covered += g[3 * i + 2];
+  }
+  auto out = at::empty({x.size(0), n}, x.options().dtype(out_dtype));
+  if (covered < x.size(0)) out.zero_();
+  if (groups.size(0) == 0) return out;
+  check(goodserve_block_gemv_grouped(static_cast<int>(kind), code(x), x.data_ptr(), x.stride(0), x.size(0), x.size(1),
+                                     ptr<uint8_t>(codes), codes.stride(0) * codes.element_size(),
+                                     static_cast<const uint8_t*>(scales.data_ptr()), scales.stride(0) * 2,
+                                     mins ? static_cast<const uint8_t*>(mins->data_ptr()) : nullptr,
+                                     mins ? mins->stride(0) * mins->element_size() : 0, static_cast<int>(offset), n, g,
+                                     groups.size(0), code(out), out.data_ptr(), n, threads()),
+        "block_gemv_grouped");
+  return out;
+}
+
 int64_t bi_gemm_mode(int64_t force) { return goodserve_bi_gemm_init(static_cast<int>(force)); }
 
 bool paged_attention_rows_supported() { return goodserve_paged_attention_rows_supported() == 1; }
@@ -202,6 +230,8 @@ TORCH_LIBRARY(goodserve, m) {
   m.def("argmax(Tensor x) -> Tensor");
   m.def("block_gemv(Tensor x, int kind, Tensor codes, Tensor scales, Tensor? mins, int offset, ScalarType out_dtype) "
         "-> Tensor");
+  m.def("block_gemv_grouped(Tensor x, int kind, Tensor codes, Tensor scales, Tensor? mins, int offset, Tensor groups, "
+        "ScalarType out_dtype) -> Tensor");
   m.def("bi_gemm(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bi_pack(Tensor? w, Tensor? q, Tensor? scales, Tensor? mins, float offset, int n, int k) -> Tensor");
   m.def("decode_layers(Tensor layer_ptrs, Tensor layer_ints, Tensor k_caches, Tensor v_caches, Tensor embeddings, "
@@ -222,6 +252,7 @@ TORCH_LIBRARY_IMPL(goodserve, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax", &argmax);
   m.impl("block_gemv", &block_gemv);
+  m.impl("block_gemv_grouped", &block_gemv_grouped);
   m.impl("bi_gemm", &bi_gemm);
   m.impl("decode_layers", &decode_layers);
   m.impl("bi_pack", &bi_pack);
