@@ -191,7 +191,7 @@ def test_dense_checkpoint_is_batch_invariant(tmp_path, monkeypatch, dtype, kerne
 
 @needs_native
 def test_one_call_decode_step_equals_the_layer_path():
-    """The one-call decode step (``native.decode_layers``) and the layer-by-layer path give the same hidden
+    """The one-call decode step (``native_decode.decode_layers``) and the layer-by-layer path give the same hidden
     states and KV writes bit for bit in batch-invariant mode (same GEMM, attention and SiLU kernels)."""
     from test_block_gemv import _config, _weights
 

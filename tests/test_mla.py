@@ -193,12 +193,12 @@ def test_ngram_speculation_verifies_over_the_latent_cache(tmp_path):
 def test_mla_never_takes_the_native_one_call_decode(tmp_path, monkeypatch):
     """Under ``attention_backend="auto"`` an MLA model runs its own attention and never the native fused decode
     step (which reads per-head K/V)."""
-    from goodserve.models import native
+    from goodserve.models import native_decode
 
     def refuse(*args, **kwargs):
-        raise AssertionError("native.decode_layers called for an MLA model")
+        raise AssertionError("native_decode.decode_layers called for an MLA model")
 
-    monkeypatch.setattr(native, "decode_layers", refuse)
+    monkeypatch.setattr(native_decode, "decode_layers", refuse)
     model_dir = make_tiny_deepseek_v2(tmp_path)
     refs = hf_greedy(model_dir, PROMPTS[:2], NEW)
     llm = _engine(model_dir, num_blocks=64, attention_backend="auto")

@@ -1,5 +1,5 @@
 """Steps of decodes and short chunks (rows verifying speculative drafts) in the one-call decode step
-(``native.decode_layers``, issue 33): each token one row, equal to the layer-by-layer path."""
+(``native_decode.decode_layers``, issue 33): each token one row, equal to the layer-by-layer path."""
 
 from pathlib import Path
 

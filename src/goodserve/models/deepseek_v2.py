@@ -238,7 +238,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def can_decode_in_one_call(self, num_tokens: int, meta: AttentionMetadata, attn: object) -> bool:
-        """Never: the native one-call decode step (:func:`goodserve.models.native.decode_layers`) has no MLA."""
+        """Never: the native one-call decode step (:func:`goodserve.models.native_decode.decode_layers`) has no MLA."""
         return False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.config import ModelConfig
-from goodserve.models import native
+from goodserve.models import native, native_decode
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, NativeAttentionBackend
 from goodserve.models.checkpoint import dense_weight, take_weight
 from goodserve.models.invariant import InvariantLinear, rms_norm_torch
@@ -228,10 +228,10 @@ class DecoderLayer(nn.Module):
 
 
 def _block_parts(layer: nn.Module) -> Optional[list[tuple]]:
-    """A projection's parts as :class:`goodserve.models.native.DecodeLayers` takes them, when every part runs on
+    """A projection's parts as :class:`goodserve.models.native_decode.DecodeLayers` takes them, when every part runs on
     the block kernel without bias (a :class:`PartsLinear` of up to ``DECODE_STEP_PARTS`` of them); else None."""
     parts = list(layer.parts) if isinstance(layer, PartsLinear) else [layer]
-    if len(parts) > native.DECODE_STEP_PARTS or not all(
+    if len(parts) > native_decode.DECODE_STEP_PARTS or not all(
             isinstance(p, QuantLinear) and p.kind == "blocks" and p.bias is None for p in parts):
         return None
     return [(p.qtype, p.packed, p.extra, p.mins, p.offset, p.out_features) for p in parts]
@@ -257,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         # The LM head, made by ``load_weights`` (from the embedding when tied).
         self.lm_head: Optional[nn.Module] = None
         # Decode steps in one native call (made by ``load_weights`` where every projection allows it).
-        self.decode_plan: Optional[native.DecodeLayers] = None
+        self.decode_plan: Optional[native_decode.DecodeLayers] = None
         self.batch_invariant = False
         self.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -374,8 +374,8 @@ class LlamaForCausalLM(nn.Module):
         self._rope_tables.clear()
         self.decode_plan = self._decode_plan()
 
-    def _decode_plan(self) -> Optional[native.DecodeLayers]:
-        """The operands of :func:`goodserve.models.native.decode_layers` when every projection runs on the
+    def _decode_plan(self) -> Optional[native_decode.DecodeLayers]:
+        """The operands of :func:`goodserve.models.native_decode.decode_layers` when every projection runs on the
         block kernel (whole, or as :class:`PartsLinear` parts), or (batch-invariant mode) on the native
         batch-invariant GEMM, without bias, and the norms on the native kernels; else ``None``."""
         c = self.config
@@ -388,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
                 if not all(isinstance(p, InvariantLinear) and p.packed is not None and p.bias is None
                            for p in projections):
                     return None
-                ops = [[(native.INVARIANT_KIND + p.kind, p.packed, None, None, 0, p.out_features)]
+                ops = [[(native_decode.INVARIANT_KIND + p.kind, p.packed, None, None, 0, p.out_features)]
                        for p in projections]
             else:
                 ops = [_block_parts(p) for p in projections]
@@ -396,7 +396,7 @@ class LlamaForCausalLM(nn.Module):
                     return None
             layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, ops))
         shape = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size)
-        return native.DecodeLayers(layers, shape, c.rms_norm_eps, self.norm.weight)
+        return native_decode.DecodeLayers(layers, shape, c.rms_norm_eps, self.norm.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -443,7 +443,7 @@ class LlamaForCausalLM(nn.Module):
                            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                            attn: AttentionBackend) -> torch.Tensor:
         """:meth:`forward` for a step of decodes and short chunks in one native call
-        (:func:`goodserve.models.native.decode_layers`), each token one row
+        (:func:`goodserve.models.native_decode.decode_layers`), each token one row
         (:func:`~goodserve.models.short_rows.decode_rows`); the same bits as the layer-by-layer path on the same
         kernels (the block kernel, not a dense copy) where its attention splits each context as this call does
         (one split up to 256 tokens of context); the runner calls it where :meth:`can_decode_in_one_call`.
@@ -456,7 +456,7 @@ class LlamaForCausalLM(nn.Module):
             input_ids.new_empty((0, c.num_attention_heads, c.head_dim), dtype=self.norm.weight.dtype),
             c.num_key_value_heads)
         tables, seq_lens, max_len = decode_rows(meta)
-        return native.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
+        return native_decode.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
                                     meta.slot_mapping, tables, seq_lens, max_len,
                                     self.rope_cos_sin(self.norm.weight.dtype),
                                     SPLIT_TOKENS if self.batch_invariant else None, amx)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.config import ModelConfig
+from goodserve.models.linear import dense_linear
 from goodserve.models.moe_blocks import BlockExperts, StackedBlocks, runs_on_blocks
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,8 @@ class SparseMoeBlock(nn.Module):
 
     Attributes:
         router: ``[num_experts, hidden]``.
+        router_proj: ``router`` as a linear layer (:func:`~goodserve.models.linear.dense_linear`: prepacked where
+            oneDNN has a bfloat16 path, the same values as ``F.linear``), made by :meth:`load`.
         gate_up: ``[num_experts, 2 * moe_intermediate_size, hidden]``, or ``None`` when the experts run on
             ``experts``.
         down: ``[num_experts, hidden, moe_intermediate_size]``, or ``None`` likewise.
@@ -224,6 +227,7 @@ class SparseMoeBlock(nn.Module):
         self.scaling, self.groups = config.routed_scaling_factor, config.expert_groups  # DeepSeek-V2 only
         self.float32_weighting = config.architecture in FLOAT32_WEIGHTING
         self.experts: Optional[BlockExperts] = None
+        self.router_proj: Optional[nn.Module] = None
 
     def load(self, dense: Callable[[str, tuple[int, ...]], nn.Parameter], prefix: str,
              weights: Optional[dict] = None, dtype: Optional[torch.dtype] = None, on_blocks: bool = False) -> None:
@@ -239,6 +243,7 @@ class SparseMoeBlock(nn.Module):
             ValueError: naming a missing weight or one of the wrong shape.
         """
         self.router = dense(prefix + ROUTER, tuple(self.router.shape))
+        self.router_proj = dense_linear(self.router.data)
         shapes = {GATE_UP: tuple(self.gate_up.shape), DOWN: tuple(self.down.shape)}
         held = {n: None if weights is None else weights.get(prefix + n) for n in shapes}
         parts = {n: v if isinstance(v, list) else [v] for n, v in held.items()}
@@ -261,7 +266,8 @@ class SparseMoeBlock(nn.Module):
                                                 requires_grad=False) for n in shapes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(F.linear(x, self.router), self.top_k, self.renormalise, self.scaling, self.groups)
+        logits = F.linear(x, self.router) if self.router_proj is None else self.router_proj.forward(x)
+        weights, experts = route(logits, self.top_k, self.renormalise, self.scaling, self.groups)
         weight_dtype = torch.float32 if self.float32_weighting else x.dtype
         if self.experts is not None:
             return grouped_by_expert(x, weights.to(weight_dtype), experts, self.experts.num_experts,

@@ -138,7 +138,7 @@ class ModelRunner:
                      for _ in range(self.layout.num_slots)]
             # Layers of different groups at one slot share its tensors: each writes only its own group's blocks.
             self.kv_caches = [slots[slot] for _, slot in self.layout.layer_slots]
-        # The one-call decode step (native.decode_layers) reads caches of the activations' dtype only, with one
+        # The one-call decode step (native_decode.decode_layers) reads caches of the activations' dtype only, with one
         # block table: an int8 (or bfloat16-under-float32) cache, or several KV-cache groups, run layer by layer.
         self.fused_decode_step = config.fused_decode_step and config.kv_dtype == config.dtype \
             and self.layout.num_groups == 1
