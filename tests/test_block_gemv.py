@@ -76,8 +76,8 @@ def test_block_gemv_refuses_what_it_cannot_take():
         native.block_gemv(torch.randn(2, 128).double(), "Q4_1", codes, scales, mins, offset, torch.float32)
 
 
-def _config(bias: bool = False) -> ModelConfig:
-    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+def _config(bias: bool = False, qk_norm: bool = False) -> ModelConfig:
+    return ModelConfig(architecture="qwen3" if qk_norm else "llama", qk_norm=qk_norm, vocab_size=512, hidden_size=128, intermediate_size=256,
                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
                        tie_word_embeddings=True, attention_bias=bias)
@@ -99,6 +99,9 @@ def _weights(c: ModelConfig, qtype: str = "Q4_1") -> dict:
             w[p + name + ".weight"] = _blocks(qtype, *shape, seed=100 * i + j)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             w[p + norm + ".weight"] = 1 + 0.1 * torch.randn(c.hidden_size)
+        if c.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                w[p + f"self_attn.{norm}.weight"] = 1 + 0.1 * torch.randn(c.head_dim)
         if c.attention_bias:
             for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 w[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(n)
@@ -121,6 +124,15 @@ def test_decode_step_in_one_call_equals_the_layer_by_layer_path(qtype):
     model = _model(c, _weights(c, qtype))
     assert model.decode_plan is not None
     assert model.lm_head.kind == "blocks" and model.lm_head.qtype == "Q8_0"
+    decode_both_ways(model, c)
+
+
+def test_qwen3_decode_step_in_one_call_equals_the_layer_by_layer_path():
+    """Qwen3's q/k norms (each head normed before RoPE, ``native.head_rms_norm``) in the one-call step: the
+    same hidden states and KV writes as the layer-by-layer path."""
+    c = _config(qk_norm=True)
+    model = _model(c, _weights(c))
+    assert model.decode_plan is not None and model.layers[0].qk_norm is not None
     decode_both_ways(model, c)
 
 

@@ -208,7 +208,10 @@ class DecoderLayer(nn.Module):
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:  # Qwen3: each head of q and k normalised, in float32 as HF's RMSNorm
-            qk = (rms_norm_torch if self.invariant else _rms_norm)(qk, self.qk_norm, self.eps)
+            if native.usable(qk) and not self.invariant:
+                qk = native.head_rms_norm(qk, self.qk_norm, self.eps)
+            else:
+                qk = (rms_norm_torch if self.invariant else _rms_norm)(qk, self.qk_norm, self.eps)
         qk = rope(qk)  # q and k at once
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [n, num_heads | num_kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -379,8 +382,9 @@ class LlamaForCausalLM(nn.Module):
         block kernel (whole, or as :class:`PartsLinear` parts), or (batch-invariant mode) on the native
         batch-invariant GEMM, without bias, and the norms on the native kernels; else ``None``."""
         c = self.config
-        if not native.usable(self.norm.weight) or c.qk_norm or c.num_experts or c.sliding_window is not None:
-            return None  # the one-call kernel has no q/k norm, no mixture of experts and no window
+        if not native.usable(self.norm.weight) or c.num_experts or c.sliding_window is not None \
+                or (c.qk_norm and self.batch_invariant):
+            return None  # the one-call kernel has no mixture of experts, no window, no in-order q/k norm
         layers = []
         for layer in self.layers:
             projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
@@ -394,7 +398,7 @@ class LlamaForCausalLM(nn.Module):
                 ops = [_block_parts(p) for p in projections]
                 if any(parts is None for parts in ops):
                     return None
-            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, ops))
+            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, ops, layer.qk_norm))
         shape = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size)
         return native_decode.DecodeLayers(layers, shape, c.rms_norm_eps, self.norm.weight)
 

@@ -11,9 +11,9 @@
   blocks and ``x`` quantized to int16 per block of 32, on AVX-512 VNNI: at batch 1 the
   decode step is a read of every weight, and this reads the file's bytes once, at the memory's rate.
   :func:`block_gemv_grouped` runs a mixture of experts' step, each expert over its rows, in one call.
-- :func:`goodserve.models.native_decode.decode_layers`: a decode step of 1-8 rows through every layer in one call, on the kernels above,
-  for a model whose projections all run on :func:`block_gemv`: at batch 1 the eager step spent about as
-  long dispatching ~15 ops per layer as computing them.
+- :func:`goodserve.models.native_decode.decode_layers`: a decode step of 1-8 rows through every layer in one
+  call, on the kernels above, for a model whose projections all run on :func:`block_gemv`: at batch 1 the
+  eager step spent about as long dispatching ~15 ops per layer as computing them.
 - :func:`argmax`: greedy sampling. PyTorch's CPU argmax over a batch's logits cost ~10x a max over the same
   rows (4.3-7.8 ms at batch 64, 49,152 tokens).
 
@@ -162,6 +162,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             raise ValueError("residual must have x's shape and dtype")
     out, h = ops.rms_norm(x, weight, eps, residual)
     return out, (x if residual is None else h)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head on its own (Qwen3's q/k norms): head ``h`` of every row as :func:`rms_norm`
+    computes a row, times ``weight[h]``.
+
+    Args:
+        x: ``[rows, heads, head_dim]``, each row's heads contiguous (a row stride is allowed).
+        weight: ``[heads, head_dim]``, ``x``'s dtype, contiguous.
+        eps: Added to the mean square.
+
+    Returns:
+        ``[rows, heads, head_dim]``, contiguous, ``x``'s dtype.
+
+    Raises:
+        RuntimeError: if the kernels are not available. ValueError: on a shape, layout or dtype mismatch.
+    """
+    ops = _ops(x)
+    if x.dtype not in _DTYPES or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError("x must be [rows, heads, head_dim] float32 or bfloat16 with each row's heads contiguous")
+    if weight.dtype != x.dtype or weight.shape != x.shape[1:] or not weight.is_contiguous():
+        raise ValueError(f"weight must be {list(x.shape[1:])} contiguous in x's dtype")
+    return ops.head_rms_norm(x, weight, eps)
 
 
 def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

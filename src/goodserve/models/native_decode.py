@@ -26,12 +26,15 @@ class DecodeLayers:
     """:func:`decode_layers`' per-model operands: the addresses of every layer's weights, gathered once.
 
     Args:
-        layers: Per layer ``(input_norm, post_norm, projections)``: the norms' ``[hidden]`` weights and the
-            qkv, o, gate_up and down projections, each a list of 1 to :data:`DECODE_STEP_PARTS` parts side by
-            side along the outputs (q/k/v or gate/up held in different block types), each part
-            ``(kind, codes, scales, mins, offset, rows)``: a kind of :data:`~goodserve.models.native.BLOCK_KINDS` with the operands
-            :func:`~goodserve.models.native.block_gemv` takes (checked by :func:`~goodserve.models.native.check_blocks`), or an int ``INVARIANT_KIND + k`` with
-            the batch-invariant GEMM's kind ``k`` and operands (:class:`goodserve.models.invariant.InvariantLinear`);
+        layers: Per layer ``(input_norm, post_norm, projections, qk_norm)``: the norms' ``[hidden]`` weights,
+            the qkv, o, gate_up and down projections, and the ``[num_heads + num_kv_heads, head_dim]`` weight of
+            the q/k norms (Qwen3's, :func:`~goodserve.models.native.head_rms_norm` before RoPE) or ``None``.
+            Each projection is a list of 1 to :data:`DECODE_STEP_PARTS` parts side by side along the outputs
+            (q/k/v or gate/up held in different block types), each part ``(kind, codes, scales, mins, offset,
+            rows)``: a kind of :data:`~goodserve.models.native.BLOCK_KINDS` with the operands
+            :func:`~goodserve.models.native.block_gemv` takes (checked by
+            :func:`~goodserve.models.native.check_blocks`), or an int ``INVARIANT_KIND + k`` with the
+            batch-invariant GEMM's kind ``k`` and operands (:class:`goodserve.models.invariant.InvariantLinear`);
             ``rows`` its output features.
         shape: ``(hidden, num_heads, num_kv_heads, head_dim, intermediate)``.
         eps: The norms' epsilon.
@@ -47,7 +50,7 @@ class DecodeLayers:
         self._keep = layers
         ptrs, ints = [], []
         invariant = True
-        for input_norm, post_norm, projections in layers:
+        for input_norm, post_norm, projections, qk_norm in layers:
             row = [input_norm.data_ptr(), post_norm.data_ptr()]
             kinds = []
             for parts in projections:
@@ -59,7 +62,7 @@ class DecodeLayers:
                     kinds += [kind if isinstance(kind, int) else BLOCK_KINDS[kind], int(offset), int(rows)]
                 row += [0] * 3 * (DECODE_STEP_PARTS - len(parts))
                 kinds += [0] * 3 * (DECODE_STEP_PARTS - len(parts))
-            ptrs.append(row)
+            ptrs.append(row + [0 if qk_norm is None else qk_norm.data_ptr()])
             ints.append(kinds)
         #: The most rows a call takes: the block kernel reads its weights once per 4 rows, the
         #: batch-invariant GEMM once per call.
@@ -96,9 +99,10 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     """A decode step through every layer and the final norm, one query token per row, in one call.
 
     Each layer is the pre-norm attention + SwiGLU block of ``models/llama.py`` (``DecoderLayer.forward``)
-    on the same kernels: :func:`~goodserve.models.native.rms_norm`, :func:`~goodserve.models.native.rope`, every row's new K/V written to its slot, then
-    :func:`~goodserve.models.native.paged_decode_attention` and :func:`~goodserve.models.native.block_gemv` for the projections. Since every row's K/V is in
-    the cache before any row attends, several rows may be consecutive tokens of one request (a short chunk,
+    on the same kernels (:mod:`goodserve.models.native`): ``rms_norm``, the q/k norms where the model has them
+    (``head_rms_norm``), ``rope``, every row's new K/V written to its slot, then ``paged_decode_attention``
+    and ``block_gemv`` for the projections. Since every row's K/V is in the cache before any row attends,
+    several rows may be consecutive tokens of one request (a short chunk,
     :func:`goodserve.models.short_rows.decode_rows`): each attends its ``seq_lens`` tokens, its chunk's
     earlier tokens included.
 

@@ -26,6 +26,11 @@ def _rms_norm(x, weight, eps, residual: Optional[torch.Tensor]):
     return x.new_empty(x.shape), x.new_empty((x.shape[0] if residual is not None else 0, x.shape[1]))
 
 
+@register_fake("goodserve::head_rms_norm")
+def _head_rms_norm(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
 @register_fake("goodserve::rope")
 def _rope(x, table, positions):
     return x.new_empty(x.shape)

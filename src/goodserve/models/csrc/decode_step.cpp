@@ -20,8 +20,9 @@ namespace {
 // columns of the projection's output.
 constexpr int kParts = 3;
 // Per layer, in this order: the input and post-attention norms' weights, then per projection (qkv, o,
-// gate_up, down) kParts parts of (codes, scales, mins); unused parts are zero.
-constexpr int kLayerPointers = 2 + 4 * kParts * 3;
+// gate_up, down) kParts parts of (codes, scales, mins), unused parts zero; last the [num_heads +
+// num_kv_heads, head_dim] weight of the q/k norms (Qwen3's, each head normed before RoPE), or zero.
+constexpr int kLayerPointers = 2 + 4 * kParts * 3 + 1;
 // Per layer, projection and part: (kind, offset, rows), rows the part's output features (0: no part; the
 // parts' rows add up to the projection's). A kind of kInvariant + k is the batch-invariant GEMM's kind k
 // (invariant_gemm.cpp; only the first pointer is used), else the block kernel's.
@@ -36,7 +37,7 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
         int64_t num_splits, const void* rope_table, int64_t rope_stride, const int64_t* positions,
         const void* final_norm, const T* embeddings, T* out, int amx_attention, int num_threads) {
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-  thread_local std::vector<T> res, h, qkv, qk, attn, o, gu, act, x;
+  thread_local std::vector<T> res, h, qkv, qkn, qk, attn, o, gu, act, x;
   thread_local std::vector<int32_t> runs;  // every row its own run (amx_attention)
   runs.resize(M + 1);
   for (int64_t m = 0; m <= M; ++m) runs[m] = static_cast<int32_t>(m);
@@ -44,6 +45,7 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
   h.resize(M * hidden);
   qkv.resize(M * qkv_size);
   qk.resize(M * (q_size + kv_size));
+  qkn.resize(M * (q_size + kv_size));
   attn.resize(M * q_size);
   o.resize(M * hidden);
   gu.resize(M * 2 * inter);
@@ -81,8 +83,13 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
                          : goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), in_norm,
                                               h.data(), M, hidden, eps, num_threads));
     GOODSERVE_TRY(gemv(p + 2, ki, h.data(), hidden, qkv_size, qkv.data()));
-    GOODSERVE_TRY(goodserve_rope(dtype, qkv.data(), qkv_size, rope_table, rope_stride, positions, qk.data(), M,
-                                 num_heads + num_kv_heads, head_dim, num_threads));
+    const void* qk_norm = reinterpret_cast<const void*>(p[kLayerPointers - 1]);
+    if (qk_norm != nullptr)
+      GOODSERVE_TRY(goodserve_head_rms_norm(dtype, qkv.data(), qkv_size, qk_norm, qkn.data(), M,
+                                            num_heads + num_kv_heads, head_dim, eps, num_threads));
+    GOODSERVE_TRY(goodserve_rope(dtype, qk_norm != nullptr ? qkn.data() : qkv.data(),
+                                 qk_norm != nullptr ? q_size + kv_size : qkv_size, rope_table, rope_stride, positions,
+                                 qk.data(), M, num_heads + num_kv_heads, head_dim, num_threads));
     T* k_cache = reinterpret_cast<T*>(k_caches[l]);
     T* v_cache = reinterpret_cast<T*>(v_caches[l]);
     for (int64_t m = 0; m < M; ++m) {  // the new token's K and V into its slot
@@ -117,7 +124,7 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
 extern "C" {
 
 // dtype: 0 = float32, 1 = bfloat16 (activations, norm weights, caches, rope table). M: decode rows (>= 1),
-// one token per request. layer_ptrs: [num_layers, 38] addresses (see kLayerPointers; a null mins for
+// one token per request. layer_ptrs: [num_layers, 39] addresses (see kLayerPointers; a null mins for
 // Q4_0, Q5_0 and Q8_0); layer_ints: [num_layers, 36] (kLayerInts); k_caches, v_caches: [num_layers] addresses of caches
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [M, max_blocks] int32, seq_lens [M] int32
 // (new token included), slots [M] int64: as paged_decode_attention and the slot mapping; rope_table: cos

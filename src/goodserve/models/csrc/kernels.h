@@ -36,6 +36,8 @@ int goodserve_paged_attention_rows(const void* q, const void* k_cache, const voi
 int goodserve_rms_norm(int dtype, const void* x, int64_t x_stride, const void* residual, int64_t residual_stride,
                        void* sum_out, const void* weight, void* out, int64_t rows, int64_t cols, float eps,
                        int num_threads);
+int goodserve_head_rms_norm(int dtype, const void* x, int64_t x_stride, const void* weight, void* out, int64_t rows,
+                            int64_t heads, int64_t head_dim, float eps, int num_threads);
 int goodserve_rope(int dtype, const void* x, int64_t x_stride, const void* table, int64_t table_stride,
                    const int64_t* positions, void* out, int64_t rows, int64_t heads, int64_t head_dim,
                    int num_threads);

@@ -100,6 +100,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {out, h};
 }
 
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && weight.is_contiguous() &&
+              weight.dim() == 2 && weight.size(0) == x.size(1) && weight.size(1) == x.size(2) &&
+              weight.scalar_type() == x.scalar_type(), "head_rms_norm: x [rows, heads, head_dim] (heads contiguous), "
+              "weight [heads, head_dim] contiguous in x's dtype");
+  auto out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  check(goodserve_head_rms_norm(code(x), x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.size(0),
+                                x.size(1), x.size(2), static_cast<float>(eps), threads()),
+        "head_rms_norm");
+  return out;
+}
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& table, const at::Tensor& positions) {
   auto out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
   check(goodserve_rope(code(x), x.data_ptr(), x.stride(0), table.data_ptr(), table.stride(0), ptr<int64_t>(positions),
@@ -225,6 +237,7 @@ TORCH_LIBRARY(goodserve, m) {
   m.def("paged_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor runs, int split_tokens, int num_splits, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
+  m.def("head_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor table, Tensor positions) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
@@ -248,6 +261,7 @@ TORCH_LIBRARY_IMPL(goodserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_attention_rows", &paged_attention_rows);
   m.impl("rms_norm", &rms_norm);
+  m.impl("head_rms_norm", &head_rms_norm);
   m.impl("rope", &rope);
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax", &argmax);
