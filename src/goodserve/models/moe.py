@@ -266,6 +266,9 @@ class SparseMoeBlock(nn.Module):
                                                 requires_grad=False) for n in shapes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts is not None and self.groups == (1, 1) and self.experts.takes_in_one_call(x):
+            return self.experts.mlp_in_one_call(x, self.router, self.top_k, self.renormalise, self.scaling,
+                                                self.float32_weighting)
         logits = F.linear(x, self.router) if self.router_proj is None else self.router_proj.forward(x)
         weights, experts = route(logits, self.top_k, self.renormalise, self.scaling, self.groups)
         weight_dtype = torch.float32 if self.float32_weighting else x.dtype

@@ -47,6 +47,10 @@ BLOCK_EXPERT_ARCHITECTURES = ("qwen3_moe",)
 #: expert): 1 row 0.29 ms on the kernel against 0.49 ms on the copy, 4 rows 0.43 / 0.40, 8 rows 0.66 / 0.44,
 #: 12 rows 0.95 / 0.50.
 EXPERT_MAX_ROWS = 12
+#: Steps of at most this many rows run the whole MoE MLP in one native call (:meth:`BlockExperts.mlp_in_one_call`):
+#: no expert gets more rows than the step has, so every expert runs on the kernel, as :meth:`BlockExperts.run_sorted`
+#: runs it (``EXPERT_MAX_ROWS`` is higher). The one-call decode step's rows (:mod:`goodserve.models.native_decode`).
+ONE_CALL_MAX_ROWS = 8
 
 _UNPACKERS: dict[str, Callable[[np.ndarray, str, tuple[int, int]], BlockQuantized]] = {
     **{t: unpack_gguf_blocks for t in BLOCK_TYPES}, **{t: unpack_gguf_q5 for t in Q5_TYPES},
@@ -200,6 +204,7 @@ class BlockExperts(nn.Module):
             native.check_blocks(p.qtype, p.codes[0], p.scales[0], None if p.mins is None else p.mins[0])
             for name in ("codes", "scales", "mins"):
                 self.register_buffer(f"{name}{i}", getattr(p, name))
+        self.part_ptrs, self.part_ints = self._part_operands()
         self._rows_past_max = [0] * e  # per expert, rows of its steps past max_rows (until its copy is made)
         self._dense: list[Optional[tuple[nn.Module, nn.Module]]] = [None] * e
 
@@ -219,6 +224,45 @@ class BlockExperts(nn.Module):
             self._dense[e] = (dense_linear(gate_up), dense_linear(dequantize_rows(self.parts[-1].expert(e),
                                                                                   self.dtype)))
         return self._dense[e]
+
+    def _part_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``csrc/moe_step.cpp``'s operands: per part (gate/up, a second gate/up part or zeros, down) the
+        addresses of its codes, scales and minimums and their byte strides per expert (``[3, 6]`` int64), and
+        its kind, offset and output rows (``[3, 3]`` int32)."""
+        parts = self.parts[:-1] + [None] * (3 - len(self.parts)) + [self.parts[-1]]
+        ptrs, ints = [], []
+        for p in parts:
+            tensors = [] if p is None else [p.codes, p.scales, p.mins]
+            ptrs.append([0] * 6 if p is None else [0 if t is None else t.data_ptr() for t in tensors]
+                        + [0 if t is None else t.stride(0) * t.element_size() for t in tensors])
+            ints.append([0] * 3 if p is None else [native.BLOCK_KINDS[p.qtype], p.offset, p.shape[1]])
+        return torch.tensor(ptrs, dtype=torch.int64), torch.tensor(ints, dtype=torch.int32)
+
+    def takes_in_one_call(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`mlp_in_one_call` runs for activations ``x``: at most :data:`ONE_CALL_MAX_ROWS` rows in
+        the experts' dtype, the native kernels usable."""
+        return 0 < x.shape[0] <= ONE_CALL_MAX_ROWS and x.dtype == self.dtype and native.usable(x)
+
+    def mlp_in_one_call(self, x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool, scaling: float,
+                        float32_weighting: bool) -> torch.Tensor:
+        """The whole MoE MLP of a small step in one native call (``csrc/moe_step.cpp``, the one-call decode step's
+        own): the router, top-k routing as :func:`goodserve.models.moe.route` (float32 softmax, renormalised
+        when ``renormalise``, times ``scaling``), each active expert's SwiGLU on the blocks, and each row's k
+        outputs weighted and summed in slot order (the weights in float32 when ``float32_weighting``, else in
+        ``x``'s dtype).
+
+        Args:
+            x: ``[rows, hidden]`` contiguous, :meth:`takes_in_one_call`.
+            router: ``[num_experts, hidden]`` in ``x``'s dtype.
+
+        Returns:
+            ``[rows, hidden]`` in ``x``'s dtype.
+
+        Raises:
+            RuntimeError: if the kernel refuses the call.
+        """
+        return torch.ops.goodserve.moe_block(x.contiguous(), router, top_k, renormalise, scaling, float32_weighting,
+                                             self.part_ptrs, self.part_ints, self.inter)
 
     def run_sorted(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every expert's SwiGLU over its run of ``rows`` (sorted by expert, ``counts[e]`` rows for expert

@@ -56,6 +56,11 @@ def _block_gemv_grouped(x, kind, codes, scales, mins, offset, groups, out_dtype)
     return x.new_empty((x.shape[0], scales.shape[1]), dtype=out_dtype)
 
 
+@register_fake("goodserve::moe_block")
+def _moe_block(x, router, top_k, renormalise, scaling, float32_weighting, part_ptrs, part_ints, inter):
+    return x.new_empty(x.shape)
+
+
 @register_fake("goodserve::bi_gemm")
 def _bi_gemm(x, packed, n, bias):
     return x.new_empty((x.shape[0], n))

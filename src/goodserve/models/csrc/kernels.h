@@ -54,6 +54,9 @@ int goodserve_block_gemv_grouped(int kind, int x_dtype, const void* x, int64_t x
                                  const uint8_t* mins, int64_t mins_stride, int offset, int64_t N,
                                  const int64_t* groups, int64_t num_groups, int y_dtype, void* y, int64_t y_stride,
                                  int num_threads);
+int goodserve_moe_block(int dtype, const void* x, int64_t M, int64_t hidden, const void* router, int64_t num_experts,
+                        int64_t top_k, int renormalise, float scaling, int float32_weighting, const int64_t* part_ptrs,
+                        const int32_t* part_ints, int64_t inter, void* out, int num_threads);
 int goodserve_bi_gemm_init(int force);
 int goodserve_bi_gemm(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
                       const void* packed, int64_t N, const float* bias, int y_dtype, void* y, int64_t y_stride,

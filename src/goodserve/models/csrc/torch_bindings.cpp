@@ -179,6 +179,23 @@ at::Tensor block_gemv_grouped(const at::Tensor& x, int64_t kind, const at::Tenso
   return out;
 }
 
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool renormalise, double scaling,
+                     bool float32_weighting, const at::Tensor& part_ptrs, const at::Tensor& part_ints, int64_t inter) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && router.is_contiguous() && router.dim() == 2 &&
+              router.size(1) == x.size(1) && router.scalar_type() == x.scalar_type() &&
+              part_ptrs.scalar_type() == at::kLong && part_ptrs.numel() == 18 && part_ptrs.is_contiguous() &&
+              part_ints.scalar_type() == at::kInt && part_ints.numel() == 9 && part_ints.is_contiguous(),
+              "moe_block: x [rows, hidden] contiguous, router [experts, hidden] in x's dtype, 18 int64 part "
+              "pointers and 9 int32 part ints");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.size(0) == 0) return out;
+  check(goodserve_moe_block(code(x), x.data_ptr(), x.size(0), x.size(1), router.data_ptr(), router.size(0), top_k,
+                            renormalise ? 1 : 0, static_cast<float>(scaling), float32_weighting ? 1 : 0,
+                            ptr<int64_t>(part_ptrs), ptr<int32_t>(part_ints), inter, out.data_ptr(), threads()),
+        "moe_block");
+  return out;
+}
+
 int64_t bi_gemm_mode(int64_t force) { return goodserve_bi_gemm_init(static_cast<int>(force)); }
 
 bool paged_attention_rows_supported() { return goodserve_paged_attention_rows_supported() == 1; }
@@ -245,6 +262,8 @@ TORCH_LIBRARY(goodserve, m) {
         "-> Tensor");
   m.def("block_gemv_grouped(Tensor x, int kind, Tensor codes, Tensor scales, Tensor? mins, int offset, Tensor groups, "
         "ScalarType out_dtype) -> Tensor");
+  m.def("moe_block(Tensor x, Tensor router, int top_k, bool renormalise, float scaling, bool float32_weighting, "
+        "Tensor part_ptrs, Tensor part_ints, int inter) -> Tensor");
   m.def("bi_gemm(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("bi_pack(Tensor? w, Tensor? q, Tensor? scales, Tensor? mins, float offset, int n, int k) -> Tensor");
   m.def("decode_layers(Tensor layer_ptrs, Tensor layer_ints, Tensor k_caches, Tensor v_caches, Tensor embeddings, "
@@ -267,6 +286,7 @@ TORCH_LIBRARY_IMPL(goodserve, CPU, m) {
   m.impl("argmax", &argmax);
   m.impl("block_gemv", &block_gemv);
   m.impl("block_gemv_grouped", &block_gemv_grouped);
+  m.impl("moe_block", &moe_block);
   m.impl("bi_gemm", &bi_gemm);
   m.impl("decode_layers", &decode_layers);
   m.impl("bi_pack", &bi_pack);
