@@ -293,3 +293,18 @@ def test_experts_run_dequantized_where_the_block_kernel_does_not_apply(tmp_path,
     monkeypatch.setattr(moe_blocks.native, "block_gemv_usable", lambda x: False)
     for want, got in zip(experts("bfloat16", "none"), experts("bfloat16", "auto")):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@needs_kernel
+def test_a_moe_file_decodes_in_one_call_as_the_layer_by_layer_path(tmp_path):
+    """A qwen3moe GGUF (q/k norms, experts on blocks) gets a one-call decode plan, and its decode steps give the
+    hidden states and KV writes of the layer-by-layer path (whose steps of up to 8 rows run each MoE MLP in
+    one ``moe_block`` call, the one-call step's own)."""
+    from goodserve import LLM
+    from test_block_gemv import decode_both_ways
+
+    llm = LLM(_moe_file(tmp_path), dtype="bfloat16", quantization="auto", block_size=4, num_blocks=64,
+              log_stats_interval=0)
+    model = llm.engine.core.runner.model
+    assert model.decode_plan is not None and model.config.qk_norm
+    decode_both_ways(model, model.config)

@@ -380,14 +380,19 @@ class LlamaForCausalLM(nn.Module):
     def _decode_plan(self) -> Optional[native_decode.DecodeLayers]:
         """The operands of :func:`goodserve.models.native_decode.decode_layers` when every projection runs on the
         block kernel (whole, or as :class:`PartsLinear` parts), or (batch-invariant mode) on the native
-        batch-invariant GEMM, without bias, and the norms on the native kernels; else ``None``."""
+        batch-invariant GEMM, without bias, every mixture of experts' experts on the block kernel
+        (:meth:`goodserve.models.moe.SparseMoeBlock.decode_operands`), and the norms on the native kernels;
+        else ``None``."""
         c = self.config
-        if not native.usable(self.norm.weight) or c.num_experts or c.sliding_window is not None \
-                or (c.qk_norm and self.batch_invariant):
-            return None  # the one-call kernel has no mixture of experts, no window, no in-order q/k norm
+        if not native.usable(self.norm.weight) or c.sliding_window is not None \
+                or (self.batch_invariant and c.qk_norm):
+            return None  # the one-call kernel has no window and no in-order q/k norm
         layers = []
         for layer in self.layers:
-            projections = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+            moe = None if layer.moe is None else layer.moe.decode_operands()
+            if layer.moe is not None and moe is None:
+                return None  # experts not on the block kernel
+            projections = [layer.qkv_proj, layer.o_proj] + ([] if moe else [layer.gate_up_proj, layer.down_proj])
             if self.batch_invariant:
                 if not all(isinstance(p, InvariantLinear) and p.packed is not None and p.bias is None
                            for p in projections):
@@ -398,7 +403,8 @@ class LlamaForCausalLM(nn.Module):
                 ops = [_block_parts(p) for p in projections]
                 if any(parts is None for parts in ops):
                     return None
-            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, ops, layer.qk_norm))
+            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, ops, layer.qk_norm,
+                           moe))
         shape = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size)
         return native_decode.DecodeLayers(layers, shape, c.rms_norm_eps, self.norm.weight)
 

@@ -36,6 +36,7 @@ from torch import nn
 from goodserve.config import ModelConfig
 from goodserve.models.linear import dense_linear
 from goodserve.models.moe_blocks import BlockExperts, StackedBlocks, runs_on_blocks
+from goodserve.models.native_decode import MoeOperands
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +265,14 @@ class SparseMoeBlock(nn.Module):
         self.gate_up, self.down = (nn.Parameter(torch.cat([p.dequantize(dtype) if isinstance(p, StackedBlocks)
                                                            else p.to(dtype) for p in parts[n]], dim=1),
                                                 requires_grad=False) for n in shapes)
+
+    def decode_operands(self) -> Optional[MoeOperands]:
+        """This layer as :func:`goodserve.models.native_decode.decode_layers` runs it, when its experts run on
+        the block kernel and its routing is plain top-k (no expert groups); else ``None``."""
+        if self.experts is None or self.groups != (1, 1):
+            return None
+        return MoeOperands(self.router, self.experts.part_ptrs, self.experts.part_ints, self.experts.num_experts,
+                           self.top_k, self.renormalise, self.scaling, self.float32_weighting)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts is not None and self.groups == (1, 1) and self.experts.takes_in_one_call(x):

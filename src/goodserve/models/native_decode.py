@@ -5,6 +5,7 @@ strings together are :mod:`goodserve.models.native`'s; so are the checks and err
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,13 +23,38 @@ INVARIANT_DECODE_MAX_ROWS = 256
 #: Kind codes past this one in :class:`DecodeLayers` are the batch-invariant GEMM's (``csrc/decode_step.cpp``).
 INVARIANT_KIND = 16
 
+@dataclass
+class MoeOperands:
+    """A mixture-of-experts layer of :func:`decode_layers` (``csrc/moe_step.cpp``, as
+    :meth:`goodserve.models.moe_blocks.BlockExperts.mlp_in_one_call` runs it).
+
+    Attributes:
+        router: ``[num_experts, hidden]`` in the activations' dtype, contiguous.
+        part_ptrs, part_ints: :class:`~goodserve.models.moe_blocks.BlockExperts`' ``[3, 6]`` int64 and
+            ``[3, 3]`` int32 operands of its experts' blocks.
+        num_experts, top_k, renormalise, scaling, float32_weighting: The routing, as
+            :func:`goodserve.models.moe.route` and :class:`goodserve.models.moe.SparseMoeBlock` take it.
+    """
+
+    router: torch.Tensor
+    part_ptrs: torch.Tensor
+    part_ints: torch.Tensor
+    num_experts: int
+    top_k: int
+    renormalise: bool
+    scaling: float
+    float32_weighting: bool
+
+
 class DecodeLayers:
     """:func:`decode_layers`' per-model operands: the addresses of every layer's weights, gathered once.
 
     Args:
-        layers: Per layer ``(input_norm, post_norm, projections, qk_norm)``: the norms' ``[hidden]`` weights,
-            the qkv, o, gate_up and down projections, and the ``[num_heads + num_kv_heads, head_dim]`` weight of
-            the q/k norms (Qwen3's, :func:`~goodserve.models.native.head_rms_norm` before RoPE) or ``None``.
+        layers: Per layer ``(input_norm, post_norm, projections, qk_norm, moe)``: the norms' ``[hidden]``
+            weights, the qkv, o, gate_up and down projections (qkv and o only for a mixture-of-experts layer),
+            the ``[num_heads + num_kv_heads, head_dim]`` weight of the q/k norms (Qwen3's,
+            :func:`~goodserve.models.native.head_rms_norm` before RoPE) or ``None``, and the layer's experts
+            on blocks as :class:`MoeOperands`, or ``None`` for a dense MLP.
             Each projection is a list of 1 to :data:`DECODE_STEP_PARTS` parts side by side along the outputs
             (q/k/v or gate/up held in different block types), each part ``(kind, codes, scales, mins, offset,
             rows)``: a kind of :data:`~goodserve.models.native.BLOCK_KINDS` with the operands
@@ -50,11 +76,14 @@ class DecodeLayers:
         self._keep = layers
         ptrs, ints = [], []
         invariant = True
-        for input_norm, post_norm, projections, qk_norm in layers:
+        for input_norm, post_norm, projections, qk_norm, moe in layers:
             row = [input_norm.data_ptr(), post_norm.data_ptr()]
             kinds = []
-            for parts in projections:
-                if not 1 <= len(parts) <= DECODE_STEP_PARTS:
+            if len(projections) != (2 if moe else 4):
+                raise ValueError("a layer of the decode step has qkv, o, gate_up and down projections (a mixture "
+                                 "of experts' layer qkv and o)")
+            for parts in projections + [[], []] * (moe is not None):
+                if not (moe is not None and not parts) and not 1 <= len(parts) <= DECODE_STEP_PARTS:
                     raise ValueError(f"a projection of the decode step has 1 to {DECODE_STEP_PARTS} parts")
                 for kind, codes, scales, mins, offset, rows in parts:
                     row += [t.data_ptr() if t is not None else 0 for t in (codes, scales, mins)]
@@ -62,8 +91,12 @@ class DecodeLayers:
                     kinds += [kind if isinstance(kind, int) else BLOCK_KINDS[kind], int(offset), int(rows)]
                 row += [0] * 3 * (DECODE_STEP_PARTS - len(parts))
                 kinds += [0] * 3 * (DECODE_STEP_PARTS - len(parts))
-            ptrs.append(row + [0 if qk_norm is None else qk_norm.data_ptr()])
-            ints.append(kinds)
+            ptrs.append(row + [0 if qk_norm is None else qk_norm.data_ptr()]
+                        + ([0] * 19 if moe is None else [moe.router.data_ptr()] + moe.part_ptrs.reshape(-1).tolist()))
+            scaling_bits = 0 if moe is None else int(torch.tensor(moe.scaling, dtype=torch.float32)
+                                                     .view(torch.int32).item())
+            ints.append(kinds + ([0] * 14 if moe is None else moe.part_ints.reshape(-1).tolist() + [
+                moe.num_experts, moe.top_k, int(moe.renormalise), int(moe.float32_weighting), scaling_bits]))
         #: The most rows a call takes: the block kernel reads its weights once per 4 rows, the
         #: batch-invariant GEMM once per call.
         self.max_rows = INVARIANT_DECODE_MAX_ROWS if invariant else DECODE_STEP_MAX_ROWS
@@ -101,7 +134,7 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     Each layer is the pre-norm attention + SwiGLU block of ``models/llama.py`` (``DecoderLayer.forward``)
     on the same kernels (:mod:`goodserve.models.native`): ``rms_norm``, the q/k norms where the model has them
     (``head_rms_norm``), ``rope``, every row's new K/V written to its slot, then ``paged_decode_attention``
-    and ``block_gemv`` for the projections. Since every row's K/V is in the cache before any row attends,
+    and ``block_gemv`` for the projections; a mixture of experts' MLP is ``moe_block`` (``csrc/moe_step.cpp``). Since every row's K/V is in the cache before any row attends,
     several rows may be consecutive tokens of one request (a short chunk,
     :func:`goodserve.models.short_rows.decode_rows`): each attends its ``seq_lens`` tokens, its chunk's
     earlier tokens included.

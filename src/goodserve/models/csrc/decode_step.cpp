@@ -21,12 +21,18 @@ namespace {
 constexpr int kParts = 3;
 // Per layer, in this order: the input and post-attention norms' weights, then per projection (qkv, o,
 // gate_up, down) kParts parts of (codes, scales, mins), unused parts zero; last the [num_heads +
-// num_kv_heads, head_dim] weight of the q/k norms (Qwen3's, each head normed before RoPE), or zero.
-constexpr int kLayerPointers = 2 + 4 * kParts * 3 + 1;
+// num_kv_heads, head_dim] weight of the q/k norms (Qwen3's, each head normed before RoPE), or zero; then,
+// for a mixture-of-experts layer (its gate_up and down parts unused), the router's [num_experts, hidden]
+// weight and moe_step.cpp's 3 x 6 part pointers (zeros for a dense layer).
+constexpr int kMoePointers = 1 + 3 * 6;
+constexpr int kLayerPointers = 2 + 4 * kParts * 3 + 1 + kMoePointers;
 // Per layer, projection and part: (kind, offset, rows), rows the part's output features (0: no part; the
 // parts' rows add up to the projection's). A kind of kInvariant + k is the batch-invariant GEMM's kind k
-// (invariant_gemm.cpp; only the first pointer is used), else the block kernel's.
-constexpr int kLayerInts = 4 * kParts * 3;
+// (invariant_gemm.cpp; only the first pointer is used), else the block kernel's. Then moe_step.cpp's 3 x 3
+// part ints and (num_experts, top_k, renormalise, float32_weighting, the scaling's float32 bits): num_experts
+// 0 for a dense layer.
+constexpr int kMoeInts = 3 * 3 + 5;
+constexpr int kLayerInts = 4 * kParts * 3 + kMoeInts;
 constexpr int kInvariant = 16;
 
 template <typename T>
@@ -83,7 +89,7 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
                          : goodserve_rms_norm(dtype, x.data(), hidden, res.data(), hidden, res.data(), in_norm,
                                               h.data(), M, hidden, eps, num_threads));
     GOODSERVE_TRY(gemv(p + 2, ki, h.data(), hidden, qkv_size, qkv.data()));
-    const void* qk_norm = reinterpret_cast<const void*>(p[kLayerPointers - 1]);
+    const void* qk_norm = reinterpret_cast<const void*>(p[2 + 12 * kParts]);
     if (qk_norm != nullptr)
       GOODSERVE_TRY(goodserve_head_rms_norm(dtype, qkv.data(), qkv_size, qk_norm, qkn.data(), M,
                                             num_heads + num_kv_heads, head_dim, eps, num_threads));
@@ -110,6 +116,17 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
     GOODSERVE_TRY(gemv(p + 2 + 3 * kParts, ki + 3 * kParts, attn.data(), q_size, hidden, o.data()));
     GOODSERVE_TRY(goodserve_rms_norm(dtype, o.data(), hidden, res.data(), hidden, res.data(), post_norm, h.data(), M,
                                      hidden, eps, num_threads));
+    const int64_t* moe = p + 3 + 12 * kParts;
+    const int32_t* moe_ints = ki + 12 * kParts;
+    if (moe_ints[9] > 0) {
+      float scaling;
+      std::memcpy(&scaling, moe_ints + 13, sizeof scaling);
+      const int64_t moe_inter = (moe_ints[2] + moe_ints[5]) / 2;
+      GOODSERVE_TRY(goodserve_moe_block(dtype, h.data(), M, hidden, reinterpret_cast<const void*>(moe[0]), moe_ints[9],
+                                        moe_ints[10], moe_ints[11], scaling, moe_ints[12], moe + 1, moe_ints,
+                                        moe_inter, x.data(), num_threads));
+      continue;
+    }
     GOODSERVE_TRY(gemv(p + 2 + 6 * kParts, ki + 6 * kParts, h.data(), hidden, 2 * inter, gu.data()));
     GOODSERVE_TRY(goodserve_silu_mul(dtype, gu.data(), 2 * inter, M, inter, act.data(), num_threads));
     GOODSERVE_TRY(gemv(p + 2 + 9 * kParts, ki + 9 * kParts, act.data(), inter, hidden, x.data()));
@@ -124,8 +141,8 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
 extern "C" {
 
 // dtype: 0 = float32, 1 = bfloat16 (activations, norm weights, caches, rope table). M: decode rows (>= 1),
-// one token per request. layer_ptrs: [num_layers, 39] addresses (see kLayerPointers; a null mins for
-// Q4_0, Q5_0 and Q8_0); layer_ints: [num_layers, 36] (kLayerInts); k_caches, v_caches: [num_layers] addresses of caches
+// one token per request. layer_ptrs: [num_layers, 58] addresses (see kLayerPointers; a null mins for
+// Q4_0, Q5_0 and Q8_0); layer_ints: [num_layers, 50] (kLayerInts); k_caches, v_caches: [num_layers] addresses of caches
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [M, max_blocks] int32, seq_lens [M] int32
 // (new token included), slots [M] int64: as paged_decode_attention and the slot mapping; rope_table: cos
 // rows then, rope_stride elements later, sin rows; positions [M] int64; embeddings, out: [M, hidden].
