@@ -134,10 +134,10 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
     Each layer is the pre-norm attention + SwiGLU block of ``models/llama.py`` (``DecoderLayer.forward``)
     on the same kernels (:mod:`goodserve.models.native`): ``rms_norm``, the q/k norms where the model has them
     (``head_rms_norm``), ``rope``, every row's new K/V written to its slot, then ``paged_decode_attention``
-    and ``block_gemv`` for the projections; a mixture of experts' MLP is ``moe_block`` (``csrc/moe_step.cpp``). Since every row's K/V is in the cache before any row attends,
-    several rows may be consecutive tokens of one request (a short chunk,
-    :func:`goodserve.models.short_rows.decode_rows`): each attends its ``seq_lens`` tokens, its chunk's
-    earlier tokens included.
+    and ``block_gemv`` for the projections; a mixture of experts' MLP is ``moe_block`` (``csrc/moe_step.cpp``).
+    Since every row's K/V is in the cache before any row attends, several rows may be consecutive tokens of
+    one request (a short chunk, :func:`goodserve.models.short_rows.decode_rows`): each attends its
+    ``seq_lens`` tokens, its chunk's earlier tokens included.
 
     Args:
         plan: The model's operands.

@@ -415,9 +415,10 @@ int goodserve_block_gemv_grouped(int kind, int x_dtype, const void* x, int64_t x
   if (K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ5 ||
       (super_blocks(kind) && (K % 256 || mins == nullptr)) || x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
     return 1;
-  for (int64_t g = 0; g < num_groups; ++g)
-    if (groups[3 * g] < 0 || groups[3 * g + 1] < 0 || groups[3 * g + 2] < 0 || groups[3 * g + 1] + groups[3 * g + 2] > M)
-      return 1;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t* group = groups + 3 * g;
+    if (group[0] < 0 || group[1] < 0 || group[2] < 0 || group[1] + group[2] > M) return 1;
+  }
   auto go = [&](auto* xp, auto* yp) {
     run_grouped(kind, xp, x_stride, K, codes, codes_stride, d, d_stride, mins, mins_stride, offset, N, groups,
                 num_groups, yp, y_stride, num_threads);
