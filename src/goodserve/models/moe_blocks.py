@@ -259,8 +259,10 @@ class BlockExperts(nn.Module):
             ``[rows, hidden]`` in ``x``'s dtype.
 
         Raises:
-            RuntimeError: if the kernel refuses the call.
+            RuntimeError: if the kernel refuses the call. ValueError: for a router of another shape.
         """
+        if router.shape != (self.num_experts, x.shape[1]) or router.dtype != x.dtype or not router.is_contiguous():
+            raise ValueError(f"the router must be [{self.num_experts}, {x.shape[1]}] contiguous in {x.dtype}")
         return torch.ops.goodserve.moe_block(x.contiguous(), router, top_k, renormalise, scaling, float32_weighting,
                                              self.part_ptrs, self.part_ints, self.inter)
 

@@ -5,6 +5,7 @@ strings together are :mod:`goodserve.models.native`'s; so are the checks and err
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,6 +46,20 @@ class MoeOperands:
     scaling: float
     float32_weighting: bool
 
+    def pointers(self) -> list[int]:
+        """The layer's ``kMoePointers`` addresses of ``csrc/decode_step.cpp``: the router's, then the parts'."""
+        return [self.router.data_ptr()] + self.part_ptrs.reshape(-1).tolist()
+
+    def ints(self) -> list[int]:
+        """The layer's ``kMoeInts``: the parts' ints, then the routing (the scaling as its float32 bits)."""
+        scaling_bits = struct.unpack("<i", struct.pack("<f", self.scaling))[0]
+        return self.part_ints.reshape(-1).tolist() + [self.num_experts, self.top_k, int(self.renormalise),
+                                                      int(self.float32_weighting), scaling_bits]
+
+
+#: A dense layer's ``kMoePointers`` and ``kMoeInts`` (``csrc/decode_step.cpp``): zeros.
+_NO_MOE = ([0] * 19, [0] * 14)
+
 
 class DecodeLayers:
     """:func:`decode_layers`' per-model operands: the addresses of every layer's weights, gathered once.
@@ -82,7 +97,7 @@ class DecodeLayers:
             if len(projections) != (2 if moe else 4):
                 raise ValueError("a layer of the decode step has qkv, o, gate_up and down projections (a mixture "
                                  "of experts' layer qkv and o)")
-            for parts in projections + [[], []] * (moe is not None):
+            for parts in projections + [[], []] * (moe is not None):  # an MoE layer's gate_up and down: none
                 if not (moe is not None and not parts) and not 1 <= len(parts) <= DECODE_STEP_PARTS:
                     raise ValueError(f"a projection of the decode step has 1 to {DECODE_STEP_PARTS} parts")
                 for kind, codes, scales, mins, offset, rows in parts:
@@ -92,11 +107,8 @@ class DecodeLayers:
                 row += [0] * 3 * (DECODE_STEP_PARTS - len(parts))
                 kinds += [0] * 3 * (DECODE_STEP_PARTS - len(parts))
             ptrs.append(row + [0 if qk_norm is None else qk_norm.data_ptr()]
-                        + ([0] * 19 if moe is None else [moe.router.data_ptr()] + moe.part_ptrs.reshape(-1).tolist()))
-            scaling_bits = 0 if moe is None else int(torch.tensor(moe.scaling, dtype=torch.float32)
-                                                     .view(torch.int32).item())
-            ints.append(kinds + ([0] * 14 if moe is None else moe.part_ints.reshape(-1).tolist() + [
-                moe.num_experts, moe.top_k, int(moe.renormalise), int(moe.float32_weighting), scaling_bits]))
+                        + (_NO_MOE[0] if moe is None else moe.pointers()))
+            ints.append(kinds + (_NO_MOE[1] if moe is None else moe.ints()))
         #: The most rows a call takes: the block kernel reads its weights once per 4 rows, the
         #: batch-invariant GEMM once per call.
         self.max_rows = INVARIANT_DECODE_MAX_ROWS if invariant else DECODE_STEP_MAX_ROWS
