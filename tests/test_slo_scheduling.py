@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -784,3 +785,25 @@ def test_server_sheds_with_429_and_keeps_serving(tiny_model):
             assert r.status_code == 400 and r.json()["error"]["param"] == "slo_tpot_ms"
     finally:
         eng.shutdown()
+
+
+def test_the_refit_keeps_the_window_sums_as_a_fresh_fit_would():
+    """The step-time model keeps X^T X and X^T y of its window as steps enter and leave: after 700 steps
+    through a window of 50 (the sums also recomputed every 50 steps), its coefficients are the least-squares
+    fit over the prior and the last 50 steps, computed here from scratch."""
+    from goodserve.scheduler.step_time import _SCALE, _features
+
+    rng = random.Random(5)
+    model = StepTimeModel(window=50)
+    steps = []
+    for _ in range(700):
+        tokens = rng.choice([1, 4, 16, 300])
+        shape = StepShape(tokens, min(tokens, rng.randint(1, 8)), tokens * 50, tokens * 50, 4)
+        seconds = 0.002 + 1e-4 * tokens + rng.random() * 1e-3
+        model.observe(shape, seconds)
+        steps.append((shape, seconds))
+    xs = np.array([_features(s) for s, _ in steps[-50:]])
+    ys = np.array([t for _, t in steps[-50:]])
+    want = np.linalg.solve(model._prior_xtx + xs.T @ xs, model._prior_xty + xs.T @ ys) * _SCALE
+    got = np.array(list(model.coefficients.to_dict().values()))
+    assert np.allclose(got, np.clip(want, 0.0, None), rtol=1e-9, atol=1e-15)

@@ -144,6 +144,10 @@ class StepTimeModel:
         self.coefficients = seed
         self.adapt = adapt
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        # X^T X and X^T y of the window's steps, kept as steps enter and leave (a step's refit is then O(1)).
+        self._xtx = np.zeros((len(COEFFICIENT_NAMES),) * 2)
+        self._xty = np.zeros(len(COEFFICIENT_NAMES))
+        self._updates = 0  # steps since the sums were last computed afresh
         # (measured, predicted) of the last steps: at least one run's worth whatever the fit's window.
         self._times: deque[tuple[float, float]] = deque(maxlen=max(window, MIN_MARGIN_STEPS))
         self._margin: Optional[float] = 1.0  # margin of the steps observed so far (None: not computed yet)
@@ -200,10 +204,20 @@ class StepTimeModel:
         self.recent_step_s += a * (seconds - self.recent_step_s)
         if not self.adapt:
             return
-        self._window.append((_features(shape), seconds))
-        xs = np.array([x for x, _ in self._window])
-        ys = np.array([y for _, y in self._window])
-        theta = np.linalg.solve(self._prior_xtx + xs.T @ xs, self._prior_xty + xs.T @ ys) * _SCALE
+        x = _features(shape)
+        if len(self._window) == self._window.maxlen:  # the oldest step leaves the window's sums
+            old, old_s = self._window[0]
+            self._xtx -= np.outer(old, old)
+            self._xty -= old * old_s
+        self._window.append((x, seconds))
+        self._xtx += np.outer(x, x)
+        self._xty += x * seconds
+        self._updates += 1
+        if self._updates >= self._window.maxlen:  # summed afresh now and then: no drift from the subtractions
+            xs = np.array([f for f, _ in self._window])
+            self._xtx, self._xty = xs.T @ xs, xs.T @ np.array([t for _, t in self._window])
+            self._updates = 0
+        theta = np.linalg.solve(self._prior_xtx + self._xtx, self._prior_xty + self._xty) * _SCALE
         self.coefficients = StepCoefficients(*(float(v) for v in np.clip(theta, 0.0, None)))
 
     @property
