@@ -136,6 +136,23 @@ def test_qwen3_decode_step_in_one_call_equals_the_layer_by_layer_path():
     decode_both_ways(model, c)
 
 
+def test_head_rms_norm_is_each_heads_rms_norm():
+    """``native.head_rms_norm`` on a strided ``[rows, heads, head_dim]`` view (q and k inside a fused qkv row)
+    against HF's RMSNorm per head (float32 within its rounding of the sum of squares), and its refusals."""
+    from goodserve.models.llama import _rms_norm
+
+    qkv = torch.randn(5, 12 * 32)
+    qk = qkv[:, :10 * 32].view(5, 10, 32)
+    w = 1 + 0.1 * torch.randn(10, 32)
+    got = native.head_rms_norm(qk, w, 1e-6)
+    assert got.shape == (5, 10, 32) and got.is_contiguous()
+    assert torch.allclose(got, _rms_norm(qk, w, 1e-6), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"weight must be \[10, 32\]"):
+        native.head_rms_norm(qk, w[:9], 1e-6)
+    with pytest.raises(ValueError, match="heads contiguous"):
+        native.head_rms_norm(qk.transpose(1, 2), w, 1e-6)
+
+
 def decode_both_ways(model: LlamaForCausalLM, c: ModelConfig) -> None:
     """Prefill six requests, then decode 5 steps (6 rows, then 1) with the one-call decode step and with the
     layer-by-layer path into two caches; assert every step's hidden states and the caches are equal."""
