@@ -231,8 +231,9 @@ class DecoderLayer(nn.Module):
 
 
 def _block_parts(layer: nn.Module) -> Optional[list[tuple]]:
-    """A projection's parts as :class:`goodserve.models.native_decode.DecodeLayers` takes them, when every part runs on
-    the block kernel without bias (a :class:`PartsLinear` of up to ``DECODE_STEP_PARTS`` of them); else None."""
+    """A projection's parts as :class:`goodserve.models.native_decode.DecodeLayers` takes them, when every part
+    runs on the block kernel without bias (a :class:`PartsLinear` of up to ``DECODE_STEP_PARTS`` of them); else
+    None."""
     parts = list(layer.parts) if isinstance(layer, PartsLinear) else [layer]
     if len(parts) > native_decode.DECODE_STEP_PARTS or not all(
             isinstance(p, QuantLinear) and p.kind == "blocks" and p.bias is None for p in parts):
@@ -378,8 +379,8 @@ class LlamaForCausalLM(nn.Module):
         self.decode_plan = self._decode_plan()
 
     def _decode_plan(self) -> Optional[native_decode.DecodeLayers]:
-        """The operands of :func:`goodserve.models.native_decode.decode_layers` when every projection runs on the
-        block kernel (whole, or as :class:`PartsLinear` parts), or (batch-invariant mode) on the native
+        """The operands of :func:`goodserve.models.native_decode.decode_layers` when every projection runs on
+        the block kernel (whole, or as :class:`PartsLinear` parts), or (batch-invariant mode) on the native
         batch-invariant GEMM, without bias, every mixture of experts' experts on the block kernel
         (:meth:`goodserve.models.moe.SparseMoeBlock.decode_operands`), and the norms on the native kernels;
         else ``None``."""
@@ -467,9 +468,9 @@ class LlamaForCausalLM(nn.Module):
             c.num_key_value_heads)
         tables, seq_lens, max_len = decode_rows(meta)
         return native_decode.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
-                                    meta.slot_mapping, tables, seq_lens, max_len,
-                                    self.rope_cos_sin(self.norm.weight.dtype),
-                                    SPLIT_TOKENS if self.batch_invariant else None, amx)
+                                           meta.slot_mapping, tables, seq_lens, max_len,
+                                           self.rope_cos_sin(self.norm.weight.dtype),
+                                           SPLIT_TOKENS if self.batch_invariant else None, amx)
 
     def rope_cos_sin(self, dtype: torch.dtype) -> torch.Tensor:
         """``[2, max_position_embeddings, head_dim]`` cos and sin of every position, made once per dtype.
