@@ -222,7 +222,9 @@ class ModelRunner:
                 logit_index.extend(range(offset - 1 - len(s.spec_token_ids), offset))
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_index, device=self.device)])  # [rows, V]
+        every_row = len(logit_index) == hidden.shape[0]  # a decode step's rows, in order: no gather
+        rows = hidden if every_row else hidden[torch.tensor(logit_index, device=self.device)]
+        logits = self.model.compute_logits(rows)  # [rows, V]
         result = self._sample(logits, sampling)
         asks = []  # (request, context, k): proposals for the next step
         for s in sampling:
