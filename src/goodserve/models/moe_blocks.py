@@ -30,6 +30,7 @@ from torch import nn
 from goodserve.models import native
 from goodserve.models.kquant import KQUANT_TYPES, unpack_gguf_kquant
 from goodserve.models.linear import dense_linear
+from goodserve.models.native_decode import DECODE_STEP_MAX_ROWS
 from goodserve.models.q5 import Q5_TYPES, unpack_gguf_q5
 from goodserve.models.quant import (BLOCK_TYPES, DENSE_AFTER_ROWS, BlockQuantized, dequantize_rows, pack_blocks,
                                     unpack_blocks, unpack_gguf_blocks)
@@ -47,10 +48,10 @@ BLOCK_EXPERT_ARCHITECTURES = ("qwen3_moe",)
 #: expert): 1 row 0.29 ms on the kernel against 0.49 ms on the copy, 4 rows 0.43 / 0.40, 8 rows 0.66 / 0.44,
 #: 12 rows 0.95 / 0.50.
 EXPERT_MAX_ROWS = 12
-#: Steps of at most this many rows run the whole MoE MLP in one native call (:meth:`BlockExperts.mlp_in_one_call`):
-#: no expert gets more rows than the step has, so every expert runs on the kernel, as :meth:`BlockExperts.run_sorted`
-#: runs it (``EXPERT_MAX_ROWS`` is higher). The one-call decode step's rows (:mod:`goodserve.models.native_decode`).
-ONE_CALL_MAX_ROWS = 8
+#: Steps of at most this many rows, the one-call decode step's, run the whole MoE MLP in one native call
+#: (:meth:`BlockExperts.mlp_in_one_call`): no expert gets more rows than the step has, so every expert runs on
+#: the kernel, as :meth:`BlockExperts.run_sorted` runs it (``EXPERT_MAX_ROWS`` is higher).
+ONE_CALL_MAX_ROWS = DECODE_STEP_MAX_ROWS
 
 _UNPACKERS: dict[str, Callable[[np.ndarray, str, tuple[int, int]], BlockQuantized]] = {
     **{t: unpack_gguf_blocks for t in BLOCK_TYPES}, **{t: unpack_gguf_q5 for t in Q5_TYPES},

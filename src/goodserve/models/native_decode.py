@@ -13,9 +13,9 @@ import torch
 
 from goodserve.models.native import BLOCK_KINDS, _ops, num_splits
 
-#: The most rows :func:`decode_layers` takes: two passes over each weight, 132 MB for the default model
-#: against 269 MB of dense bfloat16 weights. Measured (BENCHMARKS.md, issue 15 run 7) against the
-#: layer-by-layer path on dense copies: faster at 6 and 8 rows, not at 12 or 16.
+#: The most rows :func:`decode_layers` takes: two passes of the block kernel over each weight, still fewer
+#: bytes than one pass over dense bfloat16 copies. Past this the layer-by-layer path on dense copies was the
+#: faster one (BENCHMARKS.md, "Against llama.cpp on the same GGUF", run 7).
 DECODE_STEP_MAX_ROWS = 8
 #: The most parts side by side in one projection of :func:`decode_layers` (``kParts`` of ``csrc/decode_step.cpp``).
 DECODE_STEP_PARTS = 3

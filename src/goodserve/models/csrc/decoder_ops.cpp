@@ -19,14 +19,8 @@
 namespace {
 
 using goodserve::load;
+using goodserve::round_to;
 using goodserve::store;
-// The value rounded to the activation dtype, as float32.
-inline float round_to(float v, const float*) { return v; }
-inline float round_to(float v, const uint16_t*) {
-  uint16_t b;
-  store(&b, v);
-  return load(&b);
-}
 
 constexpr int64_t kParallelElements = 1 << 16;  // below this, one thread (a parallel region costs more)
 

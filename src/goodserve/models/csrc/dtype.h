@@ -26,5 +26,12 @@ inline void store(uint16_t* p, float v) {  // float32 -> bfloat16, round to near
   u += 0x7fffu + ((u >> 16) & 1u);
   *p = static_cast<uint16_t>(u >> 16);
 }
+// v rounded to the dtype T points to (an intermediate PyTorch would store in the activation dtype), as float32.
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const uint16_t*) {
+  uint16_t b;
+  store(&b, v);
+  return load(&b);
+}
 
 }  // namespace goodserve

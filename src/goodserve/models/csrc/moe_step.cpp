@@ -22,14 +22,8 @@
 namespace {
 
 using goodserve::load;
+using goodserve::round_to;
 using goodserve::store;
-
-inline float round_to(float v, const float*) { return v; }
-inline float round_to(float v, const uint16_t*) {
-  uint16_t b;
-  store(&b, v);
-  return load(&b);
-}
 
 // One expert weight (a part of gate/up, or down) as the grouped block kernel takes it.
 struct Part {
