@@ -5,9 +5,11 @@
 // (offset 128), so every code is an unsigned byte.
 //
 // Activations are quantized to int16 per row and block of 32: dx = max|x| / 32767 and q = round(x / dx)
-// (nearest even). Per block the integer dot product sum((u - offset) * q) is exact in int32 (vpdpwssd);
-// it is scaled by d * dx in float32, and Q4_1 adds m * dx * sum(q). The activations' rounding is thus
-// 2^-15 of a block's largest value, finer than bfloat16's own 2^-8 relative step for most of the block.
+// (nearest even). Per block the integer dot product sum(u * q) is exact in int32 (vpmaddwd, vpdpwssd); it is
+// scaled by d * dx in float32, and (m - offset * d) * dx * sum(q) is added (m: Q4_1's minimum, else 0), so
+// the offset costs no instruction per block (Q6_K, with a scale per 16 weights, subtracts it from the codes).
+// The activations' rounding is thus 2^-15 of a block's largest value, finer than bfloat16's own 2^-8
+// relative step for most of the block.
 // (llama.cpp rounds activations to int8 per block, Q8_1, with vpdpbusd: measured here, that doubled the
 // default model's largest logit error against float32 over its 30 layers.)
 //
@@ -51,6 +53,9 @@ namespace {
 
 constexpr int64_t kMaxBlocks = 512;  // K <= 16384: the per-thread scale table below lives on the stack
 constexpr int64_t kRowChunk = 16;    // output rows per work item
+// Groups of R weight rows prefetched ahead. Without it a pass over a weight larger than the cache read DRAM at
+// 6-16 GB/s (the hardware prefetchers lose R interleaved streams of a row's few lines each); 4: BENCHMARKS.md.
+constexpr int64_t kAhead = 4;
 
 #ifdef GOODSERVE_VNNI
 
@@ -158,7 +163,9 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
       for (int64_t b = 0; b < nb; b += 16) {
         const __mmask16 k = nb - b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - b)) - 1u);
         const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dr + b));
-        const __m512 mw = mr == nullptr ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mr + b));
+        // The offset rides with the minimum: d * sum((u - offset) * q) = d * sum(u * q) - offset * d * sum(q).
+        const __m512 mw = _mm512_fnmadd_ps(_mm512_set1_ps(static_cast<float>(offset)), dw,
+            mr == nullptr ? _mm512_setzero_ps() : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mr + b)));
         for (int m = 0; m < M; ++m) {
           _mm512_store_ps(s[r][m] + b, _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(k, dx + m * nb + b)));
           mt[m] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(k, sx + m * nb + b), mt[m]);
@@ -169,8 +176,13 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
     __m512 acc[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    // The weight rows kAhead groups ahead, fetched while this group runs, at the rate this one is read (past
+    // the weight's end too: a prefetch never faults).
+    const uint8_t* ahead = codes + (n + kAhead * R) * row_bytes;
     if (q4) {  // a pair of blocks at a time: 32 code bytes widen to the low and the high nibbles (+ bit planes)
       for (int64_t p = 0; p < nb / 2; ++p) {
+        for (int64_t o = p * R * pair_bytes; o < (p + 1) * R * pair_bytes; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
         __m512i xa[M], xb[M];
         for (int m = 0; m < M; ++m) {
           xa[m] = _mm512_loadu_si512((const void*)(xq + m * K + 64 * p));
@@ -192,20 +204,21 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
             lo = _mm512_mask_add_epi16(lo, (__mmask32)plane, lo, b5);
             hi = _mm512_mask_add_epi16(hi, (__mmask32)(plane >> 32), hi, b5);
           }
-          lo = _mm512_sub_epi16(lo, off);
-          hi = _mm512_sub_epi16(hi, off);
+          if (per16) {  // Q6_K's offset cannot ride with a minimum: its scales are per 16 weights
+            lo = _mm512_sub_epi16(lo, off);
+            hi = _mm512_sub_epi16(hi, off);
+          }
           for (int m = 0; m < M; ++m) {
             if (per16) {  // lo: lanes 0-7 block 2p's weights 0-15, 8-15 block 2p + 1's; hi: their weights 16-31
               const float* sp = s[r][m] + 4 * p;
-              const __m512i dl = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, xa[m]);
-              const __m512i dh = _mm512_dpwssd_epi32(_mm512_setzero_si512(), hi, xb[m]);
+              const __m512i dl = _mm512_madd_epi16(lo, xa[m]);
+              const __m512i dh = _mm512_madd_epi16(hi, xb[m]);
               acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl),
                   _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sp[0]), _mm512_set1_ps(sp[2])), acc[r][m]);
               acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh),
                   _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sp[1]), _mm512_set1_ps(sp[3])), acc[r][m]);
             } else {  // lanes 0-7: block 2p's exact integer dot product, 8-15: block 2p + 1's
-              const __m512i dot =
-                  _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, xa[m]), hi, xb[m]);
+              const __m512i dot = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, xa[m]), hi, xb[m]);
               const __m512 sc =
                   _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s[r][m][2 * p]), _mm512_set1_ps(s[r][m][2 * p + 1]));
               acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[r][m]);
@@ -215,13 +228,15 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
       }
     } else {  // one block of 32 code bytes at a time
       for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t o = b * R * 32; o < (b + 1) * R * 32; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
         __m512i xv[M];
         for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512((const void*)(xq + m * K + 32 * b));
         for (int r = 0; r < R; ++r) {
-          const __m512i w = _mm512_sub_epi16(
-              _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + (n + r) * row_bytes + 32 * b))), off);
+          const __m512i w =
+              _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(codes + (n + r) * row_bytes + 32 * b)));
           for (int m = 0; m < M; ++m) {
-            const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, xv[m]);
+            const __m512i dot = _mm512_madd_epi16(w, xv[m]);
             acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(s[r][m][b]), acc[r][m]);
           }
         }
@@ -379,7 +394,8 @@ int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride,
                          int y_dtype, void* y, int64_t y_stride, int num_threads) {
 #ifdef GOODSERVE_VNNI
   if (M < 1 || K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ5 ||
-      (super_blocks(kind) && (K % 256 || mins == nullptr)) || x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
+      (super_blocks(kind) && (K % 256 || mins == nullptr)) || ((kind == kQ4K || kind == kQ5K) && offset != 0) ||
+      x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
     return 1;
   if (x_dtype == 0 && y_dtype == 0)
     run(kind, M, static_cast<const float*>(x), x_stride, K, codes, d, mins, offset, N, static_cast<float*>(y), y_stride, num_threads);
@@ -413,7 +429,8 @@ int goodserve_block_gemv_grouped(int kind, int x_dtype, const void* x, int64_t x
                                  int num_threads) {
 #ifdef GOODSERVE_VNNI
   if (K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ5 ||
-      (super_blocks(kind) && (K % 256 || mins == nullptr)) || x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
+      (super_blocks(kind) && (K % 256 || mins == nullptr)) || ((kind == kQ4K || kind == kQ5K) && offset != 0) ||
+      x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
     return 1;
   for (int64_t g = 0; g < num_groups; ++g) {
     const int64_t* group = groups + 3 * g;
