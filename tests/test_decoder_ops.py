@@ -41,6 +41,23 @@ def test_rms_norm_float32():
     torch.testing.assert_close(normed, _rms_norm(x + r, w, 1e-6), rtol=1e-6, atol=1e-6)
 
 
+def test_rms_norm_row_tails_and_non_finite_values():
+    """Rows whose length is no multiple of the kernel's 16 lanes, and rows holding inf or NaN: the values
+    eager PyTorch gives, NaN where it gives NaN."""
+    torch.manual_seed(1)
+    x, r = torch.randn(4, 100).bfloat16(), torch.randn(4, 100).bfloat16()
+    x[1, 99], x[2, 3], x[3, 50] = float("nan"), float("inf"), 3e38
+    r[3, 50] = 3e38  # the residual sum overflows to inf in bfloat16
+    w = (torch.rand(100) + 0.5).bfloat16()
+    normed, h = native.rms_norm(x, w, 1e-5, r)
+    want_h = x + r
+    assert torch.equal(h.isnan(), want_h.isnan()) and torch.equal(h.nan_to_num(), want_h.nan_to_num())
+    want = _rms_norm(want_h, w, 1e-5)
+    assert torch.equal(normed.isnan(), want.isnan()) and normed.isnan().any()
+    finite = ~want.isnan()
+    assert _ulps(normed[finite], want[finite]).max() <= 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_is_bit_identical_to_the_eager_ops(dtype):
     torch.manual_seed(1)
