@@ -558,6 +558,60 @@ def test_auto_probes_within_the_rows_tpot_allowances():
     assert lengths == [0] * EXPLORE_EVERY + [1]
 
 
+def test_acceptance_upper_bound_is_wide_on_few_rows_and_tight_on_many():
+    """Wilson's upper bound at z = 2 around each rate over its verified rows plus the prior's 2: before any
+    row, 0.5 over 2 rows bounds at (0.5 + 1 + 2 sqrt(0.125 + 0.25)) / 3 = 0.9082; after one row rejected its
+    first draft, 1/3 over 3 rows at (1/3 + 2/3 + 2 sqrt(2/27 + 1/9)) / (7/3) = 0.7974; none accepted over ~500
+    rows (an estimate of 0.002 with the prior) at 0.012."""
+    stats = AcceptanceStats(2)
+    assert stats.upper_rates() == pytest.approx([0.90825] * 2, abs=1e-5)
+    stats.record(1, 0)
+    assert stats.upper_rates()[0] == pytest.approx(0.79743, abs=1e-5)
+    assert max(_stats_at(0.0).upper_rates()) == pytest.approx(0.0117, abs=1e-4)
+
+
+def test_auto_probes_at_the_acceptance_upper_bound():
+    """Issue 33: a rate estimated from a few rows must not keep ``auto`` from the probe that measures it. One
+    row rejected its draft (α = 1/3 over 3 rows with the prior); 58 fresh rows under a 100-ms TPOT SLO (later
+    steps 68 ms) on a model of 10 ms + 1 ms a token. One draft a row makes a 126-ms step: at α = 1/3 it
+    expects 1.33 tokens a row, within 100 + 68 · 0.33 = 122.7 ms: no, and 4 drafts (300 ms) neither, so
+    judged at the estimate no probe was ever taken (a warmup row's rejected draft kept a served run from
+    probing for 130 steps). At the upper bound (0.797) one draft fits (154 ms): the 17th step probes it."""
+    model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("ngram", 4), model)
+    spec.stats.record(1, 0)
+    reqs = create_requests(58, prompt_len=8, max_tokens=100)
+    for r in reqs:
+        r.options = dataclasses.replace(r.options, slo_tpot=0.1)
+        r.num_computed_tokens = 8
+        r.append_output_token(7)
+        r.first_token_time = 5.0
+    lengths = []
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step(reqs, now=5.0)
+        lengths.append(spec.length)
+    assert lengths == [0] * EXPLORE_EVERY + [1]
+
+
+def test_auto_asks_for_the_drafts_of_every_probe_it_takes():
+    """A probe that does not fit (here the step limit: every token costs 1 s, one draft makes a 2.01-s step
+    against 1.5 s) is put off another 16 steps, and the step before the next try asks for its drafts: a probe
+    verifies drafts the runner proposed for it. Before, the count ran on past 16 without asking, and the
+    probe taken once the limit was lifted had no drafts to verify."""
+    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0),
+                                                                   adapt=False))
+    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
+    r.num_computed_tokens = r.num_tokens - 1
+    lengths, lookaheads = [], []
+    for i in range(2 * (EXPLORE_EVERY + 1)):
+        spec.begin_step([r], limit=1.5 if i <= EXPLORE_EVERY else math.inf)
+        lengths.append(spec.length)
+        lookaheads.append(spec.lookahead(r))
+    assert lengths == [0] * (2 * EXPLORE_EVERY + 1) + [4]
+    assert lookaheads[EXPLORE_EVERY - 1] == 4 and lookaheads[2 * EXPLORE_EVERY] == 4
+    assert all(lookaheads[i - 1] >= k for i, k in enumerate(lengths) if k)
+
+
 def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():
     """Free tokens make ``auto`` choose all 4 drafts; after 16 such steps one step verifies none, so the
     step-time model keeps measuring the decodes alone, and asks for the drafts of the step after it."""

@@ -27,6 +27,9 @@ DECAY = 0.998
 #: measured. Each later position's prior is the estimate of the position before it, with the same weight
 #: (:meth:`AcceptanceStats.rates`).
 PRIOR = (1.0, 2.0)
+#: Standard deviations of the acceptance rates' upper bound a probe is judged by
+#: (:meth:`AcceptanceStats.upper_rates`).
+PROBE_Z = 2.0
 
 
 class AcceptanceStats:
@@ -76,6 +79,22 @@ class AcceptanceStats:
         for a, r in zip(self._accepted, self._reached):
             prior = (a + weight * prior) / (r + weight)
             out.append(prior)
+        return out
+
+    def upper_rates(self, z: float = PROBE_Z) -> list[float]:
+        """An upper confidence bound of each ``α_i``: the Wilson score interval's upper end (Wilson 1927) at
+        ``z`` standard deviations, around :meth:`rates` over its ``verified + PRIOR[1]`` rows. A probe is
+        judged by it (:meth:`goodserve.spec.speculator.Speculator.begin_step`): acceptance is measured only
+        by verifying drafts, so a rate estimated from a few rows must not keep the drafts that would correct
+        it from being verified (one warmup row's rejected draft priced every draft at ``α = 1/3``, and
+        ``auto`` put off its probes for 130 steps; BENCHMARKS.md), while a rate measured over many rows
+        stands (none accepted over ~500 rows bounds at 0.012)."""
+        out = []
+        for p, r in zip(self.rates(), self._reached):
+            n = r + PRIOR[1]
+            centre = p + z * z / (2 * n)
+            spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+            out.append(min(1.0, (centre + spread) / (1 + z * z / n)))
         return out
 
     @staticmethod

@@ -85,16 +85,19 @@ class Speculator:
         # a step verifies none (drafts are asked for the step before).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
+        # A probe is judged at the acceptance rates' upper bounds: it is what measures them. One that does not
+        # fit is put off another EXPLORE_EVERY steps, so that its drafts are asked for on the step before it.
         if self._steps_at_zero > EXPLORE_EVERY:
-            rates = self.stats.rates()
+            rates = self.stats.upper_rates()
 
             def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
                 seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens)
                 return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
 
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
+            self._steps_at_zero = 0
             if probe:
-                self.length, self._steps_at_zero, self._probes = probe, 0, self._probes + 1
+                self.length, self._probes = probe, self._probes + 1
         elif self._steps_with > EXPLORE_EVERY:
             self.length, self._steps_with = 0, 0
 
