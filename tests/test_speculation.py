@@ -153,19 +153,21 @@ def test_auto_asks_for_drafts_beside_a_prompt_chunk_for_the_step_after_it():
     assert spec.length == 4 and spec.lookahead(r) == 4
 
 
-def test_auto_length_values_tokens_at_their_cost_beside_a_prompt_chunk():
-    """Issue 33: a decode token costs more than a prompt token (it is sampled), so beside a prompt chunk
-    drafts cheaper than a decode row still pay. Model: 10 ms a step, 0.5 ms a token, 2 ms a sampled token
-    (a decode row 2.5 ms, a prompt token 0.5); drafts measured at 0.5 ms each; acceptance 0.8. Four rows
-    beside 512 prompt tokens: without drafts 276 ms for 4 · 2.5 + 256 = 266 ms of work (0.964); 4 drafts a
-    row add 8 ms and 4 · 2.36 · 2.5 = 23.6 ms of work (289.6 in 284: 1.020), so k = 4. Counted one token
-    each, 525.4 tokens in 284 ms lost to 516 in 276, and ``auto`` verified none. Drafts at a decode row's
-    price (the model's, before any was measured) do not pay beside the chunk: 274 ms of work in 286 (0.958)
-    for one a row."""
-    model = StepTimeModel(StepCoefficients(0.010, 0.0005, 0.002, 0.0), adapt=False)
+def test_auto_length_prices_drafts_beside_a_prompt_chunk_on_the_step_time_model():
+    """Issue 33: what verifying costs on steps of decodes alone (here 4 ms a row verifying and 3 ms a draft:
+    the change from the one-call decode step to the chunk path) is no cost beside a prompt chunk, where the
+    step runs layer by layer whatever its drafts; there a draft is one more token and sampled row, priced by
+    the model. Model: 10 ms + 1 ms a token; acceptance 0.8; 8 rows. Alone, at those costs, no draft pays (the
+    test above). Beside a 2-token prompt tail, k drafts a row make a 20 + 8 k ms step for 8 E[k] + 2 ms of
+    work: 0.5, 0.586, 0.598, 0.582, 0.556 for k = 0..4, so k = 2 whatever the measured costs (priced at them,
+    0). Beside 512 prompt tokens, drafts that cost a decode row do not pay: 0."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
-    assert choose_length(model, stats, [100] * 4, 4, costs=(0.0, 0.0, 0.0005), prompt_tokens=512) == 4
-    assert choose_length(model, stats, [100] * 4, 4, prompt_tokens=512) == 0
+    measured = (0.0, 0.004, 0.003)
+    assert choose_length(model, stats, [100] * 8, 4, costs=measured) == 0
+    assert choose_length(model, stats, [100] * 8, 4, costs=measured, prompt_tokens=2) == 2
+    assert choose_length(model, stats, [100] * 8, 4, prompt_tokens=2) == 2
+    assert choose_length(model, stats, [100] * 8, 4, costs=measured, prompt_tokens=512) == 0
 
 
 def test_auto_length_keeps_the_rows_tpot_allowances():
@@ -265,7 +267,8 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     With the first two alone the three are not told apart, and the least squares with the coefficients
     kept non-negative (next test) still fit both. Under auto, the step-time model learns from the steps without drafts,
     the draft costs from steps of decodes with drafts, and a step with drafts and a prompt chunk teaches the
-    model as if without its drafts, at those costs."""
+    model as it ran, its drafts as tokens and sampled rows (such a step runs layer by layer whatever its
+    drafts, and beside a chunk the model prices them)."""
     cost = DraftCost()
     assert cost.costs() is None
     cost.observe(0.020, 0.025, 4, 8)
@@ -292,7 +295,7 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     mixed = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 3, sample=True, spec_token_ids=[5, 6]),
                                        ScheduledRequest("c", 0, 8, sample=True)])  # with a prompt chunk
     shape, seconds = spec.observe(mixed, 0.100)
-    assert (shape.num_tokens, seconds) == (9, pytest.approx(0.093, rel=1e-3))  # its drafts at their cost
+    assert (shape.num_tokens, shape.num_sampled, seconds) == (11, 4, 0.100)  # its drafts as tokens and samples
     assert spec.cost.num_steps == 1
     fixed = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', "2"),
                        model)

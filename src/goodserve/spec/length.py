@@ -186,15 +186,22 @@ def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
 def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
                  costs: Optional[tuple[float, float, float]], prompt_tokens: int = 0) -> float:
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
-    drafts each, beside ``prompt_tokens`` of prompt chunks: the model's step of plain decodes and the chunks
-    plus what :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts (``costs``); before any draft
-    was measured, the model's step of ``B (k + 1)`` positions and the chunks.
+    drafts each, beside ``prompt_tokens`` of prompt chunks. A step of decodes alone: the model's step of plain
+    decodes plus what :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts (``costs``); before any
+    draft was measured, and beside a prompt chunk, the model's step of ``B (k + 1)`` positions and the chunks.
 
     Measured drafts are not capped at a decode row's cost: where plain decodes run on a faster path than rows
     with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced
     rows with drafts below what they took and verified drafts under load, where they lengthened every step
-    (BENCHMARKS.md, "Speculative decoding on the AVX-512 host")."""
+    (BENCHMARKS.md, "Speculative decoding on the AVX-512 host"). But ``costs`` are learned on steps of decodes
+    alone, and the change of path they hold is no cost beside a prompt chunk: such a step runs layer by layer
+    whatever its drafts, and a draft in it is one more token of the chunk's products and one more sampled row,
+    which the model, fitted on such steps, prices (:meth:`goodserve.spec.speculator.Speculator.observe`).
+    Priced at ``costs`` there (~1.8 ms a draft on the AMD host, where a mixed step's token costs ~0.4 ms and a
+    sampled row ~0.75), ``auto`` verified no draft beside a chunk where a fixed k = 4 gained (BENCHMARKS.md)."""
     rows = len(contexts)
+    if prompt_tokens > 0:
+        costs = None
     per_row = k + 1 if costs is None else 1
     pairs = sum(chunk_pairs(per_row, c) for c in contexts) + chunk_pairs(prompt_tokens, 0)
     base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)

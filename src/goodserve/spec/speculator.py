@@ -163,8 +163,9 @@ class Speculator:
         ``None``. At a fixed length, every step as it ran. Under ``auto`` a draft has a decode row's figures
         but not its cost, and a model fitted on both would misprice each, so: a step without drafts as it
         ran; a step of decodes with drafts teaches the cost of a draft instead
-        (:class:`~goodserve.spec.length.DraftCost`); a step with drafts and a prompt chunk, as if without its
-        drafts, at that cost (a prompt chunk's time is too uncertain to learn a draft's from)."""
+        (:class:`~goodserve.spec.length.DraftCost`); a step with drafts and a prompt chunk as it ran, its drafts
+        counted as tokens and sampled rows: such a step runs layer by layer whatever its drafts, and that is how
+        :func:`~goodserve.spec.length.step_seconds` prices a draft beside a chunk."""
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if num_drafts == 0 or self.config.length != "auto":
             return StepShape.of(out), seconds
@@ -173,9 +174,7 @@ class Speculator:
         if all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
             self.cost.observe(self.model.predict_shape(shape), seconds, num_rows, num_drafts)
             return None
-        if self.cost.costs() is None:
-            return None
-        return shape, max(0.0, seconds - self.cost.excess(num_rows, num_drafts))
+        return StepShape.of(out), seconds
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One row verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
