@@ -167,12 +167,11 @@ class Speculator:
         counted as tokens and sampled rows: such a step runs layer by layer whatever its drafts, and that is how
         :func:`~goodserve.spec.length.step_seconds` prices a draft beside a chunk."""
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
-        if num_drafts == 0 or self.config.length != "auto":
-            return StepShape.of(out), seconds
-        shape = StepShape.of(out, drafts=False)
-        num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
-        if all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
-            self.cost.observe(self.model.predict_shape(shape), seconds, num_rows, num_drafts)
+        if num_drafts and self.config.length == "auto" and \
+                all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
+            num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
+            without = self.model.predict_shape(StepShape.of(out, drafts=False))
+            self.cost.observe(without, seconds, num_rows, num_drafts)
             return None
         return StepShape.of(out), seconds
 
