@@ -261,6 +261,12 @@ def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():
     assert sched._prompt_backlog(1000) == (50, 999)
 
 
+def _excess(cost: DraftCost, num_rows: int, num_drafts: int) -> float:
+    """Seconds ``num_rows`` rows verifying ``num_drafts`` drafts add on ``cost``'s fit."""
+    fixed, per_row, per_draft = cost.costs()
+    return fixed + per_row * num_rows + per_draft * num_drafts
+
+
 def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     """Three steps: 4 rows verifying 8 drafts took 5 ms more than predicted without them, 8 rows verifying 24
     11 ms more, 2 rows verifying 8 4 ms more: 1 ms a step, 0.5 ms a row and 0.25 ms a draft fit all three.
@@ -273,21 +279,21 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     assert cost.costs() is None
     cost.observe(0.020, 0.025, 4, 8)
     cost.observe(0.030, 0.041, 8, 24)
-    assert cost.excess(4, 8) == pytest.approx(0.005, rel=1e-3) and cost.excess(8, 24) == pytest.approx(0.011, rel=1e-3)
+    assert _excess(cost, 4, 8) == pytest.approx(0.005, rel=1e-3) and _excess(cost, 8, 24) == pytest.approx(0.011, rel=1e-3)
     cost.observe(0.010, 0.014, 2, 8)
     assert cost.costs() == pytest.approx((0.001, 0.0005, 0.00025), rel=1e-3, abs=1e-7)
     cost.observe(0.050, 0.040, 0, 0)  # a step without drafts teaches nothing
     assert cost.num_steps == 3
     one = DraftCost()
     one.observe(0.020, 0.030, 2, 2)  # one kind of step: the three are not told apart, and the excess is kept
-    assert one.excess(2, 2) == pytest.approx(0.010, rel=1e-3) and min(one.costs()) > 0
+    assert _excess(one, 2, 2) == pytest.approx(0.010, rel=1e-3) and min(one.costs()) > 0
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
                       model)
     out = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 3, sample=True, spec_token_ids=[5, 6]),
                                      ScheduledRequest("b", 20, 1, sample=True)])
     assert spec.observe(out, 0.019) is None  # predicted without drafts: 10 + 2 · 1 = 12 ms
-    assert spec.cost.excess(1, 2) == pytest.approx(0.007, rel=1e-3)
+    assert _excess(spec.cost, 1, 2) == pytest.approx(0.007, rel=1e-3)
     plain = SchedulerOutput(scheduled=[ScheduledRequest("b", 20, 1, sample=True)])
     shape, seconds = spec.observe(plain, 0.011)  # the step-time model learns from steps without drafts
     assert (shape.num_tokens, shape.num_sampled, shape.attention_pairs, seconds) == (1, 1, 21, 0.011)
@@ -542,6 +548,22 @@ def test_auto_explores_k_max_then_one_draft_after_sixteen_steps_at_zero():
     assert lookaheads == [0] * (EXPLORE_EVERY - 1) + [4, 4] + [0] * (EXPLORE_EVERY - 1) + [1, 2]
 
 
+def _lengths_over_a_probe(spec: Speculator, rows: int, slo_tpot: float) -> list[int]:
+    """The lengths ``spec`` chooses over ``EXPLORE_EVERY + 1`` steps of ``rows`` requests that each just got
+    their first token (at 5 s) and decode under a TPOT SLO of ``slo_tpot`` seconds."""
+    reqs = create_requests(rows, prompt_len=8, max_tokens=100)
+    for r in reqs:
+        r.options = dataclasses.replace(r.options, slo_tpot=slo_tpot)
+        r.num_computed_tokens = 8
+        r.append_output_token(7)
+        r.first_token_time = 5.0
+    lengths = []
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step(reqs, now=5.0)
+        lengths.append(spec.length)
+    return lengths
+
+
 def test_auto_probes_within_the_rows_tpot_allowances():
     """A probe is a step like any other: it keeps the rows' TPOT allowances. Model: 10 ms + 1 ms a token;
     drafts never accepted, so ``auto`` chooses 0. A fresh row with a 12.5-ms TPOT SLO (later steps 11 ms)
@@ -549,16 +571,7 @@ def test_auto_probes_within_the_rows_tpot_allowances():
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats = _stats_at(0.0)
-    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
-    r.options = dataclasses.replace(r.options, slo_tpot=0.0125)
-    r.num_computed_tokens = 8
-    r.append_output_token(7)
-    r.first_token_time = 5.0
-    lengths = []
-    for _ in range(EXPLORE_EVERY + 1):
-        spec.begin_step([r], now=5.0)
-        lengths.append(spec.length)
-    assert lengths == [0] * EXPLORE_EVERY + [1]
+    assert _lengths_over_a_probe(spec, 1, slo_tpot=0.0125) == [0] * EXPLORE_EVERY + [1]
 
 
 def test_acceptance_upper_bound_is_wide_on_few_rows_and_tight_on_many():
@@ -578,22 +591,12 @@ def test_auto_probes_at_the_acceptance_upper_bound():
     row rejected its draft (α = 1/3 over 3 rows with the prior); 58 fresh rows under a 100-ms TPOT SLO (later
     steps 68 ms) on a model of 10 ms + 1 ms a token. One draft a row makes a 126-ms step: at α = 1/3 it
     expects 1.33 tokens a row, within 100 + 68 · 0.33 = 122.7 ms: no, and 4 drafts (300 ms) neither, so
-    judged at the estimate no probe was ever taken (a warmup row's rejected draft kept a served run from
-    probing for 130 steps). At the upper bound (0.797) one draft fits (154 ms): the 17th step probes it."""
+    judged at the estimate no probe was ever taken (as after a served run's warmup row rejected its draft).
+    At the upper bound (0.797) one draft fits (154 ms): the 17th step probes it."""
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats.record(1, 0)
-    reqs = create_requests(58, prompt_len=8, max_tokens=100)
-    for r in reqs:
-        r.options = dataclasses.replace(r.options, slo_tpot=0.1)
-        r.num_computed_tokens = 8
-        r.append_output_token(7)
-        r.first_token_time = 5.0
-    lengths = []
-    for _ in range(EXPLORE_EVERY + 1):
-        spec.begin_step(reqs, now=5.0)
-        lengths.append(spec.length)
-    assert lengths == [0] * EXPLORE_EVERY + [1]
+    assert _lengths_over_a_probe(spec, 58, slo_tpot=0.1) == [0] * EXPLORE_EVERY + [1]
 
 
 def test_auto_asks_for_the_drafts_of_every_probe_it_takes():

@@ -86,9 +86,8 @@ class AcceptanceStats:
         ``z`` standard deviations, around :meth:`rates` over its ``verified + PRIOR[1]`` rows. A probe is
         judged by it (:meth:`goodserve.spec.speculator.Speculator.begin_step`): acceptance is measured only
         by verifying drafts, so a rate estimated from a few rows must not keep the drafts that would correct
-        it from being verified (one warmup row's rejected draft priced every draft at ``α = 1/3``, and
-        ``auto`` put off its probes for 130 steps; BENCHMARKS.md), while a rate measured over many rows
-        stands (none accepted over ~500 rows bounds at 0.012)."""
+        it from being verified (BENCHMARKS.md, "Speculative decoding on the AMD host"), while a rate measured
+        over many rows bounds close to itself."""
         out = []
         for p, r in zip(self.rates(), self._reached):
             n = r + PRIOR[1]
@@ -153,11 +152,6 @@ class DraftCost:
             return None
         return nonnegative_solve(self._xtx + 1e-6 * np.diag(np.diag(self._xtx)), self._xty)
 
-    def excess(self, num_rows: int, num_drafts: int) -> float:
-        """Seconds ``num_rows`` rows verifying ``num_drafts`` drafts add (0 before any was measured)."""
-        c = self.costs()
-        return 0.0 if c is None or num_drafts <= 0 else c[0] + c[1] * num_rows + c[2] * num_drafts
-
 
 def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
     """The ``θ >= 0`` minimising ``θᵀ a θ - 2 θᵀ b`` (least squares from its normal equations, ``a`` positive
@@ -197,8 +191,8 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
     alone, and the change of path they hold is no cost beside a prompt chunk: such a step runs layer by layer
     whatever its drafts, and a draft in it is one more token of the chunk's products and one more sampled row,
     which the model, fitted on such steps, prices (:meth:`goodserve.spec.speculator.Speculator.observe`).
-    Priced at ``costs`` there (~1.8 ms a draft on the AMD host, where a mixed step's token costs ~0.4 ms and a
-    sampled row ~0.75), ``auto`` verified no draft beside a chunk where a fixed k = 4 gained (BENCHMARKS.md)."""
+    Priced at ``costs`` there, ``auto`` verified no draft beside a chunk (BENCHMARKS.md, "Speculative decoding
+    on the AMD host")."""
     rows = len(contexts)
     if prompt_tokens > 0:
         costs = None
