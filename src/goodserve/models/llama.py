@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from goodserve.config import ModelConfig
-from goodserve.models import native, native_decode
+from goodserve.models import decode_plans, native, native_decode
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, NativeAttentionBackend
 from goodserve.models.checkpoint import dense_weight, take_weight
 from goodserve.models.invariant import InvariantLinear, rms_norm_torch
@@ -30,7 +30,7 @@ from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentio
 from goodserve.models.kquant import PartsLinear
 from goodserve.models.linear import dense_linear
 from goodserve.models.moe import SparseMoeBlock
-from goodserve.models.quant import BlockQuantized, QuantLinear, make_linear, runs_on_blocks
+from goodserve.models.quant import DEFAULT_MAX_ROWS, BlockQuantized, make_linear, runs_on_blocks
 from goodserve.models.short_rows import as_decode_rows, decode_rows
 
 
@@ -230,17 +230,6 @@ class DecoderLayer(nn.Module):
         return self.down_proj.forward(F.silu(gate) * up), residual
 
 
-def _block_parts(layer: nn.Module) -> Optional[list[tuple]]:
-    """A projection's parts as :class:`goodserve.models.native_decode.DecodeLayers` takes them, when every part
-    runs on the block kernel without bias (a :class:`PartsLinear` of up to ``DECODE_STEP_PARTS`` of them); else
-    None."""
-    parts = list(layer.parts) if isinstance(layer, PartsLinear) else [layer]
-    if len(parts) > native_decode.DECODE_STEP_PARTS or not all(
-            isinstance(p, QuantLinear) and p.kind == "blocks" and p.bias is None for p in parts):
-        return None
-    return [(p.qtype, p.packed, p.extra, p.mins, p.offset, p.out_features) for p in parts]
-
-
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head.
 
@@ -260,8 +249,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The LM head, made by ``load_weights`` (from the embedding when tied).
         self.lm_head: Optional[nn.Module] = None
-        # Decode steps in one native call (made by ``load_weights`` where every projection allows it).
+        # Decode steps in one native call (made by ``load_weights`` where every projection allows it), and
+        # steps past the block kernel's rows on the dense copies (:func:`decode_plans.wide_plan`, made once they are).
         self.decode_plan: Optional[native_decode.DecodeLayers] = None
+        self._wide_plan: Optional[native_decode.DecodeLayers] = None
         self.batch_invariant = False
         self.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -376,38 +367,8 @@ class LlamaForCausalLM(nn.Module):
                                              requires_grad=False)
         self.inv_freq = rope_inv_freq(c).to(self.embed_tokens.weight.device)
         self._rope_tables.clear()
-        self.decode_plan = self._decode_plan()
-
-    def _decode_plan(self) -> Optional[native_decode.DecodeLayers]:
-        """The operands of :func:`goodserve.models.native_decode.decode_layers` when every projection runs on
-        the block kernel (whole, or as :class:`PartsLinear` parts), or (batch-invariant mode) on the native
-        batch-invariant GEMM, without bias, every mixture of experts' experts on the block kernel
-        (:meth:`goodserve.models.moe.SparseMoeBlock.decode_operands`), and the norms on the native kernels;
-        else ``None``."""
-        c = self.config
-        if not native.usable(self.norm.weight) or c.sliding_window is not None \
-                or (self.batch_invariant and c.qk_norm):
-            return None  # the one-call kernel has no window and no in-order q/k norm
-        layers = []
-        for layer in self.layers:
-            moe = None if layer.moe is None else layer.moe.decode_operands()
-            if layer.moe is not None and moe is None:
-                return None  # experts not on the block kernel
-            projections = [layer.qkv_proj, layer.o_proj] + ([] if moe else [layer.gate_up_proj, layer.down_proj])
-            if self.batch_invariant:
-                if not all(isinstance(p, InvariantLinear) and p.packed is not None and p.bias is None
-                           for p in projections):
-                    return None
-                ops = [[(native_decode.INVARIANT_KIND + p.kind, p.packed, None, None, 0, p.out_features)]
-                       for p in projections]
-            else:
-                ops = [_block_parts(p) for p in projections]
-                if any(parts is None for parts in ops):
-                    return None
-            layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, ops, layer.qk_norm,
-                           moe))
-        shape = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size)
-        return native_decode.DecodeLayers(layers, shape, c.rms_norm_eps, self.norm.weight)
+        self.decode_plan = decode_plans.decode_plan(self)
+        self._wide_plan = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -438,11 +399,10 @@ class LlamaForCausalLM(nn.Module):
                             self.batch_invariant)[0]
 
     def can_decode_in_one_call(self, num_tokens: int, meta: AttentionMetadata, attn: AttentionBackend) -> bool:
-        """Whether :meth:`decode_in_one_call` takes this step: a decode plan (every projection on the block
-        kernel, or in batch-invariant mode on the native invariant GEMM), only decodes and short chunks after a
-        cached context (:func:`~goodserve.models.short_rows.as_decode_rows`; decodes alone in batch-invariant
-        mode), at most the plan's rows, and the native attention kernel the plan attends with."""
-        plan = self.decode_plan
+        """Whether :meth:`decode_in_one_call` takes this step: a plan for its rows (:meth:`one_call_plan`), only
+        decodes and short chunks after a cached context (:func:`~goodserve.models.short_rows.as_decode_rows`;
+        decodes alone in batch-invariant mode), and the native attention kernel the plan attends with."""
+        plan = self.one_call_plan(num_tokens)
         if plan is None or num_tokens > plan.max_rows or not as_decode_rows(meta, num_tokens) \
                 or (self.batch_invariant and meta.num_decodes != num_tokens):
             return False
@@ -450,13 +410,25 @@ class LlamaForCausalLM(nn.Module):
             return isinstance(attn, InvariantAttentionBackend) and attn.use_native
         return isinstance(attn, NativeAttentionBackend)
 
+    def one_call_plan(self, rows: int) -> Optional[native_decode.DecodeLayers]:
+        """The plan a one-call step of ``rows`` rows runs on: past the block kernel's
+        :data:`~goodserve.models.quant.DEFAULT_MAX_ROWS` rows the wide plan on the dense copies once they are
+        made and where it applies (:func:`goodserve.models.decode_plans.wide_plan`: the rows' layer-by-layer
+        path runs on those copies too), else the load's :attr:`decode_plan`."""
+        if rows > DEFAULT_MAX_ROWS and self.decode_plan is not None and not self.batch_invariant:
+            if self._wide_plan is None:
+                self._wide_plan = decode_plans.wide_plan(self)
+            if self._wide_plan is not None:
+                return self._wide_plan
+        return self.decode_plan
+
     def decode_in_one_call(self, input_ids: torch.Tensor, positions: torch.Tensor,
                            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                            attn: AttentionBackend) -> torch.Tensor:
         """:meth:`forward` for a step of decodes and short chunks in one native call
         (:func:`goodserve.models.native_decode.decode_layers`), each token one row
-        (:func:`~goodserve.models.short_rows.decode_rows`); the same bits as the layer-by-layer path on the same
-        kernels (the block kernel, not a dense copy) where its attention splits each context as this call does
+        (:func:`~goodserve.models.short_rows.decode_rows`) on :meth:`one_call_plan`'s weights; the same bits as
+        the layer-by-layer path on the same kernels where its attention splits each context as this call does
         (one split up to 256 tokens of context); the runner calls it where :meth:`can_decode_in_one_call`.
 
         Returns:
@@ -467,8 +439,8 @@ class LlamaForCausalLM(nn.Module):
             input_ids.new_empty((0, c.num_attention_heads, c.head_dim), dtype=self.norm.weight.dtype),
             c.num_key_value_heads)
         tables, seq_lens, max_len = decode_rows(meta)
-        return native_decode.decode_layers(self.decode_plan, self.embed_tokens(input_ids), positions, kv_caches,
-                                           meta.slot_mapping, tables, seq_lens, max_len,
+        return native_decode.decode_layers(self.one_call_plan(input_ids.shape[0]), self.embed_tokens(input_ids),
+                                           positions, kv_caches, meta.slot_mapping, tables, seq_lens, max_len,
                                            self.rope_cos_sin(self.norm.weight.dtype),
                                            SPLIT_TOKENS if self.batch_invariant else None, amx)
 

@@ -23,8 +23,9 @@ exact integers). It is what ``--quantization auto`` runs where it builds, for th
 
 These kernels are matrix-vector kernels: fast while a step has few rows, far slower than oneDNN's bfloat16
 GEMM for a prefill chunk. :class:`QuantLinear` therefore runs steps of at most ``max_rows`` rows on the
-kernel and larger ones on a dense copy of the same weight, made from the codes (prepacked for oneDNN where
-:mod:`goodserve.models.linear` applies) once the larger steps have cost the kernel about what the copy costs
+kernel and larger ones on a dense copy of the same weight, made from the codes
+(:func:`goodserve.models.decode_plans.dense_copy`: packed for the native GEMM where it runs on AMX, else for
+oneDNN where :mod:`goodserve.models.linear` applies) once the larger steps have cost the kernel about what the copy costs
 (:data:`DENSE_AFTER_ROWS`): a one-shot command with a short prompt never pays for it.
 """
 
@@ -412,8 +413,9 @@ class QuantLinear(nn.Module):
     def dense(self) -> nn.Module:
         """The dense layer large steps run on (made once, kept; see ``dense_after_rows``)."""
         if self._dense is None:
+            from goodserve.models.decode_plans import dense_copy  # it imports this module
             # Not registered as a submodule: it is a cache of this layer's weight, not more weights.
-            object.__setattr__(self, "_dense", dense_linear(self.dense_weight(), self.bias))
+            object.__setattr__(self, "_dense", dense_copy(self.dense_weight(), self.bias))
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,9 @@ The form is the simulator's fitted cost model (:class:`goodserve.sim.cost_model.
 with the figures of a :class:`~goodserve.scheduler.output.StepShape`, and ``prefill`` 1 when the step computes
 a prompt chunk (more tokens than it samples), 0 for a step of decodes alone. An engine runs the two kinds of
 step down different paths: vLLM replays CUDA graphs captured for decode-only batches and runs mixed batches
-eagerly; goodserve's CPU engine runs a decode step of up to
-:data:`~goodserve.models.native_decode.DECODE_STEP_MAX_ROWS` rows in one native call and a step with a prompt
-chunk layer by layer. One line through both kinds misprices each: replaying the steps of an azure-code run
+eagerly; goodserve's CPU engine runs a decode step in one native call (up to
+:data:`~goodserve.models.native_decode.DECODE_STEP_MAX_ROWS` rows on the block kernel, more on the native GEMM's
+dense copies: :mod:`goodserve.models.decode_plans`) and a step with a prompt chunk layer by layer. One line through both kinds misprices each: replaying the steps of an azure-code run
 at 1.2 req/s under ``slo`` (BENCHMARKS.md, issue 14), the median of measured over predicted time was 0.71
 for decode-only steps and 1.25 for steps with a prompt chunk; with the two prefill terms, 0.96 and 0.97. The SLO-aware policy
 (:mod:`goodserve.scheduler.slo`) asks it before each step how long a candidate step would take.
