@@ -18,15 +18,16 @@ symmetric, round to nearest) and never exact.
 goodserve's block kernel (:func:`goodserve.models.native.block_gemv`, AVX-512 VNNI) reads ``Q4_0``,
 ``Q4_1`` and ``Q8_0`` blocks with their fp16 scales and minimums exactly as the file holds them (and the
 K-quants ``Q4_K`` / ``Q5_K`` / ``Q6_K`` and ``Q5_0`` / ``Q5_1``, repacked at load:
-:mod:`goodserve.models.kquant`, :mod:`goodserve.models.q5`), and rounds the activations to int16 per block of 32 instead (2^-15 of the block's largest value; the products are
-exact integers). It is what ``--quantization auto`` runs where it builds, for the tied LM head too.
+:mod:`goodserve.models.kquant`, :mod:`goodserve.models.q5`), and rounds the activations to int16 per block of
+32 instead (2^-15 of the block's largest value; the products are exact integers). It is what
+``--quantization auto`` runs where it builds, for the tied LM head too.
 
 These kernels are matrix-vector kernels: fast while a step has few rows, far slower than oneDNN's bfloat16
 GEMM for a prefill chunk. :class:`QuantLinear` therefore runs steps of at most ``max_rows`` rows on the
 kernel and larger ones on a dense copy of the same weight, made from the codes
 (:func:`goodserve.models.decode_plans.dense_copy`: packed for the native GEMM where it runs on AMX, else for
-oneDNN where :mod:`goodserve.models.linear` applies) once the larger steps have cost the kernel about what the copy costs
-(:data:`DENSE_AFTER_ROWS`): a one-shot command with a short prompt never pays for it.
+oneDNN where :mod:`goodserve.models.linear` applies) once the larger steps have cost the kernel about what the
+copy costs (:data:`DENSE_AFTER_ROWS`): a one-shot command with a short prompt never pays for it.
 """
 
 from __future__ import annotations
