@@ -53,6 +53,16 @@ def test_steps_past_four_rows_take_the_wide_plan_once_the_copies_are_made():
                                                + 2 * c.num_key_value_heads * c.head_dim]  # the GEMM's kind 0
 
 
+def test_batch_invariant_mode_has_no_wide_plan():
+    """Its one plan is already the native GEMM's, for every step size."""
+    c = _config()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(c)
+    model.load_weights(_weights(c), torch.bfloat16, "auto", batch_invariant=True)
+    assert make_dense_copies(model) == 0  # no QuantLinear: every layer is an InvariantLinear
+    assert model.one_call_plan(16) is model.decode_plan
+
+
 @pytest.mark.skipif(not AMX, reason="the wide plan runs where the native GEMM runs on AMX")
 def test_the_wide_one_call_step_equals_the_layer_by_layer_path_on_the_copies():
     """Twelve requests prefill, then three steps: 12 decodes, 10 decodes with a 3-token chunk, 6 decodes:
@@ -90,21 +100,22 @@ def test_the_wide_one_call_step_equals_the_layer_by_layer_path_on_the_copies():
 
 @pytest.mark.skipif(not AMX, reason="the wide plan runs where the native GEMM runs on AMX")
 def test_greedy_tokens_of_a_q4_k_m_file_in_wide_steps_equal_the_layer_by_layer_run(monkeypatch):
-    """``tests/data/tiny-llama-q4_k_m.gguf`` (q/k/v parts in two block types), eight requests batched with the
-    copies made: the decode steps of 5-8 rows run in one call on the wide plan, and the greedy tokens equal
-    the run with every step layer by layer."""
+    """``tests/data/tiny-llama-q4_k_m.gguf`` (q/k/v parts in two block types), twelve requests batched with the
+    copies made: the decode steps of 5-12 rows run in one call on the wide plan, those of up to 4 on the block
+    plan, and the greedy tokens equal the run with every step layer by layer."""
     from goodserve import LLM, SamplingParams
+    from goodserve.models import native_decode
 
-    rows = []
-    one_call = LlamaForCausalLM.decode_in_one_call
+    calls = []  # (rows, the plan's max_rows) of each one-call step
+    decode_layers = native_decode.decode_layers
 
-    def counted(self, input_ids, positions, kv_caches, meta, attn):
-        rows.append(input_ids.shape[0])
-        return one_call(self, input_ids, positions, kv_caches, meta, attn)
+    def counted(plan, embeddings, *args):
+        calls.append((embeddings.shape[0], plan.max_rows))
+        return decode_layers(plan, embeddings, *args)
 
-    monkeypatch.setattr(LlamaForCausalLM, "decode_in_one_call", counted)
-    prompts = [[(11 * i + 3 * j) % 500 + 1 for j in range(5 + 3 * i)] for i in range(8)]
-    params = [SamplingParams(temperature=0, max_tokens=12 + 2 * i, ignore_eos=True) for i in range(8)]
+    monkeypatch.setattr(native_decode, "decode_layers", counted)
+    prompts = [[(11 * i + 3 * j) % 500 + 1 for j in range(5 + 3 * i)] for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 2 * i, ignore_eos=True) for i in range(12)]
     runs = {}
     for fused in (True, False):
         llm = LLM(TINY_Q4_K_M, dtype="bfloat16", quantization="auto", block_size=4, num_blocks=256,
@@ -114,4 +125,5 @@ def test_greedy_tokens_of_a_q4_k_m_file_in_wide_steps_equal_the_layer_by_layer_r
         model = llm.engine.core.runner.model
         assert model.one_call_plan(8) is not model.decode_plan
     assert runs[True] == runs[False]
-    assert max(rows) == 8 and min(rows) <= 4  # wide steps, then the block plan's as requests finish
+    assert (12, 256) in calls and {plan for rows, plan in calls if rows > 4} == {256}
+    assert {plan for rows, plan in calls if rows <= 4} == {8}  # the block plan's, as requests finish

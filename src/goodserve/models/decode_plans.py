@@ -15,7 +15,8 @@ A model has up to two plans of that step:
 Why the wide plan: the block kernel reads its weights once per 4 rows, so past a few rows a step runs on dense
 copies. Layer by layer that step pays ~15 dispatched ops in each layer; in one call it pays none, and on a CPU
 whose OS grants AMX the native GEMM (``csrc/invariant_gemm.cpp``) reads a packed bfloat16 weight faster than
-oneDNN's prepacked one at decode sizes and as fast at prefill sizes (BENCHMARKS.md, issue 32, run 11).
+oneDNN's prepacked one at decode sizes and as fast at prefill sizes. From 5 rows the wide plan was also faster
+than two passes of the block plan (BENCHMARKS.md, "Against llama.cpp on both files, Intel host, run 11").
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from goodserve.models.quant import QuantLinear
 
 
 def dense_copy(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Module:
-    """The dense layer a :class:`~goodserve.models.quant.QuantLinear` runs its steps of more than ``max_rows``
-    rows on: the native GEMM's packed weight (:class:`~goodserve.models.invariant.InvariantLinear`) for a
-    bfloat16 ``[out, in]`` weight on the CPU when that GEMM runs on AMX and takes the shape (``out`` a multiple
-    of 16, ``in`` of 32), so :func:`wide_plan` can run the step in one call; else oneDNN's
+    """The dense layer a :class:`~goodserve.models.quant.QuantLinear` of the file's blocks runs its steps of more
+    than ``max_rows`` rows on: the native GEMM's packed weight (:class:`~goodserve.models.invariant.InvariantLinear`)
+    for a bfloat16 ``[out, in]`` weight on the CPU when that GEMM runs on AMX and takes the shape (``out`` a
+    multiple of 16, ``in`` of 32), so :func:`wide_plan` can run the step in one call; else oneDNN's
     (:func:`goodserve.models.linear.dense_linear`).
 
     Args:
@@ -50,7 +51,7 @@ def dense_copy(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Module:
     return dense_linear(weight, bias)
 
 
-def block_parts(layer: nn.Module) -> Optional[list[tuple]]:
+def _block_parts(layer: nn.Module) -> Optional[list[tuple]]:
     """A projection's parts as :class:`~goodserve.models.native_decode.DecodeLayers` takes them, when every part
     runs on the block kernel without bias (a :class:`PartsLinear` of up to ``DECODE_STEP_PARTS`` of them); else
     None."""
@@ -91,7 +92,7 @@ def decode_plan(model: nn.Module) -> Optional[native_decode.DecodeLayers]:
     ``None``."""
     if model.batch_invariant:
         return _plan(model, lambda p: _invariant_parts([p]), moe=False)
-    return _plan(model, block_parts, moe=True)
+    return _plan(model, _block_parts, moe=True)
 
 
 def wide_plan(model: nn.Module) -> Optional[native_decode.DecodeLayers]:

@@ -153,7 +153,7 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
 
     Args:
         plan: The model's operands.
-        embeddings: ``[rows, hidden]`` (1 to :data:`DECODE_STEP_MAX_ROWS` rows), contiguous, ``plan.dtype``.
+        embeddings: ``[rows, hidden]`` (1 to ``plan.max_rows`` rows), contiguous, ``plan.dtype``.
         positions: ``[rows]`` int64.
         kv_caches: Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous.

@@ -415,8 +415,10 @@ class QuantLinear(nn.Module):
         """The dense layer large steps run on (made once, kept; see ``dense_after_rows``)."""
         if self._dense is None:
             from goodserve.models.decode_plans import dense_copy  # it imports this module
+            weight = self.dense_weight()
             # Not registered as a submodule: it is a cache of this layer's weight, not more weights.
-            object.__setattr__(self, "_dense", dense_copy(self.dense_weight(), self.bias))
+            object.__setattr__(self, "_dense", dense_copy(weight, self.bias) if self.kind == "blocks"
+                               else dense_linear(weight, self.bias))
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

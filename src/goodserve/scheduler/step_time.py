@@ -11,9 +11,10 @@ a prompt chunk (more tokens than it samples), 0 for a step of decodes alone. An 
 step down different paths: vLLM replays CUDA graphs captured for decode-only batches and runs mixed batches
 eagerly; goodserve's CPU engine runs a decode step in one native call (up to
 :data:`~goodserve.models.native_decode.DECODE_STEP_MAX_ROWS` rows on the block kernel, more on the native GEMM's
-dense copies: :mod:`goodserve.models.decode_plans`) and a step with a prompt chunk layer by layer. One line through both kinds misprices each: replaying the steps of an azure-code run
-at 1.2 req/s under ``slo`` (BENCHMARKS.md, issue 14), the median of measured over predicted time was 0.71
-for decode-only steps and 1.25 for steps with a prompt chunk; with the two prefill terms, 0.96 and 0.97. The SLO-aware policy
+dense copies: :mod:`goodserve.models.decode_plans`) and a step with a prompt chunk layer by layer. One line
+through both kinds misprices each: replaying the steps of an azure-code run at 1.2 req/s under ``slo``
+(BENCHMARKS.md, issue 14), the median of measured over predicted time was 0.71 for decode-only steps and 1.25
+for steps with a prompt chunk; with the two prefill terms, 0.96 and 0.97. The SLO-aware policy
 (:mod:`goodserve.scheduler.slo`) asks it before each step how long a candidate step would take.
 
 Refitting: ordinary least squares over the last ``window`` observed steps plus a prior of a few
