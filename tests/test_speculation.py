@@ -81,7 +81,9 @@ def test_acceptance_rates_are_conditional_per_position():
 
 
 def _stats_at(alpha: float) -> AcceptanceStats:
-    """Acceptance statistics of ~500 rows at ``alpha`` at every position."""
+    """Acceptance statistics of ~500 rows at ``alpha`` at every position. :func:`choose_length` prices drafts
+    at the rates' lower bound, 0.780-0.781 for 0.8; the figures in the docstrings below are at 0.8 where the
+    choice is the same at both."""
     stats = AcceptanceStats(4)
     for _ in range(2000):
         stats.record(4, 4)
@@ -191,12 +193,14 @@ def test_auto_length_keeps_the_rows_tpot_allowances():
 
 def test_auto_length_counts_the_prompt_tokens_drafts_displace():
     """Drafts and prompt chunks share the budget the decodes leave. Model: 10 ms + 1 ms a token; acceptance
-    0.8; one row and 4 prompt tokens waiting. With room for more, 4 drafts make 3.36 + 4 ms of work in 19 ms
-    (0.387) against 5 in 15 (0.333): k = 4. With room for 4 tokens, k drafts leave 4 - k prompt tokens: the
-    step takes 15 ms whatever k, for 1 + 4 = 5 ms of work at k = 0, 1.8 + 3 at 1, ... 3.36 at 4: k = 0."""
+    0.8 over ~490 rows, priced at its lower bound 0.780 (0.781 past the first draft); one row and 4 prompt
+    tokens waiting. With room for more, 3 drafts make 2.866 + 4 ms of work in 18 ms (0.3815) against 3.238 + 4
+    in 19 at k = 4 (0.3810) and 5 in 15 at 0 (0.333): k = 3. With room for 4 tokens, k drafts leave 4 - k
+    prompt tokens: the step takes 15 ms whatever k, for 1 + 4 = 5 ms of work at k = 0, 1.78 + 3 at 1, ...
+    3.24 at 4: k = 0."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
-    assert choose_length(model, stats, [100], 4, prompt_tokens=4) == 4
+    assert choose_length(model, stats, [100], 4, prompt_tokens=4) == 3
     assert choose_length(model, stats, [100], 4, prompt_tokens=4, room=4) == 0
 
 
@@ -572,6 +576,29 @@ def test_auto_probes_within_the_rows_tpot_allowances():
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats = _stats_at(0.0)
     assert _lengths_over_a_probe(spec, 1, slo_tpot=0.0125) == [0] * EXPLORE_EVERY + [1]
+
+
+def test_acceptance_lower_bound_prices_a_long_length_measured_on_few_rows_lower():
+    """Issue 33: ``auto`` chooses at the acceptance rates' lower bound (Wilson's, z = 1): choosing the ``k``
+    whose estimated rate is highest picks the length whose estimate erred up (the optimizer's curse, Smith &
+    Winkler 2006), and the later positions, which fewer rows reach, are measured the least. Before any row,
+    0.5 over the prior's 2 rows bounds at (0.5 + 0.25 - sqrt(0.125 + 0.0625)) / 1.5 = 0.2113. Over ~490 rows
+    at 0.8 (every row reaching every position), 0.780. One row alone (model: 10 ms + 1 ms a token + 2 ms a
+    sampled token; a decode token worth 3 ms) makes ``3 E[k]`` ms of work in ``13 + 3 k`` ms: at the estimates
+    0.4021 at k = 3 against 0.4029 at 4, at the bounds 0.3908 against 0.3886: k = 3. With positions 2-4 measured
+    on 5 rows each (4 accepted: estimates still 0.8), their bounds fall to 0.616, and k = 2 (0.3569 against
+    0.3486 at 3)."""
+    stats = AcceptanceStats(2)
+    assert stats.lower_rates() == pytest.approx([0.21132] * 2, abs=1e-5)
+    assert _stats_at(0.8).lower_rates()[0] == pytest.approx(0.78013, abs=1e-5)
+    few = _stats_at(0.8)
+    few._reached = [few._reached[0]] + [5.0] * 3
+    few._accepted = [0.8 * few._reached[0]] + [4.0] * 3
+    assert few.rates() == pytest.approx([0.8] * 4, abs=2e-3)
+    assert few.lower_rates()[1:] == pytest.approx([0.616] * 3, abs=1e-3)
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.002, 0.0), adapt=False)
+    assert choose_length(model, _stats_at(0.8), [100], 4) == 3
+    assert choose_length(model, few, [100], 4) == 2
 
 
 def test_acceptance_upper_bound_is_wide_on_few_rows_and_tight_on_many():

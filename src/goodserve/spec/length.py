@@ -30,6 +30,9 @@ PRIOR = (1.0, 2.0)
 #: Standard deviations of the acceptance rates' upper bound a probe is judged by
 #: (:meth:`AcceptanceStats.upper_rates`).
 PROBE_Z = 2.0
+#: Standard deviations of the lower bound a length is chosen by (:func:`choose_length`; BENCHMARKS.md,
+#: "Speculative decoding on the AVX-512 host", the lower-bound runs).
+CHOICE_Z = 1.0
 
 
 class AcceptanceStats:
@@ -88,12 +91,20 @@ class AcceptanceStats:
         by verifying drafts, so a rate estimated from a few rows must not keep the drafts that would correct
         it from being verified (BENCHMARKS.md, "Speculative decoding on the AMD host"), while a rate measured
         over many rows bounds close to itself."""
+        return self._wilson(z)
+
+    def lower_rates(self, z: float = CHOICE_Z) -> list[float]:
+        """The Wilson score interval's lower end of each ``α_i`` at ``z`` standard deviations (see
+        :meth:`upper_rates`): what :func:`choose_length` prices drafts by."""
+        return self._wilson(-z)
+
+    def _wilson(self, z: float) -> list[float]:
         out = []
         for p, r in zip(self.rates(), self._reached):
             n = r + PRIOR[1]
             centre = p + z * z / (2 * n)
             spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-            out.append(min(1.0, (centre + spread) / (1 + z * z / n)))
+            out.append(min(1.0, max(0.0, (centre + spread) / (1 + z * z / n))))
         return out
 
     @staticmethod
@@ -259,7 +270,9 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     Args:
         model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes and samples
             ``B (k + 1)`` positions and attends ``Σ chunk_pairs(k + 1, c)`` pairs).
-        stats: The measured acceptance rates.
+        stats: The measured acceptance rates, read at their lower bounds (:meth:`AcceptanceStats.lower_rates`:
+            the ``k`` whose estimated rate is highest is the one whose estimate erred up most, and the later
+            positions are measured on the fewest rows).
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
@@ -277,7 +290,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     rows = len(contexts)
     if rows == 0 or k_max <= 0:
         return 0
-    rates = stats.rates()
+    rates = stats.lower_rates()
     per_decode = decode_token_value(model, contexts)
     best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within every allowance
     for k in range(k_max + 1):
