@@ -192,7 +192,8 @@ def test_dense_checkpoint_is_batch_invariant(tmp_path, monkeypatch, dtype, kerne
 @needs_native
 def test_one_call_decode_step_equals_the_layer_path():
     """The one-call decode step (``native_decode.decode_layers``) and the layer-by-layer path give the same hidden
-    states and KV writes bit for bit in batch-invariant mode (same GEMM, attention and SiLU kernels)."""
+    states and KV writes bit for bit in batch-invariant mode (same GEMM, attention and SiLU kernels): steps of
+    decodes, then of decodes beside short chunks (rows verifying drafts, issue 33)."""
     from test_block_gemv import _config, _weights
 
     from goodserve.models.llama import LlamaForCausalLM
@@ -206,7 +207,7 @@ def test_one_call_decode_step_equals_the_layer_path():
     shape = (64, bs, c.num_key_value_heads, c.head_dim)
     caches = {f: [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
                   for _ in range(c.num_hidden_layers)] for f in (True, False)}
-    tables, prompts = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(3)], [[5, 9, 11, 3, 7], [1, 2], [8] * 9]
+    tables, prompts = [[6 * i + j for j in range(6)] for i in range(3)], [[5, 9, 11, 3, 7], [1, 2], [8] * 9]
     lens = [len(p) for p in prompts]
     with torch.inference_mode():
         for f in (True, False):
@@ -215,17 +216,19 @@ def test_one_call_decode_step_equals_the_layer_path():
                 meta = AttentionMetadata.build(bs, [], [], [(0, len(ids), table)], slots, cpu, decode_groups=False,
                                                per_row=True)
                 model(torch.tensor(ids), torch.arange(len(ids)), caches[f], meta, attn)
-        for step in range(3):
-            order = sorted(range(3), key=lambda i: lens[i])
-            slots = torch.tensor([tables[i][lens[i] // bs] * bs + lens[i] % bs for i in order])
+        for step, chunks in enumerate(({}, {}, {}, {1: 3}, {0: 4, 2: 2}, {1: 2, 0: 1})):  # request: new tokens
+            order = sorted((i for i in range(3) if i not in chunks), key=lambda i: lens[i])
+            rows = [(i, lens[i]) for i in order] + [(i, lens[i] + j) for i, n in chunks.items() for j in range(n)]
+            slots = torch.tensor([tables[i][p // bs] * bs + p % bs for i, p in rows])
             meta = AttentionMetadata.build(bs, [tables[i][:lens[i] // bs + 1] for i in order],
-                                           [lens[i] + 1 for i in order], [], slots, cpu, decode_groups=False,
-                                           per_row=True)
-            ids, positions = torch.tensor([10 + i for i in order]), torch.tensor([lens[i] for i in order])
-            assert model.can_decode_in_one_call(3, meta, attn)
+                                           [lens[i] + 1 for i in order], [(lens[i], n, tables[i])
+                                                                          for i, n in chunks.items()],
+                                           slots, cpu, decode_groups=False, per_row=True)
+            ids, positions = torch.tensor([10 + i + p for i, p in rows]), torch.tensor([p for _, p in rows])
+            assert model.can_decode_in_one_call(len(rows), meta, attn)
             fused = model.decode_in_one_call(ids, positions, caches[True], meta, attn)
             assert torch.equal(fused, model(ids, positions, caches[False], meta, attn)), step
-            for i in order:
+            for i, _ in rows:
                 lens[i] += 1
     for (k1, v1), (k2, v2) in zip(caches[True], caches[False]):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)

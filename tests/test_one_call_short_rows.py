@@ -54,10 +54,14 @@ def test_only_decodes_and_short_chunks_after_a_cached_context_are_decode_rows():
     long = MAX_SHORT_CHUNK + 1
     assert not as_decode_rows(_step([(a, 6)], [(b, 2, long)])[1], 1 + long)
     assert not as_decode_rows(_step([(a, 6)], [(b, 13, 4), (b, 0, 2)])[1], 7)  # a short chunk and a prompt
-    # decode groups (the torch backend) and per-row tables (batch-invariant) give no short rows
+    # decode groups (the torch backend) give no short rows
     assert not as_decode_rows(_step([(a, 6)], [(b, 13, 4)], decode_groups=True)[1], 5)
-    assert not as_decode_rows(_step([(a, 6)], [(b, 13, 4)], per_row=True)[1], 5)
+    # per-row tables (batch-invariant): every token is a row already; chunks of up to MAX_SHORT_CHUNK tokens
     assert as_decode_rows(_step([(a, 6)], [], per_row=True)[1], 1)
+    positions, meta = _step([(a, 6)], [(b, 13, 4), (b, 0, 2)], per_row=True)
+    assert as_decode_rows(meta, 7) and decode_rows(meta)[0] is meta.row_block_tables
+    assert decode_rows(meta)[1].tolist() == (positions + 1).tolist() and decode_rows(meta)[2] == 17
+    assert not as_decode_rows(_step([(a, 6)], [(b, 2, long)], per_row=True)[1], 1 + long)
 
 
 def test_the_one_call_step_takes_at_most_the_plans_rows():
@@ -113,10 +117,11 @@ def test_decodes_and_short_chunks_in_one_call_equal_the_layer_by_layer_path():
             assert torch.equal(k1, k2) and torch.equal(v1, v2), way
 
 
-def test_greedy_tokens_with_ngram_speculation_on_the_block_kernel_equal_those_without(monkeypatch):
-    """``tests/data/tiny-llama-q4_k_m.gguf`` in bfloat16 on the block kernel, two requests batched: with
-    n-gram speculation (k = 3), the steps that verify drafts run in one native call, and the greedy tokens
-    equal the run without speculation token for token."""
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_greedy_tokens_with_ngram_speculation_in_one_call_equal_those_without(monkeypatch, batch_invariant):
+    """``tests/data/tiny-llama-q4_k_m.gguf`` in bfloat16 on the block kernel (or, batch-invariant, on the
+    invariant GEMM), two requests batched: with n-gram speculation (k = 3), the steps that verify drafts run in
+    one native call, and the greedy tokens equal the run without speculation token for token."""
     from goodserve import LLM, SamplingParams
 
     calls = {"short": 0, "all": 0}
@@ -124,7 +129,7 @@ def test_greedy_tokens_with_ngram_speculation_on_the_block_kernel_equal_those_wi
 
     def counted(self, input_ids, positions, kv_caches, meta, attn):
         calls["all"] += 1
-        calls["short"] += meta.short_rows is not None
+        calls["short"] += bool(meta.prefills)
         return one_call(self, input_ids, positions, kv_caches, meta, attn)
 
     monkeypatch.setattr(LlamaForCausalLM, "decode_in_one_call", counted)
@@ -136,7 +141,7 @@ def test_greedy_tokens_with_ngram_speculation_on_the_block_kernel_equal_those_wi
         kw = dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
                   speculative_length="3") if spec else {}
         llm = LLM(TINY_Q4_K_M, dtype="bfloat16", quantization="auto", block_size=4, num_blocks=256,
-                  log_stats_interval=0, **kw)
+                  log_stats_interval=0, batch_invariant=batch_invariant, **kw)
         runs[spec] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if spec:
             stats = llm.engine.make_stats()

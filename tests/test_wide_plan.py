@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from goodserve.models import native
+from goodserve.models import native, native_decode
 from goodserve.models.attention import NativeAttentionBackend
 from goodserve.models.decode_plans import dense_copy
 from goodserve.models.invariant import InvariantLinear, kernel_mode
@@ -47,7 +47,7 @@ def test_steps_past_four_rows_take_the_wide_plan_once_the_copies_are_made():
     if not AMX:  # the copies are oneDNN's: the one-call step keeps the block kernel's rows
         assert wide is model.decode_plan and not model.can_decode_in_one_call(16, meta16, attn)
         return
-    assert wide is not model.decode_plan and wide.max_rows == 256 and model.one_call_plan(5) is wide
+    assert wide is not model.decode_plan and wide.max_rows == native_decode.INVARIANT_DECODE_MAX_ROWS and model.one_call_plan(5) is wide
     assert model.can_decode_in_one_call(16, meta16, attn)
     assert wide.layer_ints[0, :3].tolist() == [16, 0, c.num_attention_heads * c.head_dim
                                                + 2 * c.num_key_value_heads * c.head_dim]  # the GEMM's kind 0
@@ -104,7 +104,6 @@ def test_greedy_tokens_of_a_q4_k_m_file_in_wide_steps_equal_the_layer_by_layer_r
     copies made: the decode steps of 5-12 rows run in one call on the wide plan, those of up to 4 on the block
     plan, and the greedy tokens equal the run with every step layer by layer."""
     from goodserve import LLM, SamplingParams
-    from goodserve.models import native_decode
 
     calls = []  # (rows, the plan's max_rows) of each one-call step
     decode_layers = native_decode.decode_layers
@@ -125,5 +124,6 @@ def test_greedy_tokens_of_a_q4_k_m_file_in_wide_steps_equal_the_layer_by_layer_r
         model = llm.engine.core.runner.model
         assert model.one_call_plan(8) is not model.decode_plan
     assert runs[True] == runs[False]
-    assert (12, 256) in calls and {plan for rows, plan in calls if rows > 4} == {256}
+    wide = native_decode.INVARIANT_DECODE_MAX_ROWS
+    assert (12, wide) in calls and {plan for rows, plan in calls if rows > 4} == {wide}
     assert {plan for rows, plan in calls if rows <= 4} == {8}  # the block plan's, as requests finish

@@ -26,7 +26,7 @@ from goodserve.models import decode_plans, native, native_decode
 from goodserve.models.attention import AttentionBackend, AttentionMetadata, NativeAttentionBackend
 from goodserve.models.checkpoint import dense_weight, take_weight
 from goodserve.models.invariant import InvariantLinear, rms_norm_torch
-from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend
+from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend, run_starts
 from goodserve.models.kquant import PartsLinear
 from goodserve.models.linear import dense_linear
 from goodserve.models.moe import SparseMoeBlock
@@ -400,11 +400,10 @@ class LlamaForCausalLM(nn.Module):
 
     def can_decode_in_one_call(self, num_tokens: int, meta: AttentionMetadata, attn: AttentionBackend) -> bool:
         """Whether :meth:`decode_in_one_call` takes this step: a plan for its rows (:meth:`one_call_plan`), only
-        decodes and short chunks after a cached context (:func:`~goodserve.models.short_rows.as_decode_rows`;
-        decodes alone in batch-invariant mode), and the native attention kernel the plan attends with."""
+        decodes and short chunks (:func:`~goodserve.models.short_rows.as_decode_rows`), and the native attention
+        kernel the plan attends with."""
         plan = self.one_call_plan(num_tokens)
-        if plan is None or num_tokens > plan.max_rows or not as_decode_rows(meta, num_tokens) \
-                or (self.batch_invariant and meta.num_decodes != num_tokens):
+        if plan is None or num_tokens > plan.max_rows or not as_decode_rows(meta, num_tokens):
             return False
         if self.batch_invariant:
             return isinstance(attn, InvariantAttentionBackend) and attn.use_native
@@ -439,10 +438,11 @@ class LlamaForCausalLM(nn.Module):
             input_ids.new_empty((0, c.num_attention_heads, c.head_dim), dtype=self.norm.weight.dtype),
             c.num_key_value_heads)
         tables, seq_lens, max_len = decode_rows(meta)
+        runs = run_starts(meta, c.num_attention_heads // c.num_key_value_heads) if amx and meta.prefills else None
         return native_decode.decode_layers(self.one_call_plan(input_ids.shape[0]), self.embed_tokens(input_ids),
                                            positions, kv_caches, meta.slot_mapping, tables, seq_lens, max_len,
                                            self.rope_cos_sin(self.norm.weight.dtype),
-                                           SPLIT_TOKENS if self.batch_invariant else None, amx)
+                                           SPLIT_TOKENS if self.batch_invariant else None, amx, runs)
 
     def rope_cos_sin(self, dtype: torch.dtype) -> torch.Tensor:
         """``[2, max_position_embeddings, head_dim]`` cos and sin of every position, made once per dtype.

@@ -19,8 +19,10 @@ from goodserve.models.native import BLOCK_KINDS, _ops, num_splits
 DECODE_STEP_MAX_ROWS = 8
 #: The most parts side by side in one projection of :func:`decode_layers` (``kParts`` of ``csrc/decode_step.cpp``).
 DECODE_STEP_PARTS = 3
-#: The most rows :func:`decode_layers` takes on batch-invariant GEMMs.
-INVARIANT_DECODE_MAX_ROWS = 256
+#: The most rows :func:`decode_layers` takes on batch-invariant GEMMs: the default token budget. Up to it, on the
+#: default model, a step in one call was faster than layer by layer at every size measured (BENCHMARKS.md,
+#: "Speculative decoding: rows with drafts in one call, batch-invariant").
+INVARIANT_DECODE_MAX_ROWS = 1024
 #: Kind codes past this one in :class:`DecodeLayers` are the batch-invariant GEMM's (``csrc/decode_step.cpp``).
 INVARIANT_KIND = 16
 
@@ -140,7 +142,7 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
                   rope_table: torch.Tensor, split_tokens: Optional[int] = None,
-                  amx_attention: bool = False) -> torch.Tensor:
+                  amx_attention: bool = False, run_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A decode step through every layer and the final norm, one query token per row, in one call.
 
     Each layer is the pre-norm attention + SwiGLU block of ``models/llama.py`` (``DecoderLayer.forward``)
@@ -163,6 +165,11 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
         split_tokens: As :func:`~goodserve.models.native.paged_decode_attention` takes it.
         amx_attention: Attend on the batch-invariant AMX kernel (``csrc/paged_attention_amx.cpp``, bfloat16)
             instead of :func:`~goodserve.models.native.paged_decode_attention`.
+        run_starts: With ``amx_attention``, ``[num_runs + 1]`` int32 first row of each run of rows that share
+            their context's K/V tiles (:func:`goodserve.models.invariant_attention.run_starts`: a short chunk's
+            tokens), as the layer-by-layer path attends them; ``None``: every row its own run. Each row's output
+            is the same either way; a chunk of ``n`` tokens read as one run reads its context once, not ``n``
+            times.
 
     Returns:
         ``[rows, hidden]``: the hidden states after the final norm.
@@ -190,4 +197,4 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
         splits = -(-max_len // split_tokens)
     return ops.decode_layers(plan.layer_ptrs, plan.layer_ints, k_addr, v_addr, embeddings, positions, slot_mapping,
                              block_tables, seq_lens, rope_table, plan.final_norm, list(plan.shape), plan.eps,
-                             block_size, split_tokens, splits, amx_attention)
+                             block_size, split_tokens, splits, amx_attention, run_starts)

@@ -68,7 +68,8 @@ def _bi_gemm(x, packed, n, bias):
 
 @register_fake("goodserve::decode_layers")
 def _decode_layers(layer_ptrs, layer_ints, k_caches, v_caches, embeddings, positions, slot_mapping, block_tables,
-                   seq_lens, rope_table, final_norm, shape, eps, block_size, split_tokens, num_splits, amx_attention):
+                   seq_lens, rope_table, final_norm, shape, eps, block_size, split_tokens, num_splits, amx_attention,
+                   runs):
     return embeddings.new_empty((embeddings.shape[0], shape[0]))
 
 

@@ -59,12 +59,17 @@ def short_rows(short: list[tuple[int, int, int, list[int]]], device: torch.devic
 
 def as_decode_rows(meta: "AttentionMetadata", num_tokens: int) -> bool:
     """Whether every token of the step is a decode or a :class:`ShortRows` token, so that the step can run as
-    ``num_tokens`` decode rows (:func:`decode_rows`). Metadata built without ``decode_groups=False`` (decode
-    groups, or the batch-invariant backend's ``per_row`` tables) qualifies only for a step of decodes alone
-    given as ``decode_block_tables``."""
+    ``num_tokens`` decode rows (:func:`decode_rows`). With the batch-invariant backend's ``per_row`` tables, where
+    every token already attends alone as a decode would, a step of decodes and chunks of at most
+    :data:`MAX_SHORT_CHUNK` tokens each (rows verifying drafts) qualifies. Metadata with decode groups qualifies
+    only for a step of decodes alone given as ``decode_block_tables``."""
+    if num_tokens < 1:
+        return False
+    if meta.row_block_tables is not None:
+        return all(chunk.end - chunk.start <= MAX_SHORT_CHUNK for chunk in meta.prefills)
     rows = meta.short_rows
     num_short = 0 if rows is None else rows.seq_lens.shape[0]
-    if num_tokens < 1 or meta.num_decodes + num_short != num_tokens:
+    if meta.num_decodes + num_short != num_tokens:
         return False
     return meta.num_decodes == 0 or meta.decode_block_tables is not None
 
@@ -73,14 +78,17 @@ def decode_rows(meta: "AttentionMetadata") -> tuple[torch.Tensor, torch.Tensor, 
     """Each token of a step that :func:`as_decode_rows` takes as one decode query, in the flat token order.
 
     The decodes come first, then the short chunks' tokens in order (the chunks follow the decodes, and
-    every chunk is short), so the rows are the decodes' followed by :class:`ShortRows`'. A chunk's token at
-    position ``p`` attends ``p + 1`` tokens: its chunk's earlier tokens too, which a kernel that writes every
-    row's K/V before it attends (``csrc/decode_step.cpp``) has in the cache by then.
+    every chunk is short), so the rows are the decodes' followed by :class:`ShortRows`' (with ``per_row``
+    tables, those tables themselves). A chunk's token at position ``p`` attends ``p + 1`` tokens: its chunk's
+    earlier tokens too, which a kernel that writes every row's K/V before it attends (``csrc/decode_step.cpp``)
+    has in the cache by then.
 
     Returns:
         ``block_tables`` ``[num_tokens, max_blocks]`` int32 (each token's request's table, padded with 0),
         ``seq_lens`` ``[num_tokens]`` int32 (position + 1), and their maximum.
     """
+    if meta.row_block_tables is not None:
+        return meta.row_block_tables, meta.row_seq_lens, meta.max_row_len
     rows = meta.short_rows
     if rows is None:
         return meta.decode_block_tables, meta.decode_seq_lens, meta.max_decode_len

@@ -41,12 +41,17 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
         const int64_t* k_caches, const int64_t* v_caches, int64_t block_size, const int32_t* block_tables,
         int64_t max_blocks, const int32_t* seq_lens, const int64_t* slots, int64_t split_tokens,
         int64_t num_splits, const void* rope_table, int64_t rope_stride, const int64_t* positions,
-        const void* final_norm, const T* embeddings, T* out, int amx_attention, int num_threads) {
+        const void* final_norm, const T* embeddings, T* out, int amx_attention, const int32_t* run_starts,
+        int64_t num_runs, int num_threads) {
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   thread_local std::vector<T> res, h, qkv, qkn, qk, attn, o, gu, act, x;
-  thread_local std::vector<int32_t> runs;  // every row its own run (amx_attention)
-  runs.resize(M + 1);
-  for (int64_t m = 0; m <= M; ++m) runs[m] = static_cast<int32_t>(m);
+  thread_local std::vector<int32_t> own_runs;  // without run_starts: every row its own run (amx_attention)
+  if (run_starts == nullptr) {
+    own_runs.resize(M + 1);
+    for (int64_t m = 0; m <= M; ++m) own_runs[m] = static_cast<int32_t>(m);
+    run_starts = own_runs.data();
+    num_runs = M;
+  }
   res.assign(embeddings, embeddings + M * hidden);
   h.resize(M * hidden);
   qkv.resize(M * qkv_size);
@@ -103,8 +108,8 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
       std::memcpy(v_cache + slots[m] * kv_size, qkv.data() + m * qkv_size + q_size + kv_size, kv_size * sizeof(T));
     }
     if (amx_attention) {
-      GOODSERVE_TRY(goodserve_paged_attention_rows(qk.data(), k_cache, v_cache, block_tables, seq_lens, runs.data(),
-                                                   attn.data(), M, M, num_heads, num_kv_heads, head_dim, block_size,
+      GOODSERVE_TRY(goodserve_paged_attention_rows(qk.data(), k_cache, v_cache, block_tables, seq_lens, run_starts,
+                                                   attn.data(), M, num_runs, num_heads, num_kv_heads, head_dim, block_size,
                                                    max_blocks, q_size + kv_size, split_tokens, num_splits, scale,
                                                    num_threads));
     } else {
@@ -147,7 +152,8 @@ extern "C" {
 // (new token included), slots [M] int64: as paged_decode_attention and the slot mapping; rope_table: cos
 // rows then, rope_stride elements later, sin rows; positions [M] int64; embeddings, out: [M, hidden].
 // amx_attention: attend on paged_attention_amx.cpp (bfloat16; the batch-invariant mode's kernel), else on
-// paged_decode_attention.cpp. Returns 0, or the first kernel's nonzero code (then the step stops there: out is not written, and the
+// paged_decode_attention.cpp; run_starts: [num_runs + 1] int32 runs of rows sharing their context's tiles, as
+// paged_attention_rows takes them (null: every row its own run). Returns 0, or the first kernel's nonzero code (then the step stops there: out is not written, and the
 // caches of the layers before may hold the step's K/V).
 int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t inter, int64_t num_layers, float eps, const int64_t* layer_ptrs,
@@ -156,18 +162,18 @@ int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_he
                             const int32_t* seq_lens, const int64_t* slots, int64_t split_tokens, int64_t num_splits,
                             const void* rope_table, int64_t rope_stride, const int64_t* positions,
                             const void* final_norm, const void* embeddings, void* out, int amx_attention,
-                            int num_threads) {
+                            const int32_t* run_starts, int64_t num_runs, int num_threads) {
   if (dtype == 0)
     return run<float>(dtype, M, hidden, num_heads, num_kv_heads, head_dim, inter, num_layers, eps, layer_ptrs,
                       layer_ints, k_caches, v_caches, block_size, block_tables, max_blocks, seq_lens, slots,
                       split_tokens, num_splits, rope_table, rope_stride, positions, final_norm,
-                      static_cast<const float*>(embeddings), static_cast<float*>(out), 0, num_threads);
+                      static_cast<const float*>(embeddings), static_cast<float*>(out), 0, nullptr, 0, num_threads);
   if (dtype == 1)
     return run<uint16_t>(dtype, M, hidden, num_heads, num_kv_heads, head_dim, inter, num_layers, eps, layer_ptrs,
                          layer_ints, k_caches, v_caches, block_size, block_tables, max_blocks, seq_lens, slots,
                          split_tokens, num_splits, rope_table, rope_stride, positions, final_norm,
                          static_cast<const uint16_t*>(embeddings), static_cast<uint16_t*>(out), amx_attention,
-                         num_threads);
+                         run_starts, num_runs, num_threads);
   return 1;
 }
 

@@ -70,6 +70,6 @@ int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_he
                             const int32_t* seq_lens, const int64_t* slots, int64_t split_tokens, int64_t num_splits,
                             const void* rope_table, int64_t rope_stride, const int64_t* positions,
                             const void* final_norm, const void* embeddings, void* out, int amx_attention,
-                            int num_threads);
+                            const int32_t* run_starts, int64_t num_runs, int num_threads);
 
 }  // extern "C"

@@ -232,7 +232,8 @@ at::Tensor decode_layers(const at::Tensor& layer_ptrs, const at::Tensor& layer_i
                          const at::Tensor& v_caches, const at::Tensor& embeddings, const at::Tensor& positions,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& rope_table, const at::Tensor& final_norm, at::IntArrayRef shape, double eps,
-                         int64_t block_size, int64_t split_tokens, int64_t num_splits, bool amx_attention) {
+                         int64_t block_size, int64_t split_tokens, int64_t num_splits, bool amx_attention,
+                         const std::optional<at::Tensor>& runs) {
   TORCH_CHECK(shape.size() == 5, "shape is (hidden, num_heads, num_kv_heads, head_dim, intermediate)");
   auto out = at::empty({embeddings.size(0), shape[0]}, embeddings.options());
   check(goodserve_decode_layers(code(embeddings), embeddings.size(0), shape[0], shape[1], shape[2], shape[3], shape[4],
@@ -241,7 +242,8 @@ at::Tensor decode_layers(const at::Tensor& layer_ptrs, const at::Tensor& layer_i
                                 ptr<int32_t>(block_tables), block_tables.size(1), ptr<int32_t>(seq_lens),
                                 ptr<int64_t>(slot_mapping), split_tokens, num_splits, rope_table.data_ptr(),
                                 rope_table.stride(0), ptr<int64_t>(positions), final_norm.data_ptr(),
-                                embeddings.data_ptr(), out.data_ptr(), amx_attention ? 1 : 0, threads()),
+                                embeddings.data_ptr(), out.data_ptr(), amx_attention ? 1 : 0,
+                                runs ? ptr<int32_t>(*runs) : nullptr, runs ? runs->size(0) - 1 : 0, threads()),
         "decode_layers");
   return out;
 }
@@ -269,7 +271,7 @@ TORCH_LIBRARY(goodserve, m) {
   m.def("decode_layers(Tensor layer_ptrs, Tensor layer_ints, Tensor k_caches, Tensor v_caches, Tensor embeddings, "
         "Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor rope_table, "
         "Tensor final_norm, int[] shape, float eps, int block_size, int split_tokens, int num_splits, "
-        "bool amx_attention) -> Tensor");
+        "bool amx_attention, Tensor? runs) -> Tensor");
   // Capabilities of this build on this machine (CPU features, and whether the OS grants AMX's tile state).
   m.def("block_gemv_supported() -> bool", &block_gemv_supported);
   m.def("bi_gemm_mode(int force) -> int", &bi_gemm_mode);
