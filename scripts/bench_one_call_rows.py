@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Steps of decode rows verifying drafts: the one-call decode step against the layer-by-layer path.
+
+The default model (its GGUF as a server loads it: batch-invariant where the CPU grants AMX, else the file's blocks
+with their dense copies made), its runner's KV caches and attention backend. Each shape is ``B`` requests of ``C``
+tokens of context, each verifying ``k`` drafts (``B (k + 1)`` rows; ``k = 0``: plain decodes), timed as the median
+of ``--repeats`` runs after one warm-up, both ways on the same metadata one after the other. The caches hold
+whatever they hold: the time of a step does not depend on the values.
+
+Usage: flock /tmp/goodserve-bench.lock scripts/bench_one_call_rows.py [--no-batch-invariant] [--out result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from goodserve.engine.args import batch_invariant_is_cheap
+from goodserve.llm import LLM
+from goodserve.models.attention import AttentionMetadata
+from goodserve.models.loader import default_model_path
+from goodserve.models.quant import make_dense_copies
+
+SHAPES = [(1, 8, 1000), (8, 4, 1000), (20, 4, 1000), (40, 0, 1000), (40, 4, 1000), (60, 4, 1000), (100, 4, 1000),
+          (128, 3, 500), (128, 7, 200), (256, 0, 500)]  # (B, k, C)
+
+
+def step(block_size: int, per_row: bool, b: int, k: int, c: int):
+    """``(input_ids, positions, metadata)`` of ``b`` requests of ``c`` tokens each verifying ``k`` drafts."""
+    per = -(-(c + k + 1) // block_size)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
+    rows = [(i, c + j) for i in range(b) for j in range(k + 1)]
+    slots = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for i, p in rows])
+    decodes = (tables, [c + 1] * b, []) if k == 0 else ([], [], [(c, k + 1, t) for t in tables])
+    meta = AttentionMetadata.build(block_size, *decodes, slots, torch.device("cpu"), decode_groups=False,
+                                   per_row=per_row)
+    return torch.randint(0, 1000, (len(rows),)), torch.tensor([p for _, p in rows]), meta
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: as a server decides (on where AMX is granted)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    blocks = max(-(-(c + k + 1) // 16) * b for b, k, c in SHAPES)
+    invariant = args.batch_invariant
+    if invariant is None:
+        invariant = batch_invariant_is_cheap("cpu", "bfloat16", "auto")
+    llm = LLM(default_model_path(), batch_invariant=invariant, log_stats_interval=0, num_blocks=blocks,
+              block_size=16)
+    runner = llm.engine.core.runner
+    model, attn, kv = runner.model, runner.attn, runner.kv_caches
+    make_dense_copies(model)  # as a server does before its first step
+    per_row = getattr(attn, "uses_row_tables", False)
+    results = []
+    with torch.inference_mode():
+        for b, k, c in SHAPES:
+            ids, positions, meta = step(16, per_row, b, k, c)
+            one = None
+            if model.can_decode_in_one_call(len(ids), meta, attn):
+                one = median_ms(lambda: model.decode_in_one_call(ids, positions, kv, meta, attn), args.repeats)
+            layers = median_ms(lambda: model(ids, positions, kv, meta, attn), args.repeats)
+            results.append(dict(requests=b, drafts=k, context=c, rows=len(ids), one_call_ms=one, layers_ms=layers))
+            ratio = f"x{one / layers:.2f}" if one else "-"
+            print(f"B={b:4d} k={k} C={c:5d} rows={len(ids):5d}  one call {one or float('nan'):8.1f} ms  "
+                  f"layer by layer {layers:8.1f} ms  {ratio}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(batch_invariant=model.batch_invariant, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
