@@ -3,9 +3,10 @@
 
 The default model (its GGUF as a server loads it: batch-invariant where the CPU grants AMX, else the file's blocks
 with their dense copies made), its runner's KV caches and attention backend. Each shape is ``B`` requests of ``C``
-tokens of context, each verifying ``k`` drafts (``B (k + 1)`` rows; ``k = 0``: plain decodes), timed as the median
-of ``--repeats`` runs after one warm-up, both ways on the same metadata one after the other. The caches hold
-whatever they hold: the time of a step does not depend on the values.
+tokens of context, each verifying ``k`` drafts (``B (k + 1)`` rows; ``k = 0``: plain decodes), beside a prompt
+chunk of ``P`` tokens after ``P0`` cached ones (``P = 0``: none), timed as the median of ``--repeats`` runs after one
+warm-up, both ways on the same metadata one after the other. The caches hold whatever they hold: the time of a step
+does not depend on the values.
 
 Usage: flock /tmp/goodserve-bench.lock scripts/bench_one_call_rows.py [--no-batch-invariant] [--out result.json]
 """
@@ -24,20 +25,27 @@ from goodserve.models.attention import AttentionMetadata
 from goodserve.models.loader import default_model_path
 from goodserve.models.quant import make_dense_copies
 
-SHAPES = [(1, 8, 1000), (8, 4, 1000), (20, 4, 1000), (40, 0, 1000), (40, 4, 1000), (60, 4, 1000), (100, 4, 1000),
-          (128, 3, 500), (128, 7, 200), (256, 0, 500)]  # (B, k, C)
+SHAPES = [(1, 8, 1000, 0, 0), (8, 4, 1000, 0, 0), (20, 4, 1000, 0, 0), (40, 0, 1000, 0, 0), (40, 4, 1000, 0, 0),
+          (60, 4, 1000, 0, 0), (100, 4, 1000, 0, 0), (128, 3, 500, 0, 0), (128, 7, 200, 0, 0), (256, 0, 500, 0, 0),
+          (0, 0, 0, 1024, 0), (0, 0, 0, 512, 512), (40, 0, 1000, 600, 0), (40, 4, 1000, 400, 300)]  # (B, k, C, P, P0)
 
 
-def step(block_size: int, per_row: bool, b: int, k: int, c: int):
-    """``(input_ids, positions, metadata)`` of ``b`` requests of ``c`` tokens each verifying ``k`` drafts."""
+def step(block_size: int, per_row: bool, b: int, k: int, c: int, p: int, p0: int):
+    """``(input_ids, positions, metadata)`` of ``b`` requests of ``c`` tokens each verifying ``k`` drafts, then a
+    prompt chunk of ``p`` tokens after ``p0``."""
     per = -(-(c + k + 1) // block_size)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
     rows = [(i, c + j) for i in range(b) for j in range(k + 1)]
-    slots = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for i, p in rows])
-    decodes = (tables, [c + 1] * b, []) if k == 0 else ([], [], [(c, k + 1, t) for t in tables])
-    meta = AttentionMetadata.build(block_size, *decodes, slots, torch.device("cpu"), decode_groups=False,
+    chunks = [] if k == 0 else [(c, k + 1, t) for t in tables]
+    if p:
+        tables.append(list(range(b * per, b * per + -(-(p0 + p) // block_size))))
+        chunks.append((p0, p, tables[-1]))
+        rows += [(b, p0 + j) for j in range(p)]
+    slots = torch.tensor([tables[i][q // block_size] * block_size + q % block_size for i, q in rows])
+    decodes = (tables[:b], [c + 1] * b) if k == 0 else ([], [])
+    meta = AttentionMetadata.build(block_size, *decodes, chunks, slots, torch.device("cpu"), decode_groups=False,
                                    per_row=per_row)
-    return torch.randint(0, 1000, (len(rows),)), torch.tensor([p for _, p in rows]), meta
+    return torch.randint(0, 1000, (len(rows),)), torch.tensor([q for _, q in rows]), meta
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -57,7 +65,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
-    blocks = max(-(-(c + k + 1) // 16) * b for b, k, c in SHAPES)
+    blocks = max(-(-(c + k + 1) // 16) * b + -(-(p + p0) // 16) for b, k, c, p, p0 in SHAPES)
     invariant = args.batch_invariant
     if invariant is None:
         invariant = batch_invariant_is_cheap("cpu", "bfloat16", "auto")
@@ -69,16 +77,17 @@ def main() -> None:
     per_row = getattr(attn, "uses_row_tables", False)
     results = []
     with torch.inference_mode():
-        for b, k, c in SHAPES:
-            ids, positions, meta = step(16, per_row, b, k, c)
+        for b, k, c, p, p0 in SHAPES:
+            ids, positions, meta = step(16, per_row, b, k, c, p, p0)
             one = None
             if model.can_decode_in_one_call(len(ids), meta, attn):
                 one = median_ms(lambda: model.decode_in_one_call(ids, positions, kv, meta, attn), args.repeats)
             layers = median_ms(lambda: model(ids, positions, kv, meta, attn), args.repeats)
-            results.append(dict(requests=b, drafts=k, context=c, rows=len(ids), one_call_ms=one, layers_ms=layers))
+            results.append(dict(requests=b, drafts=k, context=c, prompt_chunk=p, chunk_context=p0, rows=len(ids),
+                                one_call_ms=one, layers_ms=layers))
             ratio = f"x{one / layers:.2f}" if one else "-"
-            print(f"B={b:4d} k={k} C={c:5d} rows={len(ids):5d}  one call {one or float('nan'):8.1f} ms  "
-                  f"layer by layer {layers:8.1f} ms  {ratio}", flush=True)
+            print(f"B={b:4d} k={k} C={c:5d} P={p:5d} P0={p0:4d} rows={len(ids):5d}  "
+                  f"one call {one or float('nan'):8.1f} ms  layer by layer {layers:8.1f} ms  {ratio}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(batch_invariant=model.batch_invariant, results=results), f, indent=1)

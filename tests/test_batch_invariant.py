@@ -192,8 +192,9 @@ def test_dense_checkpoint_is_batch_invariant(tmp_path, monkeypatch, dtype, kerne
 @needs_native
 def test_one_call_decode_step_equals_the_layer_path():
     """The one-call decode step (``native_decode.decode_layers``) and the layer-by-layer path give the same hidden
-    states and KV writes bit for bit in batch-invariant mode (same GEMM, attention and SiLU kernels): steps of
-    decodes, then of decodes beside short chunks (rows verifying drafts, issue 33)."""
+    states and KV writes bit for bit in batch-invariant mode (same GEMM, attention and SiLU kernels), for every
+    kind of step: three prompts at once, decodes, decodes beside short chunks (rows verifying drafts, issue 33),
+    and beside a chunk of several attention runs."""
     from test_block_gemv import _config, _weights
 
     from goodserve.models.llama import LlamaForCausalLM
@@ -207,16 +208,10 @@ def test_one_call_decode_step_equals_the_layer_path():
     shape = (64, bs, c.num_key_value_heads, c.head_dim)
     caches = {f: [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
                   for _ in range(c.num_hidden_layers)] for f in (True, False)}
-    tables, prompts = [[6 * i + j for j in range(6)] for i in range(3)], [[5, 9, 11, 3, 7], [1, 2], [8] * 9]
-    lens = [len(p) for p in prompts]
+    tables, lens = [[12 * i + j for j in range(12)] for i in range(3)], [0, 0, 0]
+    steps = ({0: 5, 1: 2, 2: 9}, {}, {}, {}, {1: 3}, {0: 4, 2: 2}, {1: 2, 0: 1}, {2: 20})  # request: new tokens
     with torch.inference_mode():
-        for f in (True, False):
-            for table, ids in zip(tables, prompts):
-                slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(ids))])
-                meta = AttentionMetadata.build(bs, [], [], [(0, len(ids), table)], slots, cpu, decode_groups=False,
-                                               per_row=True)
-                model(torch.tensor(ids), torch.arange(len(ids)), caches[f], meta, attn)
-        for step, chunks in enumerate(({}, {}, {}, {1: 3}, {0: 4, 2: 2}, {1: 2, 0: 1})):  # request: new tokens
+        for step, chunks in enumerate(steps):
             order = sorted((i for i in range(3) if i not in chunks), key=lambda i: lens[i])
             rows = [(i, lens[i]) for i in order] + [(i, lens[i] + j) for i, n in chunks.items() for j in range(n)]
             slots = torch.tensor([tables[i][p // bs] * bs + p % bs for i, p in rows])

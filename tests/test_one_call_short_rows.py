@@ -56,12 +56,12 @@ def test_only_decodes_and_short_chunks_after_a_cached_context_are_decode_rows():
     assert not as_decode_rows(_step([(a, 6)], [(b, 13, 4), (b, 0, 2)])[1], 7)  # a short chunk and a prompt
     # decode groups (the torch backend) give no short rows
     assert not as_decode_rows(_step([(a, 6)], [(b, 13, 4)], decode_groups=True)[1], 5)
-    # per-row tables (batch-invariant): every token is a row already; chunks of up to MAX_SHORT_CHUNK tokens
+    # per-row tables (batch-invariant): every token is a row already, in any step
     assert as_decode_rows(_step([(a, 6)], [], per_row=True)[1], 1)
     positions, meta = _step([(a, 6)], [(b, 13, 4), (b, 0, 2)], per_row=True)
     assert as_decode_rows(meta, 7) and decode_rows(meta)[0] is meta.row_block_tables
     assert decode_rows(meta)[1].tolist() == (positions + 1).tolist() and decode_rows(meta)[2] == 17
-    assert not as_decode_rows(_step([(a, 6)], [(b, 2, long)], per_row=True)[1], 1 + long)
+    assert as_decode_rows(_step([(a, 6)], [(b, 2, long)], per_row=True)[1], 1 + long)
 
 
 def test_the_one_call_step_takes_at_most_the_plans_rows():

@@ -400,8 +400,9 @@ class LlamaForCausalLM(nn.Module):
 
     def can_decode_in_one_call(self, num_tokens: int, meta: AttentionMetadata, attn: AttentionBackend) -> bool:
         """Whether :meth:`decode_in_one_call` takes this step: a plan for its rows (:meth:`one_call_plan`), only
-        decodes and short chunks (:func:`~goodserve.models.short_rows.as_decode_rows`), and the native attention
-        kernel the plan attends with."""
+        decodes and short chunks, or any step in batch-invariant mode
+        (:func:`~goodserve.models.short_rows.as_decode_rows`), and the native attention kernel the plan attends
+        with."""
         plan = self.one_call_plan(num_tokens)
         if plan is None or num_tokens > plan.max_rows or not as_decode_rows(meta, num_tokens):
             return False
@@ -424,8 +425,8 @@ class LlamaForCausalLM(nn.Module):
     def decode_in_one_call(self, input_ids: torch.Tensor, positions: torch.Tensor,
                            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                            attn: AttentionBackend) -> torch.Tensor:
-        """:meth:`forward` for a step of decodes and short chunks in one native call
-        (:func:`goodserve.models.native_decode.decode_layers`), each token one row
+        """:meth:`forward` for a step of decodes and short chunks (any step in batch-invariant mode) in one native
+        call (:func:`goodserve.models.native_decode.decode_layers`), each token one row
         (:func:`~goodserve.models.short_rows.decode_rows`) on :meth:`one_call_plan`'s weights; the same bits as
         the layer-by-layer path on the same kernels where its attention splits each context as this call does
         (one split up to 256 tokens of context); the runner calls it where :meth:`can_decode_in_one_call`.

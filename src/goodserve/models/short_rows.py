@@ -60,13 +60,14 @@ def short_rows(short: list[tuple[int, int, int, list[int]]], device: torch.devic
 def as_decode_rows(meta: "AttentionMetadata", num_tokens: int) -> bool:
     """Whether every token of the step is a decode or a :class:`ShortRows` token, so that the step can run as
     ``num_tokens`` decode rows (:func:`decode_rows`). With the batch-invariant backend's ``per_row`` tables, where
-    every token already attends alone as a decode would, a step of decodes and chunks of at most
-    :data:`MAX_SHORT_CHUNK` tokens each (rows verifying drafts) qualifies. Metadata with decode groups qualifies
-    only for a step of decodes alone given as ``decode_block_tables``."""
+    every token already attends alone over its own table as a decode would, every step qualifies (a chunk's
+    tokens then attend in the runs the layer-by-layer path gives them,
+    :func:`goodserve.models.invariant_attention.run_starts`, reading their context once a run). Metadata with
+    decode groups qualifies only for a step of decodes alone given as ``decode_block_tables``."""
     if num_tokens < 1:
         return False
     if meta.row_block_tables is not None:
-        return all(chunk.end - chunk.start <= MAX_SHORT_CHUNK for chunk in meta.prefills)
+        return True
     rows = meta.short_rows
     num_short = 0 if rows is None else rows.seq_lens.shape[0]
     if meta.num_decodes + num_short != num_tokens:
