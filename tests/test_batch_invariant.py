@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from goodserve import LLM, SamplingParams
-from goodserve.models import invariant, native, native_build
+from goodserve.models import invariant, native_build
 from goodserve.models.attention import AttentionMetadata
 from goodserve.models.invariant import InvariantLinear, rms_norm_torch
 from goodserve.models.invariant_attention import SPLIT_TOKENS, InvariantAttentionBackend

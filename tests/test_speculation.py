@@ -277,8 +277,8 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     With the first two alone the three are not told apart, and the least squares with the coefficients
     kept non-negative (next test) still fit both. Under auto, the step-time model learns from the steps without drafts,
     the draft costs from steps of decodes with drafts, and a step with drafts and a prompt chunk teaches the
-    model as it ran, its drafts as tokens and sampled rows (such a step runs layer by layer whatever its
-    drafts, and beside a chunk the model prices them)."""
+    model as it ran, its drafts as tokens and sampled rows (such a step takes one path whatever its drafts,
+    and beside a chunk the model prices them)."""
     cost = DraftCost()
     assert cost.costs() is None
     cost.observe(0.020, 0.025, 4, 8)
@@ -651,6 +651,28 @@ def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():
     lengths, lookaheads = _auto_steps(0.0)
     assert lengths == ([4] * EXPLORE_EVERY + [0]) * 2
     assert lookaheads == [4] * (2 * (EXPLORE_EVERY + 1))
+
+
+def test_auto_checks_the_model_less_often_while_it_holds():
+    """Free drafts (every step priced at 10 ms): ``auto`` verifies 4 drafts a row, and now and then a step
+    verifies none, to check the step-time model. A check it predicts within 10% (10.5 and 9.5 ms) doubles the
+    steps with drafts before the next; one it misses (12 ms) brings them back to 16."""
+    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 0.0, 0.0, 0.0),
+                                                                   adapt=False))
+    (r,) = create_requests(1, prompt_len=8, max_tokens=10_000)
+    r.num_computed_tokens = r.num_tokens - 1  # decoding
+    took = iter([0.0105, 0.0095, 0.012, 0.010, 0.010])
+    gaps, run = [], 0
+    while len(gaps) < 5:
+        spec.begin_step([r])
+        if spec.length:
+            run += 1
+            continue
+        gaps.append(run)
+        run = 0
+        plain = SchedulerOutput(scheduled=[ScheduledRequest(r.request_id, r.num_computed_tokens, 1, sample=True)])
+        assert spec.observe(plain, next(took)) is not None  # the model learns it too
+    assert gaps == [EXPLORE_EVERY, 32, 64, EXPLORE_EVERY, 32]
 
 
 def test_drafts_stop_where_the_request_must():

@@ -199,8 +199,8 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
     with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced
     rows with drafts below what they took and verified drafts under load, where they lengthened every step
     (BENCHMARKS.md, "Speculative decoding on the AVX-512 host"). But ``costs`` are learned on steps of decodes
-    alone, and the change of path they hold is no cost beside a prompt chunk: such a step runs layer by layer
-    whatever its drafts, and a draft in it is one more token of the chunk's products and one more sampled row,
+    alone, and the change of path they hold is no cost beside a prompt chunk: such a step takes one path
+    whatever its drafts (layer by layer, or in batch-invariant mode one call), and a draft in it is one more token of the chunk's products and one more sampled row,
     which the model, fitted on such steps, prices (:meth:`goodserve.spec.speculator.Speculator.observe`).
     Priced at ``costs`` there, ``auto`` verified no draft beside a chunk (BENCHMARKS.md, "Speculative decoding
     on the AMD host")."""

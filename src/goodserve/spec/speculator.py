@@ -22,9 +22,15 @@ from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, kee
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
-#: verifies none, so the step-time model keeps measuring the steps without them (at most ~6% of the drafts'
-#: tokens forgone).
+#: verifies none, so the step-time model keeps measuring the steps without them (~6% of the drafts' tokens
+#: forgone, until :data:`EXPLORE_MAX`).
 EXPLORE_EVERY = 16
+#: The most steps with drafts between two steps without: the interval doubles from :data:`EXPLORE_EVERY` each
+#: time a step without drafts took what the step-time model predicted, within :data:`PROBE_TOLERANCE`
+#: (a model that holds needs few such probes), and falls back to it when one did not.
+EXPLORE_MAX = 256
+#: Relative error of the step-time model's prediction within which a step without drafts confirms it.
+PROBE_TOLERANCE = 0.1
 
 
 class Speculator:
@@ -47,6 +53,8 @@ class Speculator:
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step, or for its decodes alone if more (before probes)
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
+        self._explore_with = EXPLORE_EVERY  # steps with drafts before one without (doubles while the model holds)
+        self._judging = False  # a step without drafts was chosen to check the model: judge it when it is back
         self._counted = (0, 0, 0)  # the three counters before this step's first begin_step
 
     @staticmethod
@@ -82,7 +90,8 @@ class Speculator:
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
         # step verifies drafts stops measuring what the decodes alone cost. So after EXPLORE_EVERY steps at
         # 0, a step verifies drafts (k_max or 1 per row, in turn), and after EXPLORE_EVERY steps with drafts,
-        # a step verifies none (drafts are asked for the step before).
+        # a step verifies none (drafts are asked for the step before), at longer intervals while the model
+        # predicts those steps (:meth:`observe`).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
         # A probe is judged at the acceptance rates' upper bounds: it is what measures them. One that does not
@@ -98,8 +107,8 @@ class Speculator:
             self._steps_at_zero = 0
             if probe:
                 self.length, self._probes = probe, self._probes + 1
-        elif self._steps_with > EXPLORE_EVERY:
-            self.length, self._steps_with = 0, 0
+        elif self._steps_with > self._explore_with:
+            self.length, self._steps_with, self._judging = 0, 0, True
 
     def _allowances(self, decodes: Sequence[Request], now: float) -> list[tuple[float, float]]:
         """``(a, c)`` of each of the step's ``decodes`` streaming under a TPOT SLO
@@ -164,9 +173,19 @@ class Speculator:
         but not its cost, and a model fitted on both would misprice each, so: a step without drafts as it
         ran; a step of decodes with drafts teaches the cost of a draft instead
         (:class:`~goodserve.spec.length.DraftCost`); a step with drafts and a prompt chunk as it ran, its drafts
-        counted as tokens and sampled rows: such a step runs layer by layer whatever its drafts, and that is how
-        :func:`~goodserve.spec.length.step_seconds` prices a draft beside a chunk."""
+        counted as tokens and sampled rows: such a step takes one path whatever its drafts (layer by layer, or
+        in batch-invariant mode one native call), and that is how
+        :func:`~goodserve.spec.length.step_seconds` prices a draft beside a chunk.
+
+        The first step without drafts after ``auto`` chose none to check the model is judged before the model
+        learns it: predicted within :data:`PROBE_TOLERANCE`, the steps with drafts before the next such check
+        double (up to :data:`EXPLORE_MAX`); else they fall back to :data:`EXPLORE_EVERY`."""
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
+        if self._judging and not num_drafts:
+            self._judging = False
+            predicted = self.model.predict_shape(StepShape.of(out))
+            held = abs(seconds - predicted) <= PROBE_TOLERANCE * predicted
+            self._explore_with = min(2 * self._explore_with, EXPLORE_MAX) if held else EXPLORE_EVERY
         if num_drafts and self.config.length == "auto" and \
                 all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
             num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
