@@ -47,7 +47,8 @@ def test_steps_past_four_rows_take_the_wide_plan_once_the_copies_are_made():
     if not AMX:  # the copies are oneDNN's: the one-call step keeps the block kernel's rows
         assert wide is model.decode_plan and not model.can_decode_in_one_call(16, meta16, attn)
         return
-    assert wide is not model.decode_plan and wide.max_rows == native_decode.INVARIANT_DECODE_MAX_ROWS and model.one_call_plan(5) is wide
+    assert wide is not model.decode_plan and model.one_call_plan(5) is wide
+    assert wide.max_rows == native_decode.INVARIANT_DECODE_MAX_ROWS
     assert model.can_decode_in_one_call(16, meta16, attn)
     assert wide.layer_ints[0, :3].tolist() == [16, 0, c.num_attention_heads * c.head_dim
                                                + 2 * c.num_key_value_heads * c.head_dim]  # the GEMM's kind 0

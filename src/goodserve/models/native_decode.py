@@ -166,7 +166,7 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
         amx_attention: Attend on the batch-invariant AMX kernel (``csrc/paged_attention_amx.cpp``, bfloat16)
             instead of :func:`~goodserve.models.native.paged_decode_attention`.
         run_starts: With ``amx_attention``, ``[num_runs + 1]`` int32 first row of each run of rows that share
-            their context's K/V tiles (:func:`goodserve.models.invariant_attention.run_starts`: a short chunk's
+            their context's K/V tiles (:func:`goodserve.models.invariant_attention.run_starts`: a chunk's
             tokens), as the layer-by-layer path attends them; ``None``: every row its own run. Each row's output
             is the same either way; a chunk of ``n`` tokens read as one run reads its context once, not ``n``
             times.

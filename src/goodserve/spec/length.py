@@ -200,10 +200,10 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
     rows with drafts below what they took and verified drafts under load, where they lengthened every step
     (BENCHMARKS.md, "Speculative decoding on the AVX-512 host"). But ``costs`` are learned on steps of decodes
     alone, and the change of path they hold is no cost beside a prompt chunk: such a step takes one path
-    whatever its drafts (layer by layer, or in batch-invariant mode one call), and a draft in it is one more token of the chunk's products and one more sampled row,
-    which the model, fitted on such steps, prices (:meth:`goodserve.spec.speculator.Speculator.observe`).
-    Priced at ``costs`` there, ``auto`` verified no draft beside a chunk (BENCHMARKS.md, "Speculative decoding
-    on the AMD host")."""
+    whatever its drafts (layer by layer, or in batch-invariant mode one call), and a draft in it is one more
+    token of the chunk's products and one more sampled row, which the model, fitted on such steps, prices
+    (:meth:`goodserve.spec.speculator.Speculator.observe`). Priced at ``costs`` there, ``auto`` verified no
+    draft beside a chunk (BENCHMARKS.md, "Speculative decoding on the AMD host")."""
     rows = len(contexts)
     if prompt_tokens > 0:
         costs = None

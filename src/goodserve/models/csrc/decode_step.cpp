@@ -109,9 +109,9 @@ int run(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_
     }
     if (amx_attention) {
       GOODSERVE_TRY(goodserve_paged_attention_rows(qk.data(), k_cache, v_cache, block_tables, seq_lens, run_starts,
-                                                   attn.data(), M, num_runs, num_heads, num_kv_heads, head_dim, block_size,
-                                                   max_blocks, q_size + kv_size, split_tokens, num_splits, scale,
-                                                   num_threads));
+                                                   attn.data(), M, num_runs, num_heads, num_kv_heads, head_dim,
+                                                   block_size, max_blocks, q_size + kv_size, split_tokens, num_splits,
+                                                   scale, num_threads));
     } else {
       GOODSERVE_TRY(goodserve_paged_decode_attention(dtype, qk.data(), k_cache, v_cache, block_tables, seq_lens,
                                                      attn.data(), M, num_heads, num_kv_heads, head_dim, block_size,
@@ -153,8 +153,8 @@ extern "C" {
 // rows then, rope_stride elements later, sin rows; positions [M] int64; embeddings, out: [M, hidden].
 // amx_attention: attend on paged_attention_amx.cpp (bfloat16; the batch-invariant mode's kernel), else on
 // paged_decode_attention.cpp; run_starts: [num_runs + 1] int32 runs of rows sharing their context's tiles, as
-// paged_attention_rows takes them (null: every row its own run). Returns 0, or the first kernel's nonzero code (then the step stops there: out is not written, and the
-// caches of the layers before may hold the step's K/V).
+// paged_attention_rows takes them (null: every row its own run). Returns 0, or the first kernel's nonzero code
+// (then the step stops there: out is not written, and the caches of the layers before may hold the step's K/V).
 int goodserve_decode_layers(int dtype, int64_t M, int64_t hidden, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t inter, int64_t num_layers, float eps, const int64_t* layer_ptrs,
                             const int32_t* layer_ints, const int64_t* k_caches, const int64_t* v_caches,
