@@ -197,7 +197,9 @@ def test_one_call_decode_step_equals_the_layer_path():
     and beside a chunk of several attention runs."""
     from test_block_gemv import _config, _weights
 
+    from goodserve.models import native_decode
     from goodserve.models.llama import LlamaForCausalLM
+    from goodserve.models.short_rows import decode_rows
 
     c = _config()
     with torch.device("meta"):
@@ -225,6 +227,10 @@ def test_one_call_decode_step_equals_the_layer_path():
             assert torch.equal(fused, model(ids, positions, caches[False], meta, attn)), step
             for i, _ in rows:
                 lens[i] += 1
+        with pytest.raises(ValueError, match="run_starts"):  # runs that do not end at the last row
+            native_decode.decode_layers(model.decode_plan, model.embed_tokens(ids), positions, caches[True],
+                                        meta.slot_mapping, *decode_rows(meta), model.rope_cos_sin(torch.bfloat16),
+                                        SPLIT_TOKENS, True, torch.tensor([0, 5], dtype=torch.int32))
     for (k1, v1), (k2, v2) in zip(caches[True], caches[False]):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 

@@ -48,8 +48,8 @@ class EngineArgs:
             :func:`resolve_batch_invariant`: on for a bfloat16 server on a CPU with AMX, off otherwise).
         serving: The engine serves requests (``goodserve serve``, a Ray instance): the defaults that depend on
             it (``batch_invariant``) are a server's.
-        fused_decode_step: Decode-only steps run every layer in one native call where the model allows it
-            (``False``: layer by layer, for A/B comparisons; the same bits either way).
+        fused_decode_step: Decode steps (in batch-invariant mode, every step) run every layer in one native call
+            where the model allows it (``False``: layer by layer, for A/B comparisons; the same bits either way).
         disable_hybrid_kv_cache_manager: Keep one full-attention KV-cache group for a model mixing local and global
             layers (vLLM's flag): every layer keeps every block (A/B comparisons; the same tokens either way).
         block_size: Tokens per KV block.
@@ -202,7 +202,8 @@ class EngineArgs:
                             "(default: on for `serve` in bfloat16 on a CPU with AMX, off for one-shot commands; "
                             "CPU only)")
         g.add_argument("--no-fused-decode-step", dest="fused_decode_step", action="store_false",
-                       help="run decode-only steps layer by layer instead of in one native call (A/B comparisons)")
+                       help="run every step layer by layer instead of decode steps (in batch-invariant mode "
+                            "every step) in one native call (A/B comparisons)")
         g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="one full-attention KV-cache group for a model mixing local and global layers (Gemma 3): "
                             "no block freed before the local layers' window (A/B comparisons)")

@@ -12,7 +12,8 @@
   decode step is a read of every weight, and this reads the file's bytes once, at the memory's rate.
   :func:`block_gemv_grouped` runs a mixture of experts' step, each expert over its rows, in one call.
 - :func:`goodserve.models.native_decode.decode_layers`: a decode step of 1-8 rows through every layer in one
-  call, on the kernels above, for a model whose projections all run on :func:`block_gemv`: at batch 1 the
+  call, on the kernels above, for a model whose projections all run on :func:`block_gemv` (more rows on the
+  batch-invariant GEMM: :mod:`goodserve.models.decode_plans`): at batch 1 the
   eager step spent about as long dispatching ~15 ops per layer as computing them.
 - :func:`argmax`: greedy sampling. PyTorch's CPU argmax over a batch's logits cost ~10x a max over the same
   rows (4.3-7.8 ms at batch 64, 49,152 tokens).

@@ -188,6 +188,10 @@ def decode_layers(plan: DecodeLayers, embeddings: torch.Tensor, positions: torch
         raise ValueError("positions and slot_mapping must be int64, block_tables and seq_lens int32, one row each")
     if positions.shape != (rows,) or slot_mapping.shape != (rows,):
         raise ValueError("positions and slot_mapping must hold one entry per row")
+    if run_starts is not None and (run_starts.dtype != torch.int32 or run_starts.dim() != 1
+                                   or not run_starts.is_contiguous() or run_starts.shape[0] < 2
+                                   or int(run_starts[0]) != 0 or int(run_starts[-1]) != rows):
+        raise ValueError(f"run_starts must be contiguous int32 [num_runs + 1] from 0 to the {rows} rows")
     k_addr, v_addr = plan.cache_addresses(kv_caches)
     block_size = kv_caches[0][0].shape[1]
     if split_tokens is None:

@@ -11,7 +11,8 @@ a prompt chunk (more tokens than it samples), 0 for a step of decodes alone. An 
 step down different paths: vLLM replays CUDA graphs captured for decode-only batches and runs mixed batches
 eagerly; goodserve's CPU engine runs a decode step in one native call (up to
 :data:`~goodserve.models.native_decode.DECODE_STEP_MAX_ROWS` rows on the block kernel, more on the native GEMM's
-dense copies: :mod:`goodserve.models.decode_plans`) and a step with a prompt chunk layer by layer. One line
+dense copies: :mod:`goodserve.models.decode_plans`) and a step with a prompt chunk layer by layer (in
+batch-invariant mode, every step in one call). One line
 through both kinds misprices each: replaying the steps of an azure-code run at 1.2 req/s under ``slo``
 (BENCHMARKS.md, issue 14), the median of measured over predicted time was 0.71 for decode-only steps and 1.25
 for steps with a prompt chunk; with the two prefill terms, 0.96 and 0.97. The SLO-aware policy
