@@ -120,6 +120,9 @@ class AcceptanceStats:
 
 #: Weight of the past in :class:`DraftCost`, per step that verified drafts (a half-life of ~35 steps).
 COST_DECAY = 0.98
+#: Ridge of :meth:`DraftCost.costs` on (fixed, per row, per draft), each a fraction of its feature's sum of
+#: squares: what the steps do not tell apart is put on the drafts (see there).
+COST_RIDGE = np.array([0.05, 0.05, 1e-6])
 
 
 class DraftCost:
@@ -134,10 +137,11 @@ class DraftCost:
     (docs/speculation.md has the figures). So under ``auto`` the step-time model is fitted on the steps
     without drafts, and this model holds the rest:
     ``measured − predicted without drafts = fixed + per_row · rows verifying + per_draft · drafts``, by
-    least squares over the steps of decodes with drafts, recency-weighted (:data:`COST_DECAY`), the three
-    coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed
-    term, the change of path at one row priced each draft at several times what it cost at ten rows, and
-    ``auto`` verified none there.
+    least squares over the steps with drafts, recency-weighted (:data:`COST_DECAY`), the three coefficients
+    non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed term, the change of
+    path at one row priced each draft at several times what it cost at ten rows, and ``auto`` verified none
+    there. The speculator keeps one for steps of decodes alone and one for steps with a prompt chunk, which
+    run on other paths (:func:`step_seconds`).
     """
 
     def __init__(self) -> None:
@@ -158,10 +162,15 @@ class DraftCost:
     def costs(self) -> Optional[tuple[float, float, float]]:
         """``(seconds per step verifying, per row verifying, per draft)``, ``None`` before any step verified a
         draft. Where the steps seen do not tell the three apart (one batch, every row verifying the same
-        number of drafts), a light ridge splits the excess between them."""
+        number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer
+        drafts a row then measures a per-row or fixed cost that there is, while an excess put on the rows or
+        the step would keep ``auto`` at the one length it was measured at (fewer drafts looking no cheaper).
+        Split evenly, ``auto`` under load verified 8 drafts a row at 3-6 ms a row and 0.3 ms a draft, where
+        a fixed k = 4 emitted ~10% more tokens (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
+        chunk"). Where the steps do tell them apart, the ridge moves each by a few percent."""
         if not self.num_steps:
             return None
-        return nonnegative_solve(self._xtx + 1e-6 * np.diag(np.diag(self._xtx)), self._xty)
+        return nonnegative_solve(self._xtx + np.diag(COST_RIDGE * np.diag(self._xtx)), self._xty)
 
 
 def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
@@ -189,24 +198,40 @@ def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
 
 
 def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
-                 costs: Optional[tuple[float, float, float]], prompt_tokens: int = 0) -> float:
+                 costs: Optional[tuple[float, float, float]], prompt_tokens: int = 0,
+                 beside: Optional[tuple[float, float, float]] = None) -> float:
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
-    drafts each, beside ``prompt_tokens`` of prompt chunks. A step of decodes alone: the model's step of plain
-    decodes plus what :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts (``costs``); before any
-    draft was measured, and beside a prompt chunk, the model's step of ``B (k + 1)`` positions and the chunks.
+    drafts each, beside ``prompt_tokens`` of prompt chunks: the model's step without the drafts plus what
+    :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts, learned on steps of the same kind: of
+    decodes alone (``costs``), or with a prompt chunk (``beside``). Before any draft was measured, the model's
+    step of ``B (k + 1)`` positions (and the chunks).
 
     Measured drafts are not capped at a decode row's cost: where plain decodes run on a faster path than rows
     with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced
     rows with drafts below what they took and verified drafts under load, where they lengthened every step
-    (BENCHMARKS.md, "Speculative decoding on the AVX-512 host"). But ``costs`` are learned on steps of decodes
-    alone, and the change of path they hold is no cost beside a prompt chunk: such a step takes one path
-    whatever its drafts (layer by layer, or in batch-invariant mode one call), and a draft in it is one more
-    token of the chunk's products and one more sampled row, which the model, fitted on such steps, prices
-    (:meth:`goodserve.spec.speculator.Speculator.observe`). Priced at ``costs`` there, ``auto`` verified no
-    draft beside a chunk (BENCHMARKS.md, "Speculative decoding on the AMD host")."""
+    (BENCHMARKS.md, "Speculative decoding on the AVX-512 host"). The two kinds of step are learned apart
+    because neither prices the other: ``costs`` hold the change from the one-call decode step to the chunk
+    path, which a step with a chunk does not make (priced so, ``auto`` verified no draft beside a chunk on the
+    AMD host), and the model prices a draft as a decode row's attention and sampling, where in a row's run of
+    positions it reads the row's context once (priced so, ``auto`` verified no draft beside a chunk on the
+    AMX host; BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). Until a step with a chunk
+    has measured them, a draft beside a chunk is priced at the cheaper of the model's price and ``costs``
+    without their fixed term, so that such a step verifies drafts and measures them."""
+    if prompt_tokens <= 0:
+        return _priced(model, contexts, k, costs, 0)
+    if beside is not None:
+        return _priced(model, contexts, k, beside, prompt_tokens)
+    guess = _priced(model, contexts, k, None, prompt_tokens)
+    if costs is None:
+        return guess
+    return min(guess, _priced(model, contexts, k, (0.0, costs[1], costs[2]), prompt_tokens))
+
+
+def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Optional[tuple[float, float, float]],
+            prompt_tokens: int) -> float:
+    """The model's step of the decodes and chunks plus ``costs`` for the drafts; without ``costs``, the model's
+    step with each draft as one more decode position (see :func:`step_seconds`)."""
     rows = len(contexts)
-    if prompt_tokens > 0:
-        costs = None
     per_row = k + 1 if costs is None else 1
     pairs = sum(chunk_pairs(per_row, c) for c in contexts) + chunk_pairs(prompt_tokens, 0)
     base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)
@@ -241,7 +266,8 @@ def keeps(allowances: Sequence[tuple[float, float]], seconds: float, tokens: flo
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
                   limit: float = math.inf, costs: Optional[tuple[float, float, float]] = None,
                   prompt_tokens: int = 0, room: Optional[int] = None,
-                  allowances: Sequence[tuple[float, float]] = ()) -> int:
+                  allowances: Sequence[tuple[float, float]] = (),
+                  beside: Optional[tuple[float, float, float]] = None) -> int:
     """The number of drafts per decode row that maximises the step's work per second, within the rows' TPOT
     allowances.
 
@@ -276,8 +302,9 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
-        costs: What verifying adds, per step, row and draft (:meth:`DraftCost.costs`); given, a step is priced
-            by :func:`step_seconds` with them.
+        costs: What verifying adds to a step of decodes alone, per step, row and draft (:meth:`DraftCost.costs`
+            of such steps); a step is priced by :func:`step_seconds`.
+        beside: The same, learned on steps with a prompt chunk.
         prompt_tokens: Prompt tokens ``C`` the step may compute beside the decodes (the scheduler's backlog
             within the token budget).
         room: Tokens of the step's budget the decodes leave, shared by drafts and prompt chunks (``None``: no
@@ -295,7 +322,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within every allowance
     for k in range(k_max + 1):
         chunk = prompt_tokens if room is None else max(0, min(prompt_tokens, room - rows * k))
-        seconds = step_seconds(model, contexts, k, costs, chunk)
+        seconds = step_seconds(model, contexts, k, costs, chunk, beside)
         if k > 0 and seconds > limit:
             break
         tokens = stats.expected_tokens(rates, k)

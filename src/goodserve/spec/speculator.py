@@ -46,7 +46,8 @@ class Speculator:
         self.model = model
         self.k_max = config.num_speculative_tokens
         self.stats = AcceptanceStats(self.k_max)
-        self.cost = DraftCost()
+        self.cost = DraftCost()  # what drafts add to a step of decodes alone
+        self.cost_beside = DraftCost()  # ... and to a step with a prompt chunk
         self._slo = SLOPredictor(model, max_num_batched_tokens=0, block_size=1)  # only its allowances are read
         self.length = 0  # drafts per row chosen for the step being built
         self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
@@ -78,10 +79,10 @@ class Speculator:
         self._counted = (self._steps_at_zero, self._steps_with, self._probes)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         contexts = [r.num_computed_tokens for r in decodes if self.eligible(r)]
-        costs = self.cost.costs()
+        costs, beside = self.cost.costs(), self.cost_beside.costs()
         allowances = self._allowances(decodes, now)
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
-                                                   prompt_tokens, room, allowances)
+                                                   prompt_tokens, room, allowances, beside)
         if prompt_tokens:  # the next step may be one of these decodes alone: drafts are asked for it too
             self._chosen = max(self.length, choose_length(self.model, self.stats, contexts, self.k_max, limit,
                                                           costs, 0, None, allowances))
@@ -100,7 +101,7 @@ class Speculator:
             rates = self.stats.upper_rates()
 
             def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
-                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens)
+                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens, beside)
                 return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
 
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
@@ -171,11 +172,9 @@ class Speculator:
         """A step took ``seconds``: what the step-time model should learn from it, as ``(shape, seconds)``, or
         ``None``. At a fixed length, every step as it ran. Under ``auto`` a draft has a decode row's figures
         but not its cost, and a model fitted on both would misprice each, so: a step without drafts as it
-        ran; a step of decodes with drafts teaches the cost of a draft instead
-        (:class:`~goodserve.spec.length.DraftCost`); a step with drafts and a prompt chunk as it ran, its drafts
-        counted as tokens and sampled rows: such a step takes one path whatever its drafts (layer by layer, or
-        in batch-invariant mode one native call), and that is how
-        :func:`~goodserve.spec.length.step_seconds` prices a draft beside a chunk.
+        ran; a step with drafts teaches the cost of a draft instead (:class:`~goodserve.spec.length.DraftCost`),
+        one learned on steps of decodes alone and one on steps with a prompt chunk: the two take different
+        paths (:func:`~goodserve.spec.length.step_seconds`).
 
         The first step without drafts after ``auto`` chose none to check the model is judged before the model
         learns it: predicted within :data:`PROBE_TOLERANCE`, the steps with drafts before the next such check
@@ -186,11 +185,11 @@ class Speculator:
             predicted = self.model.predict_shape(StepShape.of(out))
             held = abs(seconds - predicted) <= PROBE_TOLERANCE * predicted
             self._explore_with = min(2 * self._explore_with, EXPLORE_MAX) if held else EXPLORE_EVERY
-        if num_drafts and self.config.length == "auto" and \
-                all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
+        if num_drafts and self.config.length == "auto":
+            alone = all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled)
             num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
             without = self.model.predict_shape(StepShape.of(out, drafts=False))
-            self.cost.observe(without, seconds, num_rows, num_drafts)
+            (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts)
             return None
         return StepShape.of(out), seconds
 
