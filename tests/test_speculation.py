@@ -22,8 +22,8 @@ from goodserve.scheduler.output import SampledToken, ScheduledRequest, Scheduler
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.step_time import StepCoefficients, StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import (COST_RIDGE, AcceptanceStats, DraftCost, choose_length, nonnegative_solve,
-                                   step_seconds)
+from goodserve.spec.length import (COST_RIDGE, AcceptanceStats, DraftCost, choose_length, extra_runs,
+                                   nonnegative_solve, step_seconds)
 from goodserve.spec.ngram import NgramProposer
 from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
 from tiny_models import make_tiny_hf_model
@@ -197,6 +197,37 @@ def test_auto_length_prices_drafts_beside_a_prompt_chunk_at_their_cost_there():
     assert step_seconds(model, contexts, 4, None, 512) == pytest.approx(0.530 + 0.032)
 
 
+def test_auto_length_prices_each_further_attention_run():
+    """Issue 33: where the attention kernel takes a row's positions in runs (the AMX kernel: 5 positions a run
+    for 3 query heads a KV head), each run beyond the first attends the row's context again, and a fixed
+    k = 4 beat auto's choice of 5-8 drafts: at 16 rows over 700 tokens a step took 66 ms at 4 drafts a row,
+    92 at 5. Model: 10 ms + 1 ms a token; 16 rows; acceptance 0.9 (priced at 0.886); 0.4 ms a draft. Without
+    runs 5 drafts pay best (4.518 tokens a row in 58 ms, against 3.974 in 51.6 at 4); at 1.6 ms a further run
+    of 5 positions, 4 (83.6 ms at 5). The speculator learns the run's cost from the steps, and counts a
+    step's further runs by the runner's run length."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = AcceptanceStats(8)
+    for _ in range(2000):
+        stats.record(8, 8)
+    stats._accepted = [0.9 * r for r in stats._reached]
+    costs = (0.0, 0.0, 0.0004, 0.0016)
+    assert [extra_runs(k, 5) for k in (0, 4, 5, 9, 10)] == [0, 0, 1, 1, 2] and extra_runs(30, None) == 0
+    assert choose_length(model, stats, [100] * 16, 8, costs=costs) == 5
+    assert choose_length(model, stats, [100] * 16, 8, costs=costs, run_positions=5) == 4
+    assert step_seconds(model, [100] * 16, 5, costs, run_positions=5) == pytest.approx(0.026 + 16 * (0.002 + 0.0016))
+    cost = DraftCost()
+    for rows, k in ((16, 4), (16, 5), (8, 8), (16, 1), (4, 9), (16, 8)):
+        cost.observe(0.050, 0.050 + rows * (k * 0.0004 + extra_runs(k, 5) * 0.0016), rows, rows * k,
+                     rows * extra_runs(k, 5))
+    assert cost.costs() == pytest.approx((0.0, 0.0, 0.0004, 0.0016), abs=2e-5)
+    spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 8}', None), model)
+    spec.run_positions = 5
+    out = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 7, sample=True, spec_token_ids=[5] * 6),
+                                     ScheduledRequest("b", 20, 3, sample=True, spec_token_ids=[6, 7])])
+    assert spec.observe(out, 0.030) is None  # predicted without drafts: 12 ms; 8 drafts in one further run
+    assert spec.cost._xtx[3, 3] == 1.0 and spec.cost._xty[3] == pytest.approx(0.018)
+
+
 def test_auto_length_keeps_the_rows_tpot_allowances():
     """Issue 33: ``auto`` maximises work per second within each row's TPOT allowance ``a`` plus ``c`` for each
     token the step emits beyond one. Model: 10 ms + 1 ms a token; acceptance 0.8; one row beside 512 prompt
@@ -274,25 +305,32 @@ def test_auto_reads_the_tpot_allowances_of_its_decode_rows():
 
 
 def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():
-    """What ``auto`` prices drafts against: running requests' unprefilled tokens and waiting prompts, within
-    the room the decodes leave in the budget (one token each), and that room."""
+    """What ``auto`` prices drafts against: running requests' unprefilled tokens and the prompts of the
+    waiting requests that have a seat under ``max_num_seqs``, within the room the decodes leave in the budget
+    (one token each), and that room. Issue 33: with every seat taken, a waiting prompt is no prompt the step
+    could compute (counted, ``auto`` at a full batch of 16 verified no drafts, at 0.78 of k = 4's tokens/s)."""
     spec = SpeculativeConfig("ngram", 4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, max_num_seqs=2),
                       CacheConfig(num_blocks=32, block_size=4), StepTimeModel(adapt=False), speculative=spec)
     a, b, c = create_requests(3, prompt_len=40, max_tokens=8)
     sched.add_request(a)
     sched.update_from_output(sched.schedule(0.0), {"r0": SampledToken(7)}, 0.1)  # a decodes now
-    assert sched._prompt_backlog(64) == (0, 63)
+    assert sched._prompt_backlog(64, 1) == (0, 63)
     sched.add_request(b)
     sched.add_request(c)
-    assert sched._prompt_backlog(64) == (63, 63) and sched._prompt_backlog(1000) == (80, 999)
+    assert sched._prompt_backlog(64, 2) == (63, 63) and sched._prompt_backlog(1000, 2) == (80, 999)
+    assert sched._prompt_backlog(1000, 1) == (40, 999) and sched._prompt_backlog(1000, 0) == (0, 999)
     b.num_computed_tokens = 30  # b with 30 tokens computed (a prefix hit): 10 left
-    assert sched._prompt_backlog(1000) == (50, 999)
+    assert sched._prompt_backlog(1000, 2) == (50, 999)
+    seen = []
+    sched.speculator.begin_step = lambda running, limit, again, prompt_tokens, room, now: seen.append(prompt_tokens)
+    sched.schedule(0.2)  # a decodes; b takes the one seat left (10 tokens to prefill), c has none
+    assert seen == [10]
 
 
 def _excess(cost: DraftCost, num_rows: int, num_drafts: int) -> float:
     """Seconds ``num_rows`` rows verifying ``num_drafts`` drafts add on ``cost``'s fit."""
-    fixed, per_row, per_draft = cost.costs()
+    fixed, per_row, per_draft, _ = cost.costs()
     return fixed + per_row * num_rows + per_draft * num_drafts
 
 
@@ -321,7 +359,7 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     same = DraftCost()
     for rows in (4, 8, 16, 8):
         same.observe(0.050, 0.050 + 0.0005 * 8 * rows, rows, 8 * rows)
-    assert same.costs() == pytest.approx((0.0, 0.0, 0.0005), abs=1e-6)
+    assert same.costs() == pytest.approx((0.0, 0.0, 0.0005, 0.0), abs=1e-6)
     one = DraftCost()
     one.observe(0.020, 0.030, 2, 2)  # one kind of step: the three are not told apart, and the excess is kept
     assert _excess(one, 2, 2) == pytest.approx(0.010, rel=1e-3)

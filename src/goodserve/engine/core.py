@@ -64,6 +64,8 @@ class EngineCore:
                                                                   self.runner.kv_caches)
         self.scheduler = Scheduler(config.scheduler, config.cache, step_model, kv_connector=kv_scheduler,
                                    speculative=config.speculative)
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.run_positions = self.runner.attention_run_positions()
         self.kv_events: Optional[Any] = None  # a ZmqEventPublisher: publishes the prefix cache's changes
         if config.kv_events is not None and config.kv_events.enabled:
             from goodserve.kv_events.publisher import ZmqEventPublisher  # pyzmq: the server extra's

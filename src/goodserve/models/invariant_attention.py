@@ -21,6 +21,7 @@ merged in order (the online softmax of flash attention, Dao et al. 2022; flash-d
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -61,6 +62,13 @@ class InvariantAttentionBackend:
         heads, head_dim = q.shape[1], q.shape[2]
         return (self.amx and q.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
                 and heads // num_kv_heads <= 16)
+
+    def run_positions(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Optional[int]:
+        """The most positions of a row one attention run holds on this backend (:func:`run_starts`): ``16 //
+        (num_heads / num_kv_heads)`` on the AMX kernel, each further run attending the context again; ``None``
+        elsewhere (a row's positions attend apart, or all at once)."""
+        q = torch.empty((0, num_heads, head_dim), dtype=dtype, device="meta")
+        return max(1, 16 // (num_heads // num_kv_heads)) if self.uses_amx(q, num_kv_heads) else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -155,6 +155,14 @@ class ModelRunner:
         tensors = {id(t): t for kv in self.kv_caches for t in kv if t is not None}  # layers may share a slot's
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
+    def attention_run_positions(self) -> Optional[int]:
+        """The most positions of a row one attention run holds, where the attention backend attends a row's
+        positions in runs that each read its context (``None``: any number); what ``auto`` speculation prices
+        a further run by (:class:`goodserve.spec.length.DraftCost`)."""
+        runs = getattr(self.attn, "run_positions", None)
+        m = self.config.model
+        return None if runs is None else runs(m.num_attention_heads, m.num_key_value_heads, m.head_dim, self.dtype)
+
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the message's diffs to the runner's per-request state.
 

@@ -183,7 +183,9 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
             self.running.sort(key=lambda r: rank[r.request_id])
         self._tally = self.plan.tally()
         if self.speculator is not None:
-            prompt_tokens, room = self._prompt_backlog(self.scheduler_config.max_num_batched_tokens)
+            config = self.scheduler_config
+            prompt_tokens, room = self._prompt_backlog(config.max_num_batched_tokens,
+                                                       config.max_num_seqs - len(self.running))
             self.speculator.begin_step(self.running, self.plan.max_step_s, again, prompt_tokens, room, now)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -31,11 +31,14 @@ class SpecDecodeMixin:
     waiting: RequestQueue
     _runner: RunnerDiffs
 
-    def _prompt_backlog(self, budget: int) -> tuple[int, int]:
+    def _prompt_backlog(self, budget: int, seats: int) -> tuple[int, int]:
         """``(prompt tokens, room)``: the prompt tokens the step may compute beside its decodes (what running
-        requests have left to prefill and the waiting requests' prompts, within the ``room`` of the
-        ``budget`` the decodes leave, which their drafts share); what ``auto`` speculation prices the step's
-        time against (:meth:`goodserve.spec.speculator.Speculator.begin_step`)."""
+        requests have left to prefill and the prompts of as many waiting requests as there are ``seats``
+        left under ``max_num_seqs``, within the ``room`` of the ``budget`` the decodes leave, which their
+        drafts share); what ``auto`` speculation prices the step's time against
+        (:meth:`goodserve.spec.speculator.Speculator.begin_step`). A waiting request without a seat is no
+        prompt the step could compute: counted, ``auto`` at a full batch priced its drafts against prompt
+        tokens they displaced from no step, and verified none."""
         left = decodes = 0
         for r in self.running:
             n = r.num_tokens - r.num_computed_tokens
@@ -44,10 +47,11 @@ class SpecDecodeMixin:
             else:
                 left += n
         room = max(0, budget - decodes)
-        for r in self.waiting:  # a long queue is read only as far as the budget reaches
-            if left >= room:
+        for r in self.waiting:  # a long queue is read only as far as the budget and the seats reach
+            if left >= room or seats <= 0:
                 break
             left += r.num_tokens - r.num_computed_tokens
+            seats -= 1
         return min(left, room), room
 
     def _drafts(self, req: Request, room: int) -> list[int]:

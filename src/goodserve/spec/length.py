@@ -120,14 +120,26 @@ class AcceptanceStats:
 
 #: Weight of the past in :class:`DraftCost`, per step that verified drafts (a half-life of ~35 steps).
 COST_DECAY = 0.98
-#: Ridge of :meth:`DraftCost.costs` on (fixed, per row, per draft), each a fraction of its feature's sum of
-#: squares: what the steps do not tell apart is put on the drafts (see there).
-COST_RIDGE = np.array([0.05, 0.05, 1e-6])
+#: Ridge of :meth:`DraftCost.costs` on (fixed, per row, per draft, per extra run), each a fraction of its
+#: feature's sum of squares: what the steps do not tell apart is put on the drafts and runs (see there).
+COST_RIDGE = np.array([0.05, 0.05, 1e-6, 1e-6])
+
+
+def extra_runs(k: int, run_positions: Optional[int]) -> int:
+    """Attention runs beyond the first that a row of ``1 + k`` positions takes, where a run holds at most
+    ``run_positions`` of a row's positions (``None``: any number)."""
+    return 0 if run_positions is None else -(-(k + 1) // run_positions) - 1
 
 
 class DraftCost:
     """What verifying drafts adds to a step, learned from the steps that verified drafts: seconds once per
-    step that verifies any, per row that verifies any, and per draft.
+    step that verifies any, per row that verifies any, per draft, and per attention run beyond a row's first.
+
+    The last: where the attention kernel takes a row's positions in runs of a few (the AMX kernel, 16 query
+    rows a tile: ``16 // (heads per KV head)`` positions a run, :func:`extra_runs`), each further run
+    attends the row's whole context again. At 16 rows over 700 tokens of SmolLM2-135M (5 positions a run),
+    a step took 39, 66 and 92 ms at 0, 4 and 5 drafts a row: the fifth draft cost what the first four did
+    (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk").
 
     A draft position has the figures of a decode row (a token computed and sampled, attending over its
     context) but not its cost: it rides in a row that is scheduled, attended and sampled anyway. But a row
@@ -145,29 +157,31 @@ class DraftCost:
     """
 
     def __init__(self) -> None:
-        self._xtx = np.zeros((3, 3))  # decayed: Σ x xᵀ over x = (1, rows verifying, drafts)
-        self._xty = np.zeros(3)  # decayed: Σ x · excess seconds
+        self._xtx = np.zeros((4, 4))  # decayed: Σ x xᵀ over x = (1, rows verifying, drafts, extra runs)
+        self._xty = np.zeros(4)  # decayed: Σ x · excess seconds
         self.num_steps = 0
 
-    def observe(self, predicted_without: float, seconds: float, num_rows: int, num_drafts: int) -> None:
-        """A step in which ``num_rows`` rows verified ``num_drafts`` drafts took ``seconds``; without them it
-        was predicted to take ``predicted_without``."""
+    def observe(self, predicted_without: float, seconds: float, num_rows: int, num_drafts: int,
+                num_extra_runs: int = 0) -> None:
+        """A step in which ``num_rows`` rows verified ``num_drafts`` drafts in ``num_extra_runs`` attention runs
+        beyond their first took ``seconds``; without them it was predicted to take ``predicted_without``."""
         if num_drafts <= 0:
             return
-        x = np.array([1.0, num_rows, num_drafts])
+        x = np.array([1.0, num_rows, num_drafts, num_extra_runs])
         self._xtx = COST_DECAY * self._xtx + np.outer(x, x)
         self._xty = COST_DECAY * self._xty + x * (seconds - predicted_without)
         self.num_steps += 1
 
-    def costs(self) -> Optional[tuple[float, float, float]]:
-        """``(seconds per step verifying, per row verifying, per draft)``, ``None`` before any step verified a
-        draft. Where the steps seen do not tell the three apart (one batch, every row verifying the same
-        number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer
+    def costs(self) -> Optional[tuple[float, float, float, float]]:
+        """``(seconds per step verifying, per row verifying, per draft, per extra run)``, ``None`` before any
+        step verified a draft. Where the steps seen do not tell them apart (one batch, every row verifying the
+        same number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer
         drafts a row then measures a per-row or fixed cost that there is, while an excess put on the rows or
         the step would keep ``auto`` at the one length it was measured at (fewer drafts looking no cheaper).
         Split evenly, ``auto`` under load verified 8 drafts a row at 3-6 ms a row and 0.3 ms a draft, where
         a fixed k = 4 emitted ~10% more tokens (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
-        chunk"). Where the steps do tell them apart, the ridge moves each by a few percent."""
+        chunk"). A run no step has taken costs nothing until one does (no data, no cost: a longer choice then
+        measures it)."""
         if not self.num_steps:
             return None
         return nonnegative_solve(self._xtx + np.diag(COST_RIDGE * np.diag(self._xtx)), self._xty)
@@ -176,7 +190,7 @@ class DraftCost:
 def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
     """The ``θ >= 0`` minimising ``θᵀ a θ - 2 θᵀ b`` (least squares from its normal equations, ``a`` positive
     definite): the unconstrained minimum on each support, the best of those that are non-negative (the
-    minimum lies on one: Lawson & Hanson 1974, ch. 23; the supports of three coefficients are seven)."""
+    minimum lies on one: Lawson & Hanson 1974, ch. 23; the supports of ``n`` coefficients are ``2^n - 1``)."""
     n = len(b)
     best, best_value = np.zeros(n), 0.0
     for support in itertools.product((False, True), repeat=n):
@@ -197,14 +211,15 @@ def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
     return tuple(float(v) for v in best)
 
 
-def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
-                 costs: Optional[tuple[float, float, float]], prompt_tokens: int = 0,
-                 beside: Optional[tuple[float, float, float]] = None) -> float:
+def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Optional[Sequence[float]],
+                 prompt_tokens: int = 0, beside: Optional[Sequence[float]] = None,
+                 run_positions: Optional[int] = None) -> float:
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
     drafts each, beside ``prompt_tokens`` of prompt chunks: the model's step without the drafts plus what
     :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts, learned on steps of the same kind: of
-    decodes alone (``costs``), or with a prompt chunk (``beside``). Before any draft was measured, the model's
-    step of ``B (k + 1)`` positions (and the chunks).
+    decodes alone (``costs``), or with a prompt chunk (``beside``): ``(fixed, per row, per draft[, per extra
+    run])``, the runs of ``run_positions`` positions (:func:`extra_runs`). Before any draft was measured, the
+    model's step of ``B (k + 1)`` positions (and the chunks).
 
     Measured drafts are not capped at a decode row's cost: where plain decodes run on a faster path than rows
     with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced
@@ -217,18 +232,19 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int,
     AMX host; BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). Until a step with a chunk
     has measured them, a draft beside a chunk is priced at the cheaper of the model's price and ``costs``
     without their fixed term, so that such a step verifies drafts and measures them."""
+    runs = extra_runs(k, run_positions)
     if prompt_tokens <= 0:
-        return _priced(model, contexts, k, costs, 0)
+        return _priced(model, contexts, k, costs, 0, runs)
     if beside is not None:
-        return _priced(model, contexts, k, beside, prompt_tokens)
-    guess = _priced(model, contexts, k, None, prompt_tokens)
+        return _priced(model, contexts, k, beside, prompt_tokens, runs)
+    guess = _priced(model, contexts, k, None, prompt_tokens, runs)
     if costs is None:
         return guess
-    return min(guess, _priced(model, contexts, k, (0.0, costs[1], costs[2]), prompt_tokens))
+    return min(guess, _priced(model, contexts, k, (0.0, *costs[1:]), prompt_tokens, runs))
 
 
-def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Optional[tuple[float, float, float]],
-            prompt_tokens: int) -> float:
+def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Optional[Sequence[float]],
+            prompt_tokens: int, runs: int) -> float:
     """The model's step of the decodes and chunks plus ``costs`` for the drafts; without ``costs``, the model's
     step with each draft as one more decode position (see :func:`step_seconds`)."""
     rows = len(contexts)
@@ -237,7 +253,8 @@ def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Option
     base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)
     if costs is None or k == 0:
         return base
-    return base + costs[0] + rows * costs[1] + rows * k * costs[2]
+    per_run = costs[3] if len(costs) > 3 else 0.0
+    return base + costs[0] + rows * costs[1] + rows * k * costs[2] + rows * runs * per_run
 
 
 def decode_token_value(model: StepTimeModel, contexts: Sequence[int]) -> float:
@@ -264,10 +281,10 @@ def keeps(allowances: Sequence[tuple[float, float]], seconds: float, tokens: flo
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
-                  limit: float = math.inf, costs: Optional[tuple[float, float, float]] = None,
+                  limit: float = math.inf, costs: Optional[Sequence[float]] = None,
                   prompt_tokens: int = 0, room: Optional[int] = None,
-                  allowances: Sequence[tuple[float, float]] = (),
-                  beside: Optional[tuple[float, float, float]] = None) -> int:
+                  allowances: Sequence[tuple[float, float]] = (), beside: Optional[Sequence[float]] = None,
+                  run_positions: Optional[int] = None) -> int:
     """The number of drafts per decode row that maximises the step's work per second, within the rows' TPOT
     allowances.
 
@@ -305,6 +322,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         costs: What verifying adds to a step of decodes alone, per step, row and draft (:meth:`DraftCost.costs`
             of such steps); a step is priced by :func:`step_seconds`.
         beside: The same, learned on steps with a prompt chunk.
+        run_positions: The most positions of a row one attention run holds (``None``: any number).
         prompt_tokens: Prompt tokens ``C`` the step may compute beside the decodes (the scheduler's backlog
             within the token budget).
         room: Tokens of the step's budget the decodes leave, shared by drafts and prompt chunks (``None``: no
@@ -322,7 +340,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within every allowance
     for k in range(k_max + 1):
         chunk = prompt_tokens if room is None else max(0, min(prompt_tokens, room - rows * k))
-        seconds = step_seconds(model, contexts, k, costs, chunk, beside)
+        seconds = step_seconds(model, contexts, k, costs, chunk, beside, run_positions)
         if k > 0 and seconds > limit:
             break
         tokens = stats.expected_tokens(rates, k)

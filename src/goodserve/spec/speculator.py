@@ -18,7 +18,7 @@ from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, keeps, step_seconds
+from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, extra_runs, keeps, step_seconds
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
@@ -48,6 +48,9 @@ class Speculator:
         self.stats = AcceptanceStats(self.k_max)
         self.cost = DraftCost()  # what drafts add to a step of decodes alone
         self.cost_beside = DraftCost()  # ... and to a step with a prompt chunk
+        #: The most positions of a row one attention run holds (``None``: any number); the runner's
+        #: (:meth:`goodserve.runner.model_runner.ModelRunner.attention_run_positions`).
+        self.run_positions: Optional[int] = None
         self._slo = SLOPredictor(model, max_num_batched_tokens=0, block_size=1)  # only its allowances are read
         self.length = 0  # drafts per row chosen for the step being built
         self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
@@ -82,10 +85,10 @@ class Speculator:
         costs, beside = self.cost.costs(), self.cost_beside.costs()
         allowances = self._allowances(decodes, now)
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
-                                                   prompt_tokens, room, allowances, beside)
+                                                   prompt_tokens, room, allowances, beside, self.run_positions)
         if prompt_tokens:  # the next step may be one of these decodes alone: drafts are asked for it too
             self._chosen = max(self.length, choose_length(self.model, self.stats, contexts, self.k_max, limit,
-                                                          costs, 0, None, allowances))
+                                                          costs, 0, None, allowances, None, self.run_positions))
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
@@ -101,7 +104,7 @@ class Speculator:
             rates = self.stats.upper_rates()
 
             def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
-                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens, beside)
+                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens, beside, self.run_positions)
                 return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
 
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
@@ -188,8 +191,9 @@ class Speculator:
         if num_drafts and self.config.length == "auto":
             alone = all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled)
             num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
+            runs = sum(extra_runs(len(s.spec_token_ids), self.run_positions) for s in out.scheduled)
             without = self.model.predict_shape(StepShape.of(out, drafts=False))
-            (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts)
+            (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts, runs)
             return None
         return StepShape.of(out), seconds
 
