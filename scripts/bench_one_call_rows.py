@@ -64,8 +64,15 @@ def main() -> None:
                     help="default: as a server decides (on where AMX is granted)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--shapes", help="B:k:C:P:P0 shapes, comma-separated (default: the built-in list)")
     args = ap.parse_args()
-    blocks = max(-(-(c + k + 1) // 16) * b + -(-(p + p0) // 16) for b, k, c, p, p0 in SHAPES)
+    try:
+        shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+    except ValueError:
+        ap.error(f"--shapes: expected B:k:C:P:P0 integers, comma-separated, got {args.shapes!r}")
+    if any(len(s) != 5 or min(s) < 0 for s in shapes):
+        ap.error(f"--shapes: expected five non-negative integers B:k:C:P:P0 each, got {args.shapes!r}")
+    blocks = max(-(-(c + k + 1) // 16) * b + -(-(p + p0) // 16) for b, k, c, p, p0 in shapes)
     invariant = args.batch_invariant
     if invariant is None:
         invariant = batch_invariant_is_cheap("cpu", "bfloat16", "auto")
@@ -77,7 +84,7 @@ def main() -> None:
     per_row = getattr(attn, "uses_row_tables", False)
     results = []
     with torch.inference_mode():
-        for b, k, c, p, p0 in SHAPES:
+        for b, k, c, p, p0 in shapes:
             ids, positions, meta = step(16, per_row, b, k, c, p, p0)
             one = None
             if model.can_decode_in_one_call(len(ids), meta, attn):

@@ -17,6 +17,7 @@ import torch
 from factories import create_requests
 from goodserve import LLM, SamplingParams
 from goodserve.config import CacheConfig, SchedulerConfig
+from goodserve.models.invariant_attention import InvariantAttentionBackend
 from goodserve.sampling_params import StructuredOutputsParams
 from goodserve.scheduler.output import SampledToken, ScheduledRequest, SchedulerOutput, StepShape
 from goodserve.scheduler.scheduler import Scheduler
@@ -179,7 +180,7 @@ def test_auto_length_prices_drafts_beside_a_prompt_chunk_at_their_cost_there():
     ~0.7 ms), and priced as a decode row ``auto`` verified no draft beside any chunk while a fixed k = 4 did.
     Model: 10 ms + 1 ms a token; acceptance 0.8; 8 rows beside 512 prompt tokens. Priced on the model, drafts
     do not pay there (the test above). Measured on steps with a chunk at 0.2 ms a draft, a draft worth 0.8 ms of
-    decode time pays: 4 drafts a row make 512 + 8 · 3.36 ms of work in 536.4 ms (1.0065) against 520 in 530
+    decode time pays: 4 drafts a row make 512 + 8 · 3.36 ms of work in 536.4 ms (1.0046) against 520 in 530
     (0.9811). Measured at 1 ms a draft, none pay, though the steps of decodes alone price a draft at 0.2 ms.
     Before a step with a chunk has measured them, a draft is priced at the cheaper of the model's price and
     those of the steps of decodes alone without their fixed term: 0.2 ms a draft (not the fixed 50 ms)
@@ -226,6 +227,19 @@ def test_auto_length_prices_each_further_attention_run():
                                      ScheduledRequest("b", 20, 3, sample=True, spec_token_ids=[6, 7])])
     assert spec.observe(out, 0.030) is None  # predicted without drafts: 12 ms; 8 drafts in one further run
     assert spec.cost._xtx[3, 3] == 1.0 and spec.cost._xty[3] == pytest.approx(0.018)
+
+
+def test_the_amx_attention_holds_16_query_rows_of_a_row_a_run():
+    """What the speculator prices further runs by: on the AMX kernel a run holds ``16 // (query heads per KV
+    head)`` positions of a row (5 for SmolLM2-135M's 9 heads over 3); no runs where the kernel does not
+    run (another dtype, a group over 16, no AMX)."""
+    backend = InvariantAttentionBackend(use_native=False)
+    assert backend.run_positions(9, 3, 64, torch.bfloat16) is None
+    backend.amx = True  # as on a host with AMX and the native kernels built
+    assert backend.run_positions(9, 3, 64, torch.bfloat16) == 5
+    assert backend.run_positions(32, 8, 128, torch.bfloat16) == 4
+    assert backend.run_positions(9, 3, 64, torch.float32) is None
+    assert backend.run_positions(48, 2, 64, torch.bfloat16) is None
 
 
 def test_auto_length_keeps_the_rows_tpot_allowances():
@@ -361,7 +375,7 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
         same.observe(0.050, 0.050 + 0.0005 * 8 * rows, rows, 8 * rows)
     assert same.costs() == pytest.approx((0.0, 0.0, 0.0005, 0.0), abs=1e-6)
     one = DraftCost()
-    one.observe(0.020, 0.030, 2, 2)  # one kind of step: the three are not told apart, and the excess is kept
+    one.observe(0.020, 0.030, 2, 2)  # one kind of step: the terms are not told apart, and the excess is kept
     assert _excess(one, 2, 2) == pytest.approx(0.010, rel=1e-3)
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
@@ -523,6 +537,8 @@ def test_seeded_sampling_gives_the_same_tokens_and_logprobs_with_speculation(sma
         assert [pytest.approx(w, rel=1e-5) for w in want] == got
     stats = llm.engine.make_stats()
     assert 0 < stats.num_spec_accepted_tokens_total < stats.num_spec_draft_tokens_total
+    core = llm.engine.core  # the speculator prices attention runs as the runner's backend takes them
+    assert core.scheduler.speculator.run_positions == core.runner.attention_run_positions() is None  # float32
 
 
 def _chi_square_critical(df: int, z: float = 3.0902) -> float:

@@ -65,7 +65,7 @@ class InvariantAttentionBackend:
 
     def run_positions(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Optional[int]:
         """The most positions of a row one attention run holds on this backend (:func:`run_starts`): ``16 //
-        (num_heads / num_kv_heads)`` on the AMX kernel, each further run attending the context again; ``None``
+        (num_heads // num_kv_heads)`` on the AMX kernel, each further run attending the context again; ``None``
         elsewhere (a row's positions attend apart, or all at once)."""
         q = torch.empty((0, num_heads, head_dim), dtype=dtype, device="meta")
         return max(1, 16 // (num_heads // num_kv_heads)) if self.uses_amx(q, num_kv_heads) else None

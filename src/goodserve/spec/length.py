@@ -148,11 +148,11 @@ class DraftCost:
     verifying at all can cost a step a fixed time, the first draft of a row more than each further one
     (docs/speculation.md has the figures). So under ``auto`` the step-time model is fitted on the steps
     without drafts, and this model holds the rest:
-    ``measured − predicted without drafts = fixed + per_row · rows verifying + per_draft · drafts``, by
-    least squares over the steps with drafts, recency-weighted (:data:`COST_DECAY`), the three coefficients
-    non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed term, the change of
-    path at one row priced each draft at several times what it cost at ten rows, and ``auto`` verified none
-    there. The speculator keeps one for steps of decodes alone and one for steps with a prompt chunk, which
+    ``measured − predicted without drafts = fixed + per_row · rows verifying + per_draft · drafts + per_run ·
+    extra runs``, by least squares over the steps with drafts, recency-weighted (:data:`COST_DECAY`), the four
+    coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed term,
+    the change of path at one row priced each draft at several times what it cost at ten rows, and ``auto``
+    verified none there. The speculator keeps one for steps of decodes alone and one for steps with a prompt chunk, which
     run on other paths (:func:`step_seconds`).
     """
 
@@ -160,6 +160,7 @@ class DraftCost:
         self._xtx = np.zeros((4, 4))  # decayed: Σ x xᵀ over x = (1, rows verifying, drafts, extra runs)
         self._xty = np.zeros(4)  # decayed: Σ x · excess seconds
         self.num_steps = 0
+        self._costs: Optional[tuple[float, float, float, float]] = None  # the fit, until the next step
 
     def observe(self, predicted_without: float, seconds: float, num_rows: int, num_drafts: int,
                 num_extra_runs: int = 0) -> None:
@@ -171,6 +172,7 @@ class DraftCost:
         self._xtx = COST_DECAY * self._xtx + np.outer(x, x)
         self._xty = COST_DECAY * self._xty + x * (seconds - predicted_without)
         self.num_steps += 1
+        self._costs = None
 
     def costs(self) -> Optional[tuple[float, float, float, float]]:
         """``(seconds per step verifying, per row verifying, per draft, per extra run)``, ``None`` before any
@@ -181,10 +183,15 @@ class DraftCost:
         Split evenly, ``auto`` under load verified 8 drafts a row at 3-6 ms a row and 0.3 ms a draft, where
         a fixed k = 4 emitted ~10% more tokens (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
         chunk"). A run no step has taken costs nothing until one does (no data, no cost: a longer choice then
-        measures it)."""
+        measures it). The ridge grows with the data (a fraction of each feature's sum of squares), so it also
+        moves a fit the steps do tell apart, by more the closer they come to one shape: over three steps of
+        4-8 rows and 2-4 drafts a row, the fixed cost by ~5%, a row's by ~65% and a draft's by ~45%, each step's
+        excess within 10% (``tests/test_speculation.py``)."""
         if not self.num_steps:
             return None
-        return nonnegative_solve(self._xtx + np.diag(COST_RIDGE * np.diag(self._xtx)), self._xty)
+        if self._costs is None:  # asked for several times a step, changed only by observe
+            self._costs = nonnegative_solve(self._xtx + np.diag(COST_RIDGE * np.diag(self._xtx)), self._xty)
+        return self._costs
 
 
 def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> tuple[float, ...]:
@@ -319,8 +326,9 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
-        costs: What verifying adds to a step of decodes alone, per step, row and draft (:meth:`DraftCost.costs`
-            of such steps); a step is priced by :func:`step_seconds`.
+        costs: What verifying adds to a step of decodes alone, per step, row, draft and (a fourth, optional)
+            attention run beyond a row's first (:meth:`DraftCost.costs` of such steps); a step is priced by
+            :func:`step_seconds`.
         beside: The same, learned on steps with a prompt chunk.
         run_positions: The most positions of a row one attention run holds (``None``: any number).
         prompt_tokens: Prompt tokens ``C`` the step may compute beside the decodes (the scheduler's backlog

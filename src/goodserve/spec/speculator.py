@@ -84,11 +84,11 @@ class Speculator:
         contexts = [r.num_computed_tokens for r in decodes if self.eligible(r)]
         costs, beside = self.cost.costs(), self.cost_beside.costs()
         allowances = self._allowances(decodes, now)
-        self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, limit, costs,
-                                                   prompt_tokens, room, allowances, beside, self.run_positions)
+        priced = dict(limit=limit, costs=costs, allowances=allowances, run_positions=self.run_positions)
+        self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, **priced,
+                                                   prompt_tokens=prompt_tokens, room=room, beside=beside)
         if prompt_tokens:  # the next step may be one of these decodes alone: drafts are asked for it too
-            self._chosen = max(self.length, choose_length(self.model, self.stats, contexts, self.k_max, limit,
-                                                          costs, 0, None, allowances, None, self.run_positions))
+            self._chosen = max(self.length, choose_length(self.model, self.stats, contexts, self.k_max, **priced))
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
@@ -104,7 +104,8 @@ class Speculator:
             rates = self.stats.upper_rates()
 
             def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
-                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens, beside, self.run_positions)
+                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens, beside=beside,
+                                       run_positions=self.run_positions)
                 return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
 
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
@@ -134,8 +135,9 @@ class Speculator:
 
     def _probe_length(self) -> int:
         """Drafts per row of the next probe from 0: ``k_max``, then one, in turn. What drafts add to a step
-        is a cost per step and per row verifying any, and one per draft
-        (:class:`~goodserve.spec.length.DraftCost`); probes of one length alone cannot tell them apart, and
+        is a cost per step and per row verifying any, one per draft and one per attention run beyond a row's
+        first (:class:`~goodserve.spec.length.DraftCost`, one for steps of decodes alone and one for steps with
+        a prompt chunk); probes of one length alone cannot tell them apart, and
         where a row's first draft costs more than each further one, ``k_max`` can pay where one does not."""
         return 1 if self._probes % 2 else self.k_max
 
