@@ -152,8 +152,8 @@ class DraftCost:
     extra runs``, by least squares over the steps with drafts, recency-weighted (:data:`COST_DECAY`), the four
     coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed term,
     the change of path at one row priced each draft at several times what it cost at ten rows, and ``auto``
-    verified none there. The speculator keeps one for steps of decodes alone and one for steps with a prompt chunk, which
-    run on other paths (:func:`step_seconds`).
+    verified none there. The speculator keeps one for steps of decodes alone and one for steps with a prompt
+    chunk, which run on other paths (:func:`step_seconds`).
     """
 
     def __init__(self) -> None:
