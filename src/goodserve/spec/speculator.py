@@ -27,7 +27,8 @@ from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, ext
 EXPLORE_EVERY = 16
 #: The most steps with drafts between two steps without: the interval doubles from :data:`EXPLORE_EVERY` each
 #: time a step without drafts took what the step-time model predicted, within :data:`PROBE_TOLERANCE`
-#: (a model that holds needs few such probes), and falls back to it when one did not.
+#: (a model that holds needs few such probes), and falls back to it when one did not after one that did
+#: (:meth:`Speculator.observe`).
 EXPLORE_MAX = 256
 #: Relative error of the step-time model's prediction within which a step without drafts confirms it.
 PROBE_TOLERANCE = 0.1
@@ -59,6 +60,7 @@ class Speculator:
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
         self._explore_with = EXPLORE_EVERY  # steps with drafts before one without (doubles while the model holds)
         self._judging = False  # a step without drafts was chosen to check the model: judge it when it is back
+        self._held = True  # the last check found the model within PROBE_TOLERANCE
         self._counted = (0, 0, 0)  # the three counters before this step's first begin_step
 
     @staticmethod
@@ -183,13 +185,20 @@ class Speculator:
 
         The first step without drafts after ``auto`` chose none to check the model is judged before the model
         learns it: predicted within :data:`PROBE_TOLERANCE`, the steps with drafts before the next such check
-        double (up to :data:`EXPLORE_MAX`); else they fall back to :data:`EXPLORE_EVERY`."""
+        double (up to :data:`EXPLORE_MAX`); missed after one that held, they fall back to
+        :data:`EXPLORE_EVERY`; missed after one that missed, they double too. A model whose form cannot fit
+        these steps (fitted mostly on steps with a prompt chunk: steps of decodes without drafts are only
+        these checks under load) misses every check, and checks every 17 steps gave up ~5% of the
+        drafts' tokens for no better fit (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
+        chunk")."""
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if self._judging and not num_drafts:
             self._judging = False
             predicted = self.model.predict_shape(StepShape.of(out))
             held = abs(seconds - predicted) <= PROBE_TOLERANCE * predicted
-            self._explore_with = min(2 * self._explore_with, EXPLORE_MAX) if held else EXPLORE_EVERY
+            again = held or not self._held  # a second miss in a row: more checks have not mended the model
+            self._explore_with = min(2 * self._explore_with, EXPLORE_MAX) if again else EXPLORE_EVERY
+            self._held = held
         if num_drafts and self.config.length == "auto":
             alone = all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled)
             num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
