@@ -24,7 +24,7 @@ from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.step_time import StepCoefficients, StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.spec.length import (COST_RIDGE, AcceptanceStats, DraftCost, choose_length, extra_runs,
-                                   nonnegative_solve, step_seconds)
+                                   nonnegative_solve, reread_ktokens, step_seconds)
 from goodserve.spec.ngram import NgramProposer
 from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
 from tiny_models import make_tiny_hf_model
@@ -201,32 +201,34 @@ def test_auto_length_prices_drafts_beside_a_prompt_chunk_at_their_cost_there():
 def test_auto_length_prices_each_further_attention_run():
     """Issue 33: where the attention kernel takes a row's positions in runs (the AMX kernel: 5 positions a run
     for 3 query heads a KV head), each run beyond the first attends the row's context again, and a fixed
-    k = 4 beat auto's choice of 5-8 drafts: at 16 rows over 700 tokens a step took 66 ms at 4 drafts a row,
-    92 at 5. Model: 10 ms + 1 ms a token; 16 rows; acceptance 0.9 (priced at 0.886); 0.4 ms a draft. Without
+    k = 4 beat auto's choice of 5-8 drafts: at 16 rows over 700 tokens a step took 68 ms at 4 drafts a row,
+    97 at 5. Model: 10 ms + 1 ms a token; 16 rows; acceptance 0.9 (priced at 0.886); 0.4 ms a draft. Without
     runs 5 drafts pay best (4.518 tokens a row in 58 ms, against 3.974 in 51.6 at 4); at 1.6 ms a further run
-    of 5 positions, 4 (83.6 ms at 5). The speculator learns the run's cost from the steps, and counts a
-    step's further runs by the runner's run length."""
+    of 5 positions over 100 tokens of context (16 µs a token read again), 4 (83.6 ms at 5). The speculator
+    learns that cost from the steps, and counts the context a step's further runs read by the runner's run
+    length."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = AcceptanceStats(8)
     for _ in range(2000):
         stats.record(8, 8)
     stats._accepted = [0.9 * r for r in stats._reached]
-    costs = (0.0, 0.0, 0.0004, 0.0016)
+    costs = (0.0, 0.0, 0.0004, 0.016)  # the last per thousand tokens read again
     assert [extra_runs(k, 5) for k in (0, 4, 5, 9, 10)] == [0, 0, 1, 1, 2] and extra_runs(30, None) == 0
     assert choose_length(model, stats, [100] * 16, 8, costs=costs) == 5
     assert choose_length(model, stats, [100] * 16, 8, costs=costs, run_positions=5) == 4
     assert step_seconds(model, [100] * 16, 5, costs, run_positions=5) == pytest.approx(0.026 + 16 * (0.002 + 0.0016))
     cost = DraftCost()
-    for rows, k in ((16, 4), (16, 5), (8, 8), (16, 1), (4, 9), (16, 8)):
-        cost.observe(0.050, 0.050 + rows * (k * 0.0004 + extra_runs(k, 5) * 0.0016), rows, rows * k,
-                     rows * extra_runs(k, 5))
-    assert cost.costs() == pytest.approx((0.0, 0.0, 0.0004, 0.0016), abs=2e-5)
+    for rows, k, context in ((16, 4, 100), (16, 5, 100), (8, 8, 400), (16, 1, 100), (4, 9, 1000), (16, 8, 200)):
+        reread = reread_ktokens(k, 5, [context] * rows)
+        assert reread == rows * extra_runs(k, 5) * context / 1000
+        cost.observe(0.050, 0.050 + rows * k * 0.0004 + reread * 0.016, rows, rows * k, reread)
+    assert cost.costs() == pytest.approx((0.0, 0.0, 0.0004, 0.016), abs=2e-5)
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 8}', None), model)
     spec.run_positions = 5
     out = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 7, sample=True, spec_token_ids=[5] * 6),
                                      ScheduledRequest("b", 20, 3, sample=True, spec_token_ids=[6, 7])])
-    assert spec.observe(out, 0.030) is None  # predicted without drafts: 12 ms; 8 drafts in one further run
-    assert spec.cost._xtx[3, 3] == 1.0 and spec.cost._xty[3] == pytest.approx(0.018)
+    assert spec.observe(out, 0.030) is None  # predicted without drafts: 12 ms; a's 10 tokens read again
+    assert spec.cost._xtx[3, 3] == pytest.approx(1e-4) and spec.cost._xty[3] == pytest.approx(0.01 * 0.018)
 
 
 def test_the_amx_attention_holds_16_query_rows_of_a_row_a_run():
@@ -322,7 +324,7 @@ def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():
     """What ``auto`` prices drafts against: running requests' unprefilled tokens and the prompts of the
     waiting requests that have a seat under ``max_num_seqs``, within the room the decodes leave in the budget
     (one token each), and that room. Issue 33: with every seat taken, a waiting prompt is no prompt the step
-    could compute (counted, ``auto`` at a full batch of 16 verified no drafts, at 0.78 of k = 4's tokens/s)."""
+    could compute (counted, ``auto`` at a full batch of 16 verified no drafts, at 0.88 of k = 4's tokens/s)."""
     spec = SpeculativeConfig("ngram", 4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, max_num_seqs=2),
                       CacheConfig(num_blocks=32, block_size=4), StepTimeModel(adapt=False), speculative=spec)

@@ -120,7 +120,7 @@ class AcceptanceStats:
 
 #: Weight of the past in :class:`DraftCost`, per step that verified drafts (a half-life of ~35 steps).
 COST_DECAY = 0.98
-#: Ridge of :meth:`DraftCost.costs` on (fixed, per row, per draft, per extra run), each a fraction of its
+#: Ridge of :meth:`DraftCost.costs` on (fixed, per row, per draft, per token read again), each a fraction of its
 #: feature's sum of squares: what the steps do not tell apart is put on the drafts and runs (see there).
 COST_RIDGE = np.array([0.05, 0.05, 1e-6, 1e-6])
 
@@ -131,15 +131,23 @@ def extra_runs(k: int, run_positions: Optional[int]) -> int:
     return 0 if run_positions is None else -(-(k + 1) // run_positions) - 1
 
 
+def reread_ktokens(k: int, run_positions: Optional[int], contexts: Sequence[int]) -> float:
+    """Thousands of context tokens that rows of ``contexts`` tokens each, verifying ``k`` drafts, attend again
+    in their runs beyond the first (:func:`extra_runs`)."""
+    return extra_runs(k, run_positions) * sum(contexts) / 1000
+
+
 class DraftCost:
     """What verifying drafts adds to a step, learned from the steps that verified drafts: seconds once per
-    step that verifies any, per row that verifies any, per draft, and per attention run beyond a row's first.
+    step that verifies any, per row that verifies any, per draft, and per thousand tokens of context that
+    attention runs beyond a row's first attend again.
 
     The last: where the attention kernel takes a row's positions in runs of a few (the AMX kernel, 16 query
     rows a tile: ``16 // (heads per KV head)`` positions a run, :func:`extra_runs`), each further run
-    attends the row's whole context again. At 16 rows over 700 tokens of SmolLM2-135M (5 positions a run),
-    a step took 39, 66 and 92 ms at 0, 4 and 5 drafts a row: the fifth draft cost what the first four did
-    (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk").
+    attends the row's whole context again, at a cost that grows with the context. At 16 rows over 700 tokens
+    of SmolLM2-135M (5 positions a run), a step took 41, 68 and 97 ms at 0, 4 and 5 drafts a row: the fifth
+    draft cost what the first four did (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
+    chunk").
 
     A draft position has the figures of a decode row (a token computed and sampled, attending over its
     context) but not its cost: it rides in a row that is scheduled, attended and sampled anyway. But a row
@@ -148,8 +156,8 @@ class DraftCost:
     verifying at all can cost a step a fixed time, the first draft of a row more than each further one
     (docs/speculation.md has the figures). So under ``auto`` the step-time model is fitted on the steps
     without drafts, and this model holds the rest:
-    ``measured − predicted without drafts = fixed + per_row · rows verifying + per_draft · drafts + per_run ·
-    extra runs``, by least squares over the steps with drafts, recency-weighted (:data:`COST_DECAY`), the four
+    ``measured − predicted without drafts = fixed + per_row · rows verifying + per_draft · drafts + per_rerun ·
+    context read again``, by least squares over the steps with drafts, recency-weighted (:data:`COST_DECAY`), the four
     coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed term,
     the change of path at one row priced each draft at several times what it cost at ten rows, and ``auto``
     verified none there. The speculator keeps one for steps of decodes alone and one for steps with a prompt
@@ -157,25 +165,27 @@ class DraftCost:
     """
 
     def __init__(self) -> None:
-        self._xtx = np.zeros((4, 4))  # decayed: Σ x xᵀ over x = (1, rows verifying, drafts, extra runs)
+        self._xtx = np.zeros((4, 4))  # decayed: Σ x xᵀ over x = (1, rows verifying, drafts, context read again)
         self._xty = np.zeros(4)  # decayed: Σ x · excess seconds
         self.num_steps = 0
         self._costs: Optional[tuple[float, float, float, float]] = None  # the fit, until the next step
 
     def observe(self, predicted_without: float, seconds: float, num_rows: int, num_drafts: int,
-                num_extra_runs: int = 0) -> None:
-        """A step in which ``num_rows`` rows verified ``num_drafts`` drafts in ``num_extra_runs`` attention runs
-        beyond their first took ``seconds``; without them it was predicted to take ``predicted_without``."""
+                reread_ktokens: float = 0.0) -> None:
+        """A step in which ``num_rows`` rows verified ``num_drafts`` drafts, their attention runs beyond the first
+        attending ``reread_ktokens`` thousand tokens of context again (:func:`reread_ktokens`), took
+        ``seconds``; without them it was predicted to take ``predicted_without``."""
         if num_drafts <= 0:
             return
-        x = np.array([1.0, num_rows, num_drafts, num_extra_runs])
+        x = np.array([1.0, num_rows, num_drafts, reread_ktokens])
         self._xtx = COST_DECAY * self._xtx + np.outer(x, x)
         self._xty = COST_DECAY * self._xty + x * (seconds - predicted_without)
         self.num_steps += 1
         self._costs = None
 
     def costs(self) -> Optional[tuple[float, float, float, float]]:
-        """``(seconds per step verifying, per row verifying, per draft, per extra run)``, ``None`` before any
+        """``(seconds per step verifying, per row verifying, per draft, per thousand tokens read again)``, ``None``
+        before any
         step verified a draft. Where the steps seen do not tell them apart (one batch, every row verifying the
         same number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer
         drafts a row then measures a per-row or fixed cost that there is, while an excess put on the rows or
@@ -225,8 +235,9 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: O
     drafts each, beside ``prompt_tokens`` of prompt chunks: the model's step without the drafts plus what
     :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts, learned on steps of the same kind: of
     decodes alone (``costs``), or with a prompt chunk (``beside``): ``(fixed, per row, per draft[, per extra
-    run])``, the runs of ``run_positions`` positions (:func:`extra_runs`). Before any draft was measured, the
-    model's step of ``B (k + 1)`` positions (and the chunks).
+    thousand tokens of context read again])``, the runs of ``run_positions`` positions
+    (:func:`reread_ktokens`). Before any draft was measured, the model's step of ``B (k + 1)`` positions (and
+    the chunks).
 
     Measured drafts are not capped at a decode row's cost: where plain decodes run on a faster path than rows
     with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced
@@ -239,7 +250,7 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: O
     AMX host; BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). Until a step with a chunk
     has measured them, a draft beside a chunk is priced at the cheaper of the model's price and ``costs``
     without their fixed term, so that such a step verifies drafts and measures them."""
-    runs = extra_runs(k, run_positions)
+    runs = reread_ktokens(k, run_positions, contexts)
     if prompt_tokens <= 0:
         return _priced(model, contexts, k, costs, 0, runs)
     if beside is not None:
@@ -251,7 +262,7 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: O
 
 
 def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Optional[Sequence[float]],
-            prompt_tokens: int, runs: int) -> float:
+            prompt_tokens: int, reread: float) -> float:
     """The model's step of the decodes and chunks plus ``costs`` for the drafts; without ``costs``, the model's
     step with each draft as one more decode position (see :func:`step_seconds`)."""
     rows = len(contexts)
@@ -260,8 +271,8 @@ def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Option
     base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)
     if costs is None or k == 0:
         return base
-    per_run = costs[3] if len(costs) > 3 else 0.0
-    return base + costs[0] + rows * costs[1] + rows * k * costs[2] + rows * runs * per_run
+    per_reread = costs[3] if len(costs) > 3 else 0.0
+    return base + costs[0] + rows * costs[1] + rows * k * costs[2] + reread * per_reread
 
 
 def decode_token_value(model: StepTimeModel, contexts: Sequence[int]) -> float:
@@ -327,7 +338,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
         costs: What verifying adds to a step of decodes alone, per step, row, draft and (a fourth, optional)
-            attention run beyond a row's first (:meth:`DraftCost.costs` of such steps); a step is priced by
+            thousand tokens of context read again by a row's further attention runs (:meth:`DraftCost.costs` of
+            such steps); a step is priced by
             :func:`step_seconds`.
         beside: The same, learned on steps with a prompt chunk.
         run_positions: The most positions of a row one attention run holds (``None``: any number).

@@ -18,7 +18,7 @@ from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, extra_runs, keeps, step_seconds
+from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, keeps, reread_ktokens, step_seconds
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
@@ -137,9 +137,9 @@ class Speculator:
 
     def _probe_length(self) -> int:
         """Drafts per row of the next probe from 0: ``k_max``, then one, in turn. What drafts add to a step
-        is a cost per step and per row verifying any, one per draft and one per attention run beyond a row's
-        first (:class:`~goodserve.spec.length.DraftCost`, one for steps of decodes alone and one for steps with
-        a prompt chunk); probes of one length alone cannot tell them apart, and
+        is a cost per step and per row verifying any, one per draft and one per token of context attention runs
+        beyond a row's first read again (:class:`~goodserve.spec.length.DraftCost`, one for steps of decodes
+        alone and one for steps with a prompt chunk); probes of one length alone cannot tell them apart, and
         where a row's first draft costs more than each further one, ``k_max`` can pay where one does not."""
         return 1 if self._probes % 2 else self.k_max
 
@@ -202,9 +202,10 @@ class Speculator:
         if num_drafts and self.config.length == "auto":
             alone = all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled)
             num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
-            runs = sum(extra_runs(len(s.spec_token_ids), self.run_positions) for s in out.scheduled)
+            reread = sum(reread_ktokens(len(s.spec_token_ids), self.run_positions, [s.num_computed_tokens])
+                         for s in out.scheduled)
             without = self.model.predict_shape(StepShape.of(out, drafts=False))
-            (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts, runs)
+            (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts, reread)
             return None
         return StepShape.of(out), seconds
 
