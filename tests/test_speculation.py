@@ -766,6 +766,38 @@ def test_auto_checks_the_model_less_often_while_it_holds():
     assert gaps == [EXPLORE_EVERY, 32, 64, EXPLORE_EVERY, 32, 64, EXPLORE_EVERY]
 
 
+def test_auto_tries_one_draft_more_half_way_between_checks():
+    """Issue 33: a position no step verifies is never measured, so ``auto`` at one draft a row kept the
+    second priced at the estimate of a few early rows (0.65 lower bound where ~0.9 was true) for 200 steps.
+    Half way through each 16 steps with drafts, a step of decodes alone verifies one more draft where that
+    may pay with the next position's acceptance at its upper bound. A step of 10 ms and 3 ms a draft; position
+    1 measured at 0.9 over ~500 rows, position 2 at 0.3 over 6 rows: 1 draft a row is chosen (1.884 tokens in
+    13 ms, against 2.140 in 16 ms with the second at its lower bound, 0.289); the eighth step with drafts
+    verifies 2 (2.618 tokens with it at its upper bound, 0.754). Measured at 0.3 over ~500 rows too, the second no longer may pay:
+    every step verifies 1."""
+    model = StepTimeModel(StepCoefficients(0.01, 0.0, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("ngram", 2), model)
+    spec.cost.costs = lambda: (0.0, 0.0, 0.003, 0.0)  # as measured
+    for _ in range(2000):
+        spec.stats.record(2, 2)
+    spec.stats._accepted[0] = 0.9 * spec.stats._reached[0]
+    spec.stats._reached[1], spec.stats._accepted[1] = 6.0, 1.8
+    (r,) = create_requests(1, prompt_len=8, max_tokens=10_000)
+    r.num_computed_tokens = r.num_tokens - 1
+    lengths = []
+    for _ in range(EXPLORE_EVERY):
+        spec.begin_step([r])
+        lengths.append(spec.length)
+    assert lengths == [1] * 7 + [2] + [1] * 8
+    spec.stats._reached[1] = 500.0
+    spec.stats._accepted[1] = 150.0
+    lengths = []
+    for _ in range(EXPLORE_EVERY):
+        spec.begin_step([r])
+        lengths.append(spec.length)
+    assert 2 not in lengths
+
+
 def test_drafts_stop_where_the_request_must():
     """A request that may emit 3 more tokens verifies at most 2 drafts (the third token comes as the bonus),
     and asks for at most 1 after this step (which emits at least one token): no position past

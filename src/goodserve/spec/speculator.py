@@ -97,7 +97,8 @@ class Speculator:
         # step verifies drafts stops measuring what the decodes alone cost. So after EXPLORE_EVERY steps at
         # 0, a step verifies drafts (k_max or 1 per row, in turn), and after EXPLORE_EVERY steps with drafts,
         # a step verifies none (drafts are asked for the step before), at longer intervals while the model
-        # predicts those steps (:meth:`observe`).
+        # predicts those steps (:meth:`observe`); and half way through each EXPLORE_EVERY steps with drafts,
+        # a step of decodes alone verifies one draft more where that may pay (:meth:`_longer_may_pay`).
         self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
         # A probe is judged at the acceptance rates' upper bounds: it is what measures them. One that does not
@@ -116,6 +117,27 @@ class Speculator:
                 self.length, self._probes = probe, self._probes + 1
         elif self._steps_with > self._explore_with:
             self.length, self._steps_with, self._judging = 0, 0, True
+        elif self._steps_with % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not prompt_tokens and \
+                self._longer_may_pay(contexts, costs, limit):
+            self.length += 1
+
+    def _longer_may_pay(self, contexts: Sequence[int], costs: Optional[Sequence[float]], limit: float) -> bool:
+        """Whether one draft more than the chosen length a row may pay, its acceptance read at the upper
+        bounds (as a probe's) and the chosen length's at the lower: the step that tries it measures the next
+        position's acceptance, which no step at the chosen length does, and varies the drafts a row, which
+        tells what a draft costs from what a row verifying any does. Without it ``auto`` at one draft a row
+        priced the second at the estimate of a few early rows, and stayed at one for 200 steps at 40 rows,
+        where a fixed k = 4 emitted 14% more tokens (BENCHMARKS.md, "Speculative decoding: drafts beside a
+        prompt chunk")."""
+        k = self.length
+        if k >= self.k_max:
+            return False
+        longer = step_seconds(self.model, contexts, k + 1, costs, run_positions=self.run_positions)
+        if longer > limit:
+            return False
+        now = step_seconds(self.model, contexts, k, costs, run_positions=self.run_positions)
+        upper, lower = self.stats.upper_rates(), self.stats.lower_rates()
+        return self.stats.expected_tokens(upper, k + 1) / longer >= self.stats.expected_tokens(lower, k) / now
 
     def _allowances(self, decodes: Sequence[Request], now: float) -> list[tuple[float, float]]:
         """``(a, c)`` of each of the step's ``decodes`` streaming under a TPOT SLO
