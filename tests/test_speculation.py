@@ -773,8 +773,8 @@ def test_auto_tries_one_draft_more_half_way_between_checks():
     may pay with the next position's acceptance at its upper bound. A step of 10 ms and 3 ms a draft; position
     1 measured at 0.9 over ~500 rows, position 2 at 0.3 over 6 rows: 1 draft a row is chosen (1.884 tokens in
     13 ms, against 2.140 in 16 ms with the second at its lower bound, 0.289); the eighth step with drafts
-    verifies 2 (2.618 tokens with it at its upper bound, 0.754). Measured at 0.3 over ~500 rows too, the second no longer may pay:
-    every step verifies 1."""
+    verifies 2 (2.618 tokens with it at its upper bound, 0.754). Measured at 0.3 over ~500 rows too, the
+    second no longer may pay: every step verifies 1."""
     model = StepTimeModel(StepCoefficients(0.01, 0.0, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 2), model)
     spec.cost.costs = lambda: (0.0, 0.0, 0.003, 0.0)  # as measured
