@@ -1,9 +1,11 @@
 """Speculation lengths in a closed batch: n-gram ``auto`` against fixed lengths, in one process, one after another.
 
 Each length runs the same code-copy requests (``goodserve.bench.grounded``) submitted at once, at most
-``--max-num-seqs`` running, greedy, output lengths forced; reports output tokens/s, and for ``auto`` the lengths
-it chose (steps with and without a prompt chunk), its acceptance rates and learned draft costs. Run it under
-``flock /tmp/goodserve-bench.lock`` (BENCHMARKS.md, issue 33).
+``--max-num-seqs`` running, greedy, output lengths forced, on the default model in bfloat16 with
+batch-invariant kernels (a server's default on a host with AMX); reports output tokens/s, and for ``auto`` the
+lengths it chose (steps with and without a prompt chunk; a step chosen again after a preemption counts once),
+its acceptance rates and learned draft costs. Run it under ``flock /tmp/goodserve-bench.lock`` (BENCHMARKS.md,
+issue 33).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def run(length: str, num: int, seqs: int, seed: int, k_max: int) -> dict:
 
     def counted(*args, **kwargs):
         begin(*args, **kwargs)
-        chunk = signature.bind(*args, **kwargs).arguments.get("prompt_tokens", 0) > 0
-        chosen[f"k={spec.length}{' +chunk' if chunk else ''}"] += 1
+        bound = signature.bind(*args, **kwargs).arguments
+        if not bound.get("again", False):
+            chosen[f"k={spec.length}{' +chunk' if bound.get('prompt_tokens', 0) > 0 else ''}"] += 1
 
     spec.begin_step = counted
     llm.generate([specs[0][0]], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)  # warm up
