@@ -156,12 +156,13 @@ class DraftCost:
     verifying at all can cost a step a fixed time, the first draft of a row more than each further one
     (docs/speculation.md has the figures). So under ``auto`` the step-time model is fitted on the steps
     without drafts, and this model holds the rest:
-    ``measured − predicted without drafts = fixed + per_row · rows verifying + per_draft · drafts + per_rerun ·
-    context read again``, by least squares over the steps with drafts, recency-weighted (:data:`COST_DECAY`), the four
-    coefficients non-negative (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed term,
-    the change of path at one row priced each draft at several times what it cost at ten rows, and ``auto``
-    verified none there. The speculator keeps one for steps of decodes alone and one for steps with a prompt
-    chunk, which run on other paths (:func:`step_seconds`).
+    ``measured − predicted without drafts = fixed + per_row · rows verifying + per_draft · drafts +
+    per_reread · thousands of tokens read again``, by least squares over the steps with drafts,
+    recency-weighted (:data:`COST_DECAY`), the four coefficients non-negative
+    (:meth:`goodserve.spec.speculator.Speculator.observe`). Without the fixed term, the change of path at one
+    row priced each draft at several times what it cost at ten rows, and ``auto`` verified none there. The
+    speculator keeps one for steps of decodes alone and one for steps with a prompt chunk, which run on other
+    paths (:func:`step_seconds`).
     """
 
     def __init__(self) -> None:
@@ -184,19 +185,17 @@ class DraftCost:
         self._costs = None
 
     def costs(self) -> Optional[tuple[float, float, float, float]]:
-        """``(seconds per step verifying, per row verifying, per draft, per thousand tokens read again)``, ``None``
-        before any
-        step verified a draft. Where the steps seen do not tell them apart (one batch, every row verifying the
-        same number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer
-        drafts a row then measures a per-row or fixed cost that there is, while an excess put on the rows or
-        the step would keep ``auto`` at the one length it was measured at (fewer drafts looking no cheaper).
-        Split evenly, ``auto`` under load verified 8 drafts a row at 3-6 ms a row and 0.3 ms a draft, where
-        a fixed k = 4 emitted ~10% more tokens (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
-        chunk"). A run no step has taken costs nothing until one does (no data, no cost: a longer choice then
-        measures it). The ridge grows with the data (a fraction of each feature's sum of squares), so it also
-        moves a fit the steps do tell apart, by more the closer they come to one shape: over three steps of
-        4-8 rows and 2-4 drafts a row, the fixed cost by ~5%, a row's by ~65% and a draft's by ~45%, each step's
-        excess within 10% (``tests/test_speculation.py``)."""
+        """``(seconds per step verifying, per row verifying, per draft, per thousand tokens read again)``,
+        ``None`` before any step verified a draft. Where the steps seen do not tell them apart (one batch, every row verifying the same
+        number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer drafts a row
+        then measures a per-row or fixed cost that there is, while an excess put on the rows or the step would keep
+        ``auto`` at the one length it was measured at (fewer drafts looking no cheaper). Split evenly, ``auto`` under
+        load verified 8 drafts a row at 3-6 ms a row and 0.3 ms a draft, where a fixed k = 4 emitted ~10% more tokens
+        (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). A run no step has taken costs nothing
+        until one does (no data, no cost: a longer choice then measures it). The ridge grows with the data (a fraction
+        of each feature's sum of squares), so it also moves a fit the steps do tell apart, by more the closer they come
+        to one shape: over three steps of 4-8 rows and 2-4 drafts a row, the fixed cost by ~5%, a row's by ~65% and a
+        draft's by ~45%, each step's excess within 10% (``tests/test_speculation.py``)."""
         if not self.num_steps:
             return None
         if self._costs is None:  # asked for several times a step, changed only by observe
@@ -234,7 +233,7 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: O
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
     drafts each, beside ``prompt_tokens`` of prompt chunks: the model's step without the drafts plus what
     :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts, learned on steps of the same kind: of
-    decodes alone (``costs``), or with a prompt chunk (``beside``): ``(fixed, per row, per draft[, per extra
+    decodes alone (``costs``), or with a prompt chunk (``beside``): ``(fixed, per row, per draft[, per
     thousand tokens of context read again])``, the runs of ``run_positions`` positions
     (:func:`reread_ktokens`). Before any draft was measured, the model's step of ``B (k + 1)`` positions (and
     the chunks).
@@ -339,8 +338,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
         costs: What verifying adds to a step of decodes alone, per step, row, draft and (a fourth, optional)
             thousand tokens of context read again by a row's further attention runs (:meth:`DraftCost.costs` of
-            such steps); a step is priced by
-            :func:`step_seconds`.
+            such steps); a step is priced by :func:`step_seconds`.
         beside: The same, learned on steps with a prompt chunk.
         run_positions: The most positions of a row one attention run holds (``None``: any number).
         prompt_tokens: Prompt tokens ``C`` the step may compute beside the decodes (the scheduler's backlog
