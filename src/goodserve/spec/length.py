@@ -185,17 +185,17 @@ class DraftCost:
         self._costs = None
 
     def costs(self) -> Optional[tuple[float, float, float, float]]:
-        """``(seconds per step verifying, per row verifying, per draft, per thousand tokens read again)``,
-        ``None`` before any step verified a draft. Where the steps seen do not tell them apart (one batch, every row verifying the same
-        number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer drafts a row
-        then measures a per-row or fixed cost that there is, while an excess put on the rows or the step would keep
-        ``auto`` at the one length it was measured at (fewer drafts looking no cheaper). Split evenly, ``auto`` under
-        load verified 8 drafts a row at 3-6 ms a row and 0.3 ms a draft, where a fixed k = 4 emitted ~10% more tokens
-        (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). A run no step has taken costs nothing
-        until one does (no data, no cost: a longer choice then measures it). The ridge grows with the data (a fraction
-        of each feature's sum of squares), so it also moves a fit the steps do tell apart, by more the closer they come
-        to one shape: over three steps of 4-8 rows and 2-4 drafts a row, the fixed cost by ~5%, a row's by ~65% and a
-        draft's by ~45%, each step's excess within 10% (``tests/test_speculation.py``)."""
+        """``(seconds per step verifying, per row verifying, per draft, per thousand tokens read again)``, ``None``
+        before any step verified a draft. Where the steps seen do not tell them apart (one batch, every row verifying
+        the same number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer
+        drafts a row then measures a per-row or fixed cost that there is, while an excess put on the rows or the step
+        would keep ``auto`` at the one length it was measured at (fewer drafts looking no cheaper). Split evenly,
+        ``auto`` under load verified 8 drafts a row at 3-6 ms a row and 0.3 ms a draft, where a fixed k = 4 emitted
+        ~10% more tokens (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). A run no step has
+        taken costs nothing until one does (no data, no cost: a longer choice then measures it). The ridge grows with
+        the data (a fraction of each feature's sum of squares), so it also moves a fit the steps do tell apart, by
+        more the closer they come to one shape: over three steps of 4-8 rows and 2-4 drafts a row, the fixed cost by
+        ~5%, a row's by ~65% and a draft's by ~45%, each step's excess within 10% (``tests/test_speculation.py``)."""
         if not self.num_steps:
             return None
         if self._costs is None:  # asked for several times a step, changed only by observe
