@@ -159,7 +159,8 @@ class EngineConfig:
         batch_invariant: Every kernel a token passes through reduces in an order that does not depend on its
             batch (``goodserve.models.invariant``): a request's tokens depend on its prompt and seed alone.
         fused_decode_step: Decode steps (rows verifying drafts included; in batch-invariant mode every step of
-            up to 1,024 tokens) of a model with a decode plan run every layer in one native call
+            up to :data:`~goodserve.models.native_decode.INVARIANT_DECODE_MAX_ROWS` tokens) of a model with a
+            decode plan run every layer in one native call
             (``LlamaForCausalLM.decode_in_one_call``; the same bits as the layer-by-layer path).
         kv_cache_dtype: The dtype of the cached K/V: one of :data:`KV_CACHE_DTYPES`, ``auto`` being ``dtype``
             (:attr:`kv_dtype` resolves it).

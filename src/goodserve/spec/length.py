@@ -144,10 +144,9 @@ class DraftCost:
 
     The last: where the attention kernel takes a row's positions in runs of a few (the AMX kernel, 16 query
     rows a tile: ``16 // (heads per KV head)`` positions a run, :func:`extra_runs`), each further run
-    attends the row's whole context again, at a cost that grows with the context. At 16 rows over 700 tokens
-    of SmolLM2-135M (5 positions a run), a step took 41, 68 and 97 ms at 0, 4 and 5 drafts a row: the fifth
-    draft cost what the first four did (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
-    chunk").
+    attends the row's whole context again, at a cost that grows with the context: the draft that opens a run
+    can cost what the drafts before it did together (BENCHMARKS.md, "Speculative decoding: drafts beside a
+    prompt chunk").
 
     A draft position has the figures of a decode row (a token computed and sampled, attending over its
     context) but not its cost: it rides in a row that is scheduled, attended and sampled anyway. But a row
@@ -189,13 +188,12 @@ class DraftCost:
         before any step verified a draft. Where the steps seen do not tell them apart (one batch, every row verifying
         the same number of drafts), a ridge (:data:`COST_RIDGE`) puts the excess on the drafts: a choice of fewer
         drafts a row then measures a per-row or fixed cost that there is, while an excess put on the rows or the step
-        would keep ``auto`` at the one length it was measured at (fewer drafts looking no cheaper). Split evenly,
-        ``auto`` under load verified 8 drafts a row at 3-6 ms a row and 0.3 ms a draft, where a fixed k = 4 emitted
-        ~10% more tokens (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). A run no step has
-        taken costs nothing until one does (no data, no cost: a longer choice then measures it). The ridge grows with
-        the data (a fraction of each feature's sum of squares), so it also moves a fit the steps do tell apart, by
-        more the closer they come to one shape: over three steps of 4-8 rows and 2-4 drafts a row, the fixed cost by
-        ~5%, a row's by ~65% and a draft's by ~45%, each step's excess within 10% (``tests/test_speculation.py``)."""
+        would keep ``auto`` at the one length it was measured at (fewer drafts looking no cheaper; split evenly,
+        ``auto`` under load stayed at 8 drafts a row where a fixed k = 4 emitted more: BENCHMARKS.md, "Speculative
+        decoding: drafts beside a prompt chunk"). A run no step has taken costs nothing until one does (no data, no
+        cost: a longer choice then measures it). The ridge grows with the data (a fraction of each feature's sum of
+        squares), so it also moves a fit the steps do tell apart, by more the closer they come to one shape
+        (``tests/test_speculation.py`` bounds it on three steps)."""
         if not self.num_steps:
             return None
         if self._costs is None:  # asked for several times a step, changed only by observe

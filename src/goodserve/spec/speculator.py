@@ -126,9 +126,8 @@ class Speculator:
         bounds (as a probe's) and the chosen length's at the lower: the step that tries it measures the next
         position's acceptance, which no step at the chosen length does, and varies the drafts a row, which
         tells what a draft costs from what a row verifying any does. Without it ``auto`` at one draft a row
-        priced the second at the estimate of a few early rows, and stayed at one for 200 steps at 40 rows,
-        where a fixed k = 4 emitted 14% more tokens (BENCHMARKS.md, "Speculative decoding: drafts beside a
-        prompt chunk")."""
+        priced the second at the estimate of a few early rows and could stay at one, where a fixed k = 4
+        emitted more (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk")."""
         k = self.length
         if k >= self.k_max:
             return False
@@ -210,7 +209,7 @@ class Speculator:
         double (up to :data:`EXPLORE_MAX`); missed after one that held, they fall back to
         :data:`EXPLORE_EVERY`; missed after one that missed, they double too. A model whose form cannot fit
         these steps (fitted mostly on steps with a prompt chunk: steps of decodes without drafts are only
-        these checks under load) misses every check, and checks every 17 steps gave up ~5% of the
+        these checks under load) misses every check, and checking at the shortest interval then gave up
         drafts' tokens for no better fit (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
         chunk")."""
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
