@@ -68,7 +68,7 @@ class InvariantAttentionBackend:
         (num_heads // num_kv_heads)`` on the AMX kernel, each further run attending the context again; ``None``
         elsewhere (a row's positions attend apart, or all at once)."""
         q = torch.empty((0, num_heads, head_dim), dtype=dtype, device="meta")
-        return max(1, 16 // (num_heads // num_kv_heads)) if self.uses_amx(q, num_kv_heads) else None
+        return run_rows(num_heads // num_kv_heads) if self.uses_amx(q, num_kv_heads) else None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -100,10 +100,16 @@ def amx_attention_available() -> bool:
     return bool(native.load() and torch.ops.goodserve.paged_attention_rows_supported())
 
 
+def run_rows(group: int) -> int:
+    """The most of a chunk's tokens one run of the AMX kernel holds: its 16 query rows a tile over ``group``
+    query heads a KV head."""
+    return max(1, 16 // group)
+
+
 def run_starts(meta: AttentionMetadata, group: int) -> torch.Tensor:
     """``[num_runs + 1]`` int32 first row of each run: every decode alone, each prefill chunk's tokens in
-    runs of ``16 // group`` (they share a block table)."""
-    per_run = max(1, 16 // group)
+    runs of :func:`run_rows` (they share a block table)."""
+    per_run = run_rows(group)
     starts = list(range(meta.num_decodes))
     for chunk in meta.prefills:
         starts.extend(range(chunk.start, chunk.end, per_run))
