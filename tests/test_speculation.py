@@ -110,9 +110,9 @@ def test_auto_length_speculates_while_steps_are_cheap_and_stops_under_load():
     # step emitting 64 E[k] tokens: 0.865, 1.087, 1.132, 1.111, 1.065 tokens/ms for k = 0..4. With 0.5 ms
     # more for each row that verifies any (32 ms a step), 0.835, 0.919, 0.935, 0.919 for k = 1..4: 3. With
     # 4 ms a row, no k beats 0.865.
-    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.0, 0.0005)) == 2
-    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.0005, 0.0005)) == 3
-    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.004, 0.0005)) == 0
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.0, 0.0005, 0.0)) == 2
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.0005, 0.0005, 0.0)) == 3
+    assert choose_length(model, stats, [100] * 64, 4, costs=(0.0, 0.004, 0.0005, 0.0)) == 0
 
 
 def test_auto_length_prices_drafts_at_their_measured_cost_even_above_a_decode_row():
@@ -124,8 +124,8 @@ def test_auto_length_prices_drafts_at_their_measured_cost_even_above_a_decode_ro
     (27 ms, 3.36 tokens: 0.1245) still beat none (0.0909) and 3 (24 ms, 0.1230)."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
-    assert choose_length(model, stats, [100] * 8, 4, costs=(0.0, 0.004, 0.003)) == 0
-    assert choose_length(model, stats, [100], 4, costs=(0.0, 0.004, 0.003)) == 4
+    assert choose_length(model, stats, [100] * 8, 4, costs=(0.0, 0.004, 0.003, 0.0)) == 0
+    assert choose_length(model, stats, [100], 4, costs=(0.0, 0.004, 0.003, 0.0)) == 4
 
 
 def test_auto_length_falls_to_zero_while_prompts_wait():
@@ -167,7 +167,7 @@ def test_auto_length_prices_drafts_beside_a_prompt_chunk_on_the_step_time_model(
     0). Beside 512 prompt tokens, drafts that cost a decode row do not pay: 0."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
-    measured = (0.0, 0.004, 0.003)
+    measured = (0.0, 0.004, 0.003, 0.0)
     assert choose_length(model, stats, [100] * 8, 4, costs=measured) == 0
     assert choose_length(model, stats, [100] * 8, 4, costs=measured, prompt_tokens=2) == 2
     assert choose_length(model, stats, [100] * 8, 4, prompt_tokens=2) == 2
@@ -189,12 +189,12 @@ def test_auto_length_prices_drafts_beside_a_prompt_chunk_at_their_cost_there():
     stats = _stats_at(0.8)
     contexts = [100] * 8
     assert choose_length(model, stats, contexts, 4, prompt_tokens=512) == 0
-    assert choose_length(model, stats, contexts, 4, prompt_tokens=512, beside=(0.0, 0.0, 0.0002)) == 4
-    assert choose_length(model, stats, contexts, 4, costs=(0.0, 0.0, 0.0002), prompt_tokens=512,
-                         beside=(0.0, 0.0, 0.001)) == 0
-    assert choose_length(model, stats, contexts, 4, costs=(0.050, 0.0, 0.0002), prompt_tokens=512) == 4
-    assert choose_length(model, stats, contexts, 4, costs=(0.050, 0.004, 0.0002), prompt_tokens=512) == 0
-    assert step_seconds(model, contexts, 4, (0.050, 0.0, 0.0002), 512) == pytest.approx(0.530 + 32 * 0.0002)
+    assert choose_length(model, stats, contexts, 4, prompt_tokens=512, beside=(0.0, 0.0, 0.0002, 0.0)) == 4
+    assert choose_length(model, stats, contexts, 4, costs=(0.0, 0.0, 0.0002, 0.0), prompt_tokens=512,
+                         beside=(0.0, 0.0, 0.001, 0.0)) == 0
+    assert choose_length(model, stats, contexts, 4, costs=(0.050, 0.0, 0.0002, 0.0), prompt_tokens=512) == 4
+    assert choose_length(model, stats, contexts, 4, costs=(0.050, 0.004, 0.0002, 0.0), prompt_tokens=512) == 0
+    assert step_seconds(model, contexts, 4, (0.050, 0.0, 0.0002, 0.0), 512) == pytest.approx(0.530 + 32 * 0.0002)
     assert step_seconds(model, contexts, 4, None, 512) == pytest.approx(0.530 + 0.032)
 
 

@@ -231,8 +231,8 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: O
     """Predicted seconds of a step of decode rows (``contexts``: each one's computed tokens) verifying ``k``
     drafts each, beside ``prompt_tokens`` of prompt chunks: the model's step without the drafts plus what
     :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts, learned on steps of the same kind: of
-    decodes alone (``costs``), or with a prompt chunk (``beside``): ``(fixed, per row, per draft[, per
-    thousand tokens of context read again])``, the runs of ``run_positions`` positions
+    decodes alone (``costs``), or with a prompt chunk (``beside``): ``(fixed, per row, per draft, per
+    thousand tokens of context read again)`` (:meth:`DraftCost.costs`), the runs of ``run_positions`` positions
     (:func:`reread_ktokens`). Before any draft was measured, the model's step of ``B (k + 1)`` positions (and
     the chunks).
 
@@ -247,15 +247,15 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: O
     AMX host; BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). Until a step with a chunk
     has measured them, a draft beside a chunk is priced at the cheaper of the model's price and ``costs``
     without their fixed term, so that such a step verifies drafts and measures them."""
-    runs = reread_ktokens(k, run_positions, contexts)
+    reread = reread_ktokens(k, run_positions, contexts)
     if prompt_tokens <= 0:
-        return _priced(model, contexts, k, costs, 0, runs)
+        return _priced(model, contexts, k, costs, 0, reread)
     if beside is not None:
-        return _priced(model, contexts, k, beside, prompt_tokens, runs)
-    guess = _priced(model, contexts, k, None, prompt_tokens, runs)
+        return _priced(model, contexts, k, beside, prompt_tokens, reread)
+    guess = _priced(model, contexts, k, None, prompt_tokens, reread)
     if costs is None:
         return guess
-    return min(guess, _priced(model, contexts, k, (0.0, *costs[1:]), prompt_tokens, runs))
+    return min(guess, _priced(model, contexts, k, (0.0, *costs[1:]), prompt_tokens, reread))
 
 
 def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Optional[Sequence[float]],
@@ -268,8 +268,8 @@ def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Option
     base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)
     if costs is None or k == 0:
         return base
-    per_reread = costs[3] if len(costs) > 3 else 0.0
-    return base + costs[0] + rows * costs[1] + rows * k * costs[2] + reread * per_reread
+    fixed, per_row, per_draft, per_reread = costs
+    return base + fixed + rows * per_row + rows * k * per_draft + reread * per_reread
 
 
 def decode_token_value(model: StepTimeModel, contexts: Sequence[int]) -> float:
@@ -334,9 +334,9 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
-        costs: What verifying adds to a step of decodes alone, per step, row, draft and (a fourth, optional)
-            thousand tokens of context read again by a row's further attention runs (:meth:`DraftCost.costs` of
-            such steps); a step is priced by :func:`step_seconds`.
+        costs: What verifying adds to a step of decodes alone, per step, row, draft and thousand tokens of
+            context read again by a row's further attention runs (:meth:`DraftCost.costs` of such steps); a step
+            is priced by :func:`step_seconds`.
         beside: The same, learned on steps with a prompt chunk.
         run_positions: The most positions of a row one attention run holds (``None``: any number).
         prompt_tokens: Prompt tokens ``C`` the step may compute beside the decodes (the scheduler's backlog
