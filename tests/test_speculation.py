@@ -151,7 +151,6 @@ def test_auto_asks_for_drafts_beside_a_prompt_chunk_for_the_step_after_it():
     (r,) = create_requests(1, prompt_len=100, max_tokens=50)
     r.num_computed_tokens = 100
     r.append_output_token(7)
-    r.spec_token_ids = [7] * 4  # proposed
     spec.begin_step([r], prompt_tokens=512)
     assert spec.length == 0 and spec.lookahead(r) == 4
     spec.begin_step([r])
@@ -294,7 +293,6 @@ def test_auto_reads_the_tpot_allowances_of_its_decode_rows():
     decoding.num_computed_tokens = 100
     decoding.append_output_token(7)
     decoding.first_token_time = 50.0
-    decoding.spec_token_ids = fresh_drafts = [7] * 4
     prefilling.options = dataclasses.replace(prefilling.options, slo_tpot=0.001)
     spec.begin_step([decoding, prefilling], prompt_tokens=512, now=50.0)
     assert spec.length == 0
@@ -316,7 +314,6 @@ def test_auto_reads_the_tpot_allowances_of_its_decode_rows():
         r.num_computed_tokens = 100
         r.append_output_token(7)
         r.first_token_time = 50.2
-        r.spec_token_ids = fresh_drafts
     spec.begin_step([fresh, prefilling], prompt_tokens=512, now=50.2)
     assert spec.length == 3
     spec.begin_step([fresh, prefilling, constrained], prompt_tokens=512, now=50.2)
@@ -626,7 +623,6 @@ def _auto_steps(per_token_s: float) -> tuple[list[int], list[int]]:
                                                                    adapt=False))
     (r,) = create_requests(1, prompt_len=8, max_tokens=100)
     r.num_computed_tokens = r.num_tokens - 1  # decoding
-    r.spec_token_ids = [7] * 4  # proposed whatever was asked for
     lengths, lookaheads = [], []
     for _ in range(2 * (EXPLORE_EVERY + 1)):
         spec.begin_step([r])
@@ -756,7 +752,6 @@ def test_auto_checks_the_model_less_often_while_it_holds():
                                                                    adapt=False))
     (r,) = create_requests(1, prompt_len=8, max_tokens=10_000)
     r.num_computed_tokens = r.num_tokens - 1  # decoding
-    r.spec_token_ids = [7] * 4
     took = iter([0.0105, 0.0095, 0.012, 0.012, 0.010, 0.012, 0.010])
     gaps, run = [], 0
     while len(gaps) < 7:
@@ -789,7 +784,6 @@ def test_auto_tries_one_draft_more_half_way_between_checks():
     spec.stats._reached[1], spec.stats._accepted[1] = 6.0, 1.8
     (r,) = create_requests(1, prompt_len=8, max_tokens=10_000)
     r.num_computed_tokens = r.num_tokens - 1
-    r.spec_token_ids = [7] * 2
     lengths = []
     for _ in range(EXPLORE_EVERY):
         spec.begin_step([r])

@@ -82,7 +82,6 @@ class Request:
         self.stop_reason: Optional[int] = None  # the stop token id that ended it
         self.kv_transfer: Optional[tuple[int, float]] = None  # (bytes, seconds) of its pull, once done
         self.spec_token_ids: list[int] = []  # draft tokens proposed for its next step (speculation)
-        self.spec_outcome: Optional[tuple[int, int]] = None  # its last verification's class, at its output tokens
 
     @property
     def priority(self) -> int:

@@ -71,7 +71,7 @@ class SpecDecodeMixin:
         """After a step that sampled ``req``: count what its ``num_spec`` drafts gave, keep the drafts proposed
         for its next step, and free the slots of rejected ones (if it goes on)."""
         if num_spec:
-            self.speculator.record(req, num_spec, len(token.accepted))
+            self.speculator.record(num_spec, len(token.accepted))
         if req.is_finished:
             return
         req.spec_token_ids = token.spec_token_ids

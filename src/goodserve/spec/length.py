@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -91,22 +91,21 @@ class AcceptanceStats:
         by verifying drafts, so a rate estimated from a few rows must not keep the drafts that would correct
         it from being verified (BENCHMARKS.md, "Speculative decoding on the AMD host"), while a rate measured
         over many rows bounds close to itself."""
-        return self.bounds(z)
+        return self._wilson(z)
 
     def lower_rates(self, z: float = CHOICE_Z) -> list[float]:
         """The Wilson score interval's lower end of each ``α_i`` at ``z`` standard deviations (see
         :meth:`upper_rates`): what :func:`choose_length` prices drafts by."""
-        return self.bounds(-z)
+        return self._wilson(-z)
 
-    def bounds(self, z: float) -> list[float]:
-        """Wilson's score interval's end at ``z`` standard deviations (negative: the lower end) of each ``α_i``,
-        around :meth:`rates` over :meth:`rows`."""
-        return [wilson(p, n, z) for p, n in zip(self.rates(), self.rows())]
-
-    def rows(self) -> list[float]:
-        """The rows each position's estimate stands on: those that verified it (recency-weighted) and the
-        prior's pseudo-rows."""
-        return [r + PRIOR[1] for r in self._reached]
+    def _wilson(self, z: float) -> list[float]:
+        out = []
+        for p, r in zip(self.rates(), self._reached):
+            n = r + PRIOR[1]
+            centre = p + z * z / (2 * n)
+            spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+            out.append(min(1.0, max(0.0, (centre + spread) / (1 + z * z / n))))
+        return out
 
     @staticmethod
     def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -119,16 +118,6 @@ class AcceptanceStats:
         return total
 
 
-def wilson(p: float, n: float, z: float) -> float:
-    """The end at ``z`` standard deviations (negative: the lower end) of Wilson's score interval (Wilson 1927)
-    of a rate estimated at ``p`` over ``n`` rows, within ``[0, 1]``."""
-    centre = p + z * z / (2 * n)
-    spread = abs(z) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return min(1.0, max(0.0, (centre + math.copysign(spread, z)) / (1 + z * z / n)))
-
-
-#: Rounds of :func:`choose_lengths`' search over the groups, one group's length at a time.
-GROUP_PASSES = 3
 #: Weight of the past in :class:`DraftCost`, per step that verified drafts (a half-life of ~35 steps).
 COST_DECAY = 0.98
 #: Ridge of :meth:`DraftCost.costs` on (fixed, per row, per draft, per token read again), each a fraction of its
@@ -258,41 +247,29 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: O
     AMX host; BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk"). Until a step with a chunk
     has measured them, a draft beside a chunk is priced at the cheaper of the model's price and ``costs``
     without their fixed term, so that such a step verifies drafts and measures them."""
-    return parts_seconds(model, [(len(contexts), sum(contexts), k)], costs, prompt_tokens, beside, run_positions)
-
-
-def parts_seconds(model: StepTimeModel, parts: Sequence[tuple[int, int, int]], costs: Optional[Sequence[float]],
-                  prompt_tokens: int = 0, beside: Optional[Sequence[float]] = None,
-                  run_positions: Optional[int] = None) -> float:
-    """:func:`step_seconds` of groups of decode rows, each group verifying its own number of drafts a row:
-    ``parts`` of ``(rows, their computed tokens in all, drafts each)``."""
+    reread = reread_ktokens(k, run_positions, contexts)
     if prompt_tokens <= 0:
-        return _priced(model, parts, costs, 0, run_positions)
+        return _priced(model, contexts, k, costs, 0, reread)
     if beside is not None:
-        return _priced(model, parts, beside, prompt_tokens, run_positions)
-    guess = _priced(model, parts, None, prompt_tokens, run_positions)
+        return _priced(model, contexts, k, beside, prompt_tokens, reread)
+    guess = _priced(model, contexts, k, None, prompt_tokens, reread)
     if costs is None:
         return guess
-    return min(guess, _priced(model, parts, (0.0, *costs[1:]), prompt_tokens, run_positions))
+    return min(guess, _priced(model, contexts, k, (0.0, *costs[1:]), prompt_tokens, reread))
 
 
-def _priced(model: StepTimeModel, parts: Sequence[tuple[int, int, int]], costs: Optional[Sequence[float]],
-            prompt_tokens: int, run_positions: Optional[int]) -> float:
+def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Optional[Sequence[float]],
+            prompt_tokens: int, reread: float) -> float:
     """The model's step of the decodes and chunks plus ``costs`` for the drafts; without ``costs``, the model's
     step with each draft as one more decode position (see :func:`step_seconds`)."""
-    positions, pairs = 0, chunk_pairs(prompt_tokens, 0)
-    for rows, context, k in parts:
-        each = k + 1 if costs is None else 1
-        positions += rows * each
-        pairs += each * context + rows * (each * (each + 1) // 2)  # chunk_pairs(each, c) summed over the rows
-    base = model.predict(positions + prompt_tokens, positions, pairs)
-    drafts = sum(rows * k for rows, _, k in parts)
-    if costs is None or drafts == 0:
+    rows = len(contexts)
+    per_row = k + 1 if costs is None else 1
+    pairs = sum(chunk_pairs(per_row, c) for c in contexts) + chunk_pairs(prompt_tokens, 0)
+    base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)
+    if costs is None or k == 0:
         return base
     fixed, per_row, per_draft, per_reread = costs
-    verifying = sum(rows for rows, _, k in parts if k)
-    reread = sum(extra_runs(k, run_positions) * context for _, context, k in parts) / 1000
-    return base + fixed + verifying * per_row + drafts * per_draft + reread * per_reread
+    return base + fixed + rows * per_row + rows * k * per_draft + reread * per_reread
 
 
 def decode_token_value(model: StepTimeModel, contexts: Sequence[int]) -> float:
@@ -318,37 +295,16 @@ def keeps(allowances: Sequence[tuple[float, float]], seconds: float, tokens: flo
     return all(seconds <= a + c * (tokens - 1) for a, c in allowances)
 
 
-class RowGroup(NamedTuple):
-    """Decode rows whose drafts are priced alike (:func:`choose_lengths`)."""
-
-    contexts: Sequence[int]  #: each row's computed tokens
-    rates: Sequence[float]  #: the acceptance rate of each draft position its drafts are priced at
-    #: ``(a, c)`` of its rows under a TPOT SLO, or ``(a, c, drafts)`` with the drafts that row has
-    allowances: Sequence[tuple] = ()
-    #: the drafts each row has to verify, the most it verifies whatever the length (``None``: as many as asked)
-    drafts: Optional[Sequence[int]] = None
-
-
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
                   limit: float = math.inf, costs: Optional[Sequence[float]] = None,
                   prompt_tokens: int = 0, room: Optional[int] = None,
                   allowances: Sequence[tuple[float, float]] = (), beside: Optional[Sequence[float]] = None,
                   run_positions: Optional[int] = None) -> int:
-    """:func:`choose_lengths` for rows priced alike, at ``stats``' lower bounds
-    (:meth:`AcceptanceStats.lower_rates`)."""
-    group = RowGroup(contexts, stats.lower_rates(), allowances)
-    return choose_lengths(model, [group], k_max, limit=limit, costs=costs, prompt_tokens=prompt_tokens, room=room,
-                          beside=beside, run_positions=run_positions)[0]
-
-
-def choose_lengths(model: StepTimeModel, groups: Sequence[RowGroup], k_max: int, limit: float = math.inf,
-                   costs: Optional[Sequence[float]] = None, prompt_tokens: int = 0, room: Optional[int] = None,
-                   beside: Optional[Sequence[float]] = None, run_positions: Optional[int] = None) -> list[int]:
-    """The number of drafts a row of each group verifies that maximises the step's work per second, within the
-    rows' TPOT allowances.
+    """The number of drafts per decode row that maximises the step's work per second, within the rows' TPOT
+    allowances.
 
     The work of a step is its tokens, each valued at what it costs on the step-time model: ``rate = (B ·
-    E[tokens | k] · d + p(C_k)) / T(B, k, C_k)`` (one group; with several, ``B · E`` is summed over them), with ``d`` the seconds of a plain decode row
+    E[tokens | k] · d + p(C_k)) / T(B, k, C_k)``, with ``d`` the seconds of a plain decode row
     (:func:`decode_token_value`) and ``p`` those of the ``C_k`` prompt tokens the step computes beside the
     decodes (:func:`prompt_value`). Drafts and prompt chunks share the token budget the decodes leave
     (``room``), so ``C_k = min(C, room - B k)``: a draft verified while prompts wait takes a prompt token's
@@ -369,23 +325,13 @@ def choose_lengths(model: StepTimeModel, groups: Sequence[RowGroup], k_max: int,
     later step for), while a row ahead of its SLO lends the step the time it banked. Where no ``k`` keeps
     every row, the rate alone decides.
 
-    A row verifies at most the drafts it has (``RowGroup.drafts``), and is priced so: a prompt lookup finds
-    fewer drafts for some rows than the length, or none. Priced at the length for every row, steps were
-    predicted at several times what they took (BENCHMARKS.md, "Speculative decoding: lengths per request").
-
-    The search: one ``k`` for every row first, then each group's ``k`` in turn with the others held, for at
-    most :data:`GROUP_PASSES` rounds, so groups whose drafts are accepted at other rates get other lengths
-    (:mod:`goodserve.spec.outcomes` groups the rows by their last verification).
-
     Args:
         model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes and samples
             ``B (k + 1)`` positions and attends ``Σ chunk_pairs(k + 1, c)`` pairs).
-        groups: The decode rows, in groups whose drafts are priced alike (:class:`RowGroup`): each row's computed
-            tokens ``c``, the acceptance rates its drafts are priced at (read at their lower bounds,
-            :meth:`AcceptanceStats.lower_rates`: the ``k`` whose estimated rate is highest is the one whose
-            estimate erred up most, and the later positions are measured on the fewest rows), and the
-            allowances ``(a, c)`` of its rows under a TPOT SLO (a group without rows may hold those of rows
-            that do not speculate, ``c = 0``).
+        stats: The measured acceptance rates, read at their lower bounds (:meth:`AcceptanceStats.lower_rates`:
+            the ``k`` whose estimated rate is highest is the one whose estimate erred up most, and the later
+            positions are measured on the fewest rows).
+        contexts: Each decode row's computed tokens ``c``.
         k_max: The most drafts per row.
         limit: The longest step allowed (seconds; the scheduling policy's): longer choices are not taken.
         costs: What verifying adds to a step of decodes alone, per step, row, draft and thousand tokens of
@@ -397,55 +343,26 @@ def choose_lengths(model: StepTimeModel, groups: Sequence[RowGroup], k_max: int,
             within the token budget).
         room: Tokens of the step's budget the decodes leave, shared by drafts and prompt chunks (``None``: no
             limit).
+        allowances: ``(a, c)`` in seconds for each row under a TPOT SLO (none: no constraint).
 
     Returns:
-        Each group's ``k`` in ``[0, k_max]``; all 0 without decode rows.
+        ``k`` in ``[0, k_max]``; 0 without decode rows.
     """
-    lengths = [0] * len(groups)
-    live = [i for i, g in enumerate(groups) if g.contexts]
-    if not live or k_max <= 0:
-        return lengths
-    per_decode = decode_token_value(model, [c for i in live for c in groups[i].contexts])
-    # Each group's rows by the drafts they have: (drafts, rows, their computed tokens); its expected tokens a row
-    # at each length; its allowances with the drafts of their row.
-    buckets: dict[int, list[tuple[int, int, int]]] = {}
-    for i in live:
-        g = groups[i]
-        by: dict[int, list[int]] = {}
-        for c, d in zip(g.contexts, g.drafts if g.drafts is not None else [k_max] * len(g.contexts)):
-            by.setdefault(min(d, k_max), []).append(c)
-        buckets[i] = [(d, len(cs), sum(cs)) for d, cs in sorted(by.items())]
-    expected = [[AcceptanceStats.expected_tokens(g.rates, k) for k in range(k_max + 1)] for g in groups]
-    allowed = [[(x[0], x[1], min(x[2], k_max) if len(x) > 2 else k_max) for x in g.allowances] for g in groups]
-
-    def score(ks: list[int]) -> Optional[tuple[bool, float]]:  # (keeps every allowance, rate); None: too long
-        parts = [(n, c, min(k, d)) for i in live for k in (ks[i],) for d, n, c in buckets[i]]
-        drafts = sum(n * k for n, _, k in parts)
-        chunk = prompt_tokens if room is None else max(0, min(prompt_tokens, room - drafts))
-        seconds = parts_seconds(model, parts, costs, chunk, beside, run_positions)
-        if drafts and seconds > limit:
-            return None
-        tokens = sum(n * expected[i][min(ks[i], d)] for i in live for d, n, _ in buckets[i])
-        work = tokens * per_decode + prompt_value(model, chunk)
-        kept = all(seconds <= a + c * (expected[i][min(ks[i], d)] - 1) for i in range(len(groups))
-                   for a, c, d in allowed[i])
-        return kept, work / max(seconds, 1e-9)
-
-    best, best_score = lengths, score(lengths)
-    for k in range(1, k_max + 1):  # one length for every row first; longer steps only grow
-        s = score([k] * len(groups))
-        if s is None:
+    rows = len(contexts)
+    if rows == 0 or k_max <= 0:
+        return 0
+    rates = stats.lower_rates()
+    per_decode = decode_token_value(model, contexts)
+    best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within every allowance
+    for k in range(k_max + 1):
+        chunk = prompt_tokens if room is None else max(0, min(prompt_tokens, room - rows * k))
+        seconds = step_seconds(model, contexts, k, costs, chunk, beside, run_positions)
+        if k > 0 and seconds > limit:
             break
-        if s > best_score:
-            best, best_score = [k] * len(groups), s
-    for _ in range(GROUP_PASSES if len(live) > 1 else 0):  # then each group's length, the others held
-        changed = False
-        for i in live:
-            for k in range(k_max + 1):
-                candidate = best[:i] + [k] + best[i + 1:]
-                s = score(candidate) if k != best[i] else None
-                if s is not None and s > best_score:
-                    best, best_score, changed = candidate, s, True
-        if not changed:
-            break
-    return [k if groups[i].contexts else 0 for i, k in enumerate(best)]
+        tokens = stats.expected_tokens(rates, k)
+        rate = (rows * tokens * per_decode + prompt_value(model, chunk)) / max(seconds, 1e-9)
+        if rate > best[1]:
+            best = (k, rate)
+        if keeps(allowances, seconds, tokens) and rate > within[1]:
+            within = (k, rate)
+    return within[0] if within[0] >= 0 else best[0]

@@ -18,12 +18,7 @@ from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import (AcceptanceStats, DraftCost, RowGroup, choose_lengths, keeps, parts_seconds,
-                                   reread_ktokens, step_seconds)
-from goodserve.spec.outcomes import NUM_CLASSES, ClassStats, row_class
-
-#: The group of :meth:`Speculator._groups` of the rows that do not speculate.
-IDLE = NUM_CLASSES
+from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, keeps, reread_ktokens, step_seconds
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
@@ -37,11 +32,6 @@ EXPLORE_EVERY = 16
 EXPLORE_MAX = 256
 #: Relative error of the step-time model's prediction within which a step without drafts confirms it.
 PROBE_TOLERANCE = 0.1
-#: A step with drafts that took more than this many times the model's price of it (each draft a decode row)
-#: stalled on something else: :class:`~goodserve.spec.length.DraftCost` does not learn it (a stall learned
-#: priced every row verifying drafts at tens of ms for as long as it weighed in the fit: BENCHMARKS.md,
-#: "Speculative decoding: lengths per request").
-STALL = 3.0
 
 
 class Speculator:
@@ -57,16 +47,14 @@ class Speculator:
         self.model = model
         self.k_max = config.num_speculative_tokens
         self.stats = AcceptanceStats(self.k_max)
-        self.classes = ClassStats(self.k_max)  # ... by the class of a row's last verification
         self.cost = DraftCost()  # what drafts add to a step of decodes alone
         self.cost_beside = DraftCost()  # ... and to a step with a prompt chunk
         #: The most positions of a row one attention run holds (``None``: any number); the runner's
         #: (:meth:`goodserve.runner.model_runner.ModelRunner.attention_run_positions`).
         self.run_positions: Optional[int] = None
         self._slo = SLOPredictor(model, max_num_batched_tokens=0, block_size=1)  # only its allowances are read
-        self.length = 0  # drafts per row chosen for the step being built (the most, under auto)
-        self.lengths = [0] * NUM_CLASSES  # under auto, those of the rows of each class (outcomes.row_class)
-        self._at_zero = [0, 0]  # steps of decodes alone, and with a prompt chunk, that verified no drafts since one did
+        self.length = 0  # drafts per row chosen for the step being built
+        self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step, or for its decodes alone if more (before probes)
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
@@ -83,35 +71,26 @@ class Speculator:
 
     def begin_step(self, running: Sequence[Request], limit: float = math.inf, again: bool = False,
                    prompt_tokens: int = 0, room: Optional[int] = None, now: float = 0.0) -> None:
-        """Choose the step's length: the fixed one, or under ``auto`` one per class of rows
-        (:mod:`goodserve.spec.outcomes`), those maximising the work per second of the eligible decode rows and
-        the ``prompt_tokens`` the step may prefill beside them in the ``room`` their drafts share, within the
-        TPOT allowances of the rows at ``now`` (monotonic seconds; :func:`~goodserve.spec.length.choose_lengths`),
-        keeping the step within ``limit`` seconds.
+        """Choose the step's length: the fixed one, or under ``auto`` the one maximising the work per second of
+        the eligible decode rows and the ``prompt_tokens`` the step may prefill beside them in the ``room``
+        their drafts share, within the TPOT allowances of the rows at ``now`` (monotonic seconds;
+        :func:`~goodserve.spec.length.choose_length`), keeping the step within ``limit`` seconds.
         ``again``: the same step chooses anew (after a preemption), its probes counted once."""
         if self.config.length != "auto":
             self.length = self.config.length
             return
         if again:
-            at_zero, self._steps_with, self._probes = self._counted
-            self._at_zero = list(at_zero)
-        self._counted = (tuple(self._at_zero), self._steps_with, self._probes)
+            self._steps_at_zero, self._steps_with, self._probes = self._counted
+        self._counted = (self._steps_at_zero, self._steps_with, self._probes)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         contexts = [r.num_computed_tokens for r in decodes if self.eligible(r)]
         costs, beside = self.cost.costs(), self.cost_beside.costs()
         allowances = self._allowances(decodes, now)
-        groups = self._groups(decodes, allowances, self.classes.lower_rates, ready=True)
-        priced = dict(limit=limit, costs=costs, run_positions=self.run_positions)
-        self.lengths = choose_lengths(self.model, groups, self.k_max, **priced, prompt_tokens=prompt_tokens,
-                                      room=room, beside=beside)[:NUM_CLASSES]
-        self.length = self._chosen = max(self.lengths)
-        verifying = any(k and any(g.drafts) for k, g in zip(self.lengths, groups))
-        if verifying or not any(self.eligible(r) for r in decodes):
-            alone = groups if prompt_tokens else None
-        else:  # no row verifies drafts: the next step's are asked for as if each had as many as asked
-            alone = self._groups(decodes, allowances, self.classes.lower_rates, ready=False)
-        if alone is not None:  # the next step may be one of these decodes alone: drafts are asked for it too
-            self._chosen = max(self.length, *choose_lengths(self.model, alone, self.k_max, **priced))
+        priced = dict(limit=limit, costs=costs, allowances=allowances, run_positions=self.run_positions)
+        self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, **priced,
+                                                   prompt_tokens=prompt_tokens, room=room, beside=beside)
+        if prompt_tokens:  # the next step may be one of these decodes alone: drafts are asked for it too
+            self._chosen = max(self.length, choose_length(self.model, self.stats, contexts, self.k_max, **priced))
         # Explore both ways: the cost of a draft is measured only on steps that verify drafts, the step-time
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
@@ -119,85 +98,49 @@ class Speculator:
         # 0, a step verifies drafts (k_max or 1 per row, in turn), and after EXPLORE_EVERY steps with drafts,
         # a step verifies none (drafts are asked for the step before), at longer intervals while the model
         # predicts those steps (:meth:`observe`); and half way through each EXPLORE_EVERY steps with drafts,
-        # a step of decodes alone verifies one draft more where that may pay (:meth:`_longer`).
-        kind = int(prompt_tokens > 0)  # each kind of step measures its own DraftCost: each needs its probes
-        self._at_zero[kind] = self._at_zero[kind] + 1 if not verifying and contexts else 0
-        self._steps_with = self._steps_with + 1 if verifying else 0
-        # A probe is judged at the acceptance rates' upper bounds and at the cheaper of the two prices of its
-        # drafts (the model's, as decode rows, and those learned): it is what measures them. One that does not
+        # a step of decodes alone verifies one draft more where that may pay (:meth:`_longer_may_pay`).
+        self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
+        self._steps_with = self._steps_with + 1 if self.length > 0 else 0
+        # A probe is judged at the acceptance rates' upper bounds: it is what measures them. One that does not
         # fit is put off another EXPLORE_EVERY steps, so that its drafts are asked for on the step before it.
-        if self._at_zero[kind] > EXPLORE_EVERY:
+        if self._steps_at_zero > EXPLORE_EVERY:
             rates = self.stats.upper_rates()
 
-            def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance, at the cheaper price
-                seconds = min(step_seconds(self.model, contexts, k, None, prompt_tokens),
-                              step_seconds(self.model, contexts, k, costs, prompt_tokens, beside=beside,
-                                           run_positions=self.run_positions))
-                tokens = self.stats.expected_tokens(rates, k)
-                return seconds <= limit and keeps([(a, c) for _, a, c in allowances], seconds, tokens)
+            def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
+                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens, beside=beside,
+                                       run_positions=self.run_positions)
+                return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
 
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
-            self._at_zero[kind] = 0
+            self._steps_at_zero = 0
             if probe:
-                self.length, self.lengths, self._probes = probe, [probe] * NUM_CLASSES, self._probes + 1
+                self.length, self._probes = probe, self._probes + 1
         elif self._steps_with > self._explore_with:
-            self.length, self.lengths, self._steps_with, self._judging = 0, [0] * NUM_CLASSES, 0, True
-        elif self._steps_with % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not prompt_tokens:
-            longer = self._longer(groups, self._groups(decodes, allowances, self.classes.upper_rates, ready=True),
-                                  costs, limit)
-            if longer is not None:
-                self.lengths, self.length = longer, max(longer)
+            self.length, self._steps_with, self._judging = 0, 0, True
+        elif self._steps_with % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not prompt_tokens and \
+                self._longer_may_pay(contexts, costs, limit):
+            self.length += 1
 
-    def _longer(self, now: Sequence[RowGroup], tried: Sequence[RowGroup], costs: Optional[Sequence[float]],
-                limit: float) -> Optional[list[int]]:
-        """The lengths with one draft more for the rows at the longest chosen, where that may pay: its
-        acceptance read at the upper bounds (as a probe's: the rows grouped as in ``tried``) and the chosen
-        lengths' at the lower (as chosen: ``now``). The step that tries it measures the next position's
-        acceptance, which no step at the chosen length does, and varies the drafts a row, which tells what a
-        draft costs from what a row verifying any does. Without it ``auto`` at one draft a row priced the
-        second at the estimate of a few early rows and could stay at one, where a fixed k = 4 emitted more
-        (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk")."""
+    def _longer_may_pay(self, contexts: Sequence[int], costs: Optional[Sequence[float]], limit: float) -> bool:
+        """Whether one draft more than the chosen length a row may pay, its acceptance read at the upper
+        bounds (as a probe's) and the chosen length's at the lower: the step that tries it measures the next
+        position's acceptance, which no step at the chosen length does, and varies the drafts a row, which
+        tells what a draft costs from what a row verifying any does. Without it ``auto`` at one draft a row
+        priced the second at the estimate of a few early rows and could stay at one, where a fixed k = 4
+        emitted more (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt chunk")."""
         k = self.length
         if k >= self.k_max:
-            return None
-        longer = [j + 1 if j == k else j for j in self.lengths]
+            return False
+        longer = step_seconds(self.model, contexts, k + 1, costs, run_positions=self.run_positions)
+        if longer > limit:
+            return False
+        now = step_seconds(self.model, contexts, k, costs, run_positions=self.run_positions)
+        upper, lower = self.stats.upper_rates(), self.stats.lower_rates()
+        return self.stats.expected_tokens(upper, k + 1) / longer >= self.stats.expected_tokens(lower, k) / now
 
-        def rate(groups: Sequence[RowGroup], lengths: list[int]) -> Optional[float]:
-            parts = [(len(g.contexts), sum(g.contexts), j) for g, j in zip(groups, lengths + [0]) if g.contexts]
-            seconds = parts_seconds(self.model, parts, costs, run_positions=self.run_positions)
-            tokens = sum(len(g.contexts) * self.stats.expected_tokens(g.rates, j)
-                         for g, j in zip(groups, lengths + [0]))
-            return tokens / max(seconds, 1e-9) if seconds <= limit else None
-
-        more = rate(tried, longer)
-        return longer if more is not None and more >= (rate(now, self.lengths) or 0.0) else None
-
-    def _groups(self, decodes: Sequence[Request], allowances: Sequence[tuple[Request, float, float]], rates,
-                ready: bool) -> list[RowGroup]:
-        """The decode rows and their allowances by class (:func:`~goodserve.spec.outcomes.row_class`), each
-        class's drafts priced at ``rates(cls, overall)`` and, where ``ready``, each row verifying at most the drafts
-        it has; and last the rows that do not speculate (:data:`IDLE`)."""
-        def group(r: Request) -> int:
-            return row_class(r) if self.eligible(r) else IDLE
-
-        def drafts(r: Request) -> int:
-            return len(r.spec_token_ids) if ready and self.eligible(r) else self.k_max
-
-        contexts: list[list[int]] = [[] for _ in range(IDLE + 1)]
-        caps: list[list[int]] = [[] for _ in range(IDLE + 1)]
-        kept: list[list[tuple[float, float, int]]] = [[] for _ in range(IDLE + 1)]
-        for r in decodes:
-            if self.eligible(r):
-                contexts[group(r)].append(r.num_computed_tokens)
-                caps[group(r)].append(drafts(r))
-        for r, a, c in allowances:
-            kept[group(r)].append((a, c, drafts(r)))
-        return [RowGroup(contexts[g], rates(g, self.stats) if g != IDLE else [0.0] * self.k_max, kept[g], caps[g])
-                for g in range(IDLE + 1)]
-
-    def _allowances(self, decodes: Sequence[Request], now: float) -> list[tuple[Request, float, float]]:
-        """``(row, a, c)`` of each of the step's ``decodes`` streaming under a TPOT SLO
-        (:func:`~goodserve.spec.length.choose_lengths`):
+    def _allowances(self, decodes: Sequence[Request], now: float) -> list[tuple[float, float]]:
+        """``(a, c)`` of each of the step's ``decodes`` streaming under a TPOT SLO
+        (:func:`~goodserve.spec.length.choose_length`):
         its allowance as the ``slo`` policy reckons it, and, for a row that speculates, its SLO capped at what
         a later step takes (a token this step emits is one a later step need not; a row that does not
         speculate emits one token whatever ``k``, so 0), left out where its TPOT is lost whatever this step
@@ -210,7 +153,7 @@ class Speculator:
         for r in streaming:
             a = self._slo.allowance(r, now, fig)
             if a > -math.inf:
-                out.append((r, a, min(r.slo_tpot, fig.later_step) if self.eligible(r) else 0.0))
+                out.append((a, min(r.slo_tpot, fig.later_step) if self.eligible(r) else 0.0))
         return out
 
     def _probe_length(self) -> int:
@@ -229,13 +172,12 @@ class Speculator:
         return req.max_tokens - req.num_output_tokens - 1
 
     def drafts(self, req: Request, room: int) -> list[int]:
-        """The drafts ``req`` verifies this step: at most the step's length (under ``auto``, its class's:
-        :mod:`goodserve.spec.outcomes`), ``room`` tokens of budget and what the request may still emit."""
+        """The drafts ``req`` verifies this step: at most the step's length, ``room`` tokens of budget and
+        what the request may still emit."""
         room = min(room, self._left(req))
         if not self.eligible(req) or room <= 0:
             return []
-        k = self.lengths[row_class(req)] if self.config.length == "auto" else self.length
-        return req.spec_token_ids[:min(k, room)]
+        return req.spec_token_ids[:min(self.length, room)]
 
     def lookahead(self, req: Request) -> int:
         """Drafts the runner should propose for ``req`` after this step (at most what it may then verify): a
@@ -252,7 +194,7 @@ class Speculator:
         ahead = max(self.length, self._chosen)  # after a probe without drafts, or a step with a prompt chunk
         if ahead:
             return min(self.k_max, ahead + 1)
-        return self._probe_length() if EXPLORE_EVERY in self._at_zero else 0  # for a probe with drafts
+        return self._probe_length() if self._steps_at_zero == EXPLORE_EVERY else 0  # for a probe with drafts
 
     def observe(self, out: SchedulerOutput, seconds: float) -> Optional[tuple[StepShape, float]]:
         """A step took ``seconds``: what the step-time model should learn from it, as ``(shape, seconds)``, or
@@ -260,7 +202,7 @@ class Speculator:
         but not its cost, and a model fitted on both would misprice each, so: a step without drafts as it
         ran; a step with drafts teaches the cost of a draft instead (:class:`~goodserve.spec.length.DraftCost`),
         one learned on steps of decodes alone and one on steps with a prompt chunk: the two take different
-        paths (:func:`~goodserve.spec.length.step_seconds`); but not a step that stalled (:data:`STALL`).
+        paths (:func:`~goodserve.spec.length.step_seconds`).
 
         The first step without drafts after ``auto`` chose none to check the model is judged before the model
         learns it: predicted within :data:`PROBE_TOLERANCE`, the steps with drafts before the next such check
@@ -284,16 +226,13 @@ class Speculator:
             reread = sum(reread_ktokens(len(s.spec_token_ids), self.run_positions, [s.num_computed_tokens])
                          for s in out.scheduled)
             without = self.model.predict_shape(StepShape.of(out, drafts=False))
-            if seconds <= STALL * max(without, self.model.predict_shape(StepShape.of(out))):
-                (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts, reread)
+            (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts, reread)
             return None
         return StepShape.of(out), seconds
 
-    def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """``req``'s row verified ``num_drafts`` drafts and accepted the first ``num_accepted`` (its output
-        tokens already hold them)."""
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One row verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
         self.stats.record(num_drafts, num_accepted)
-        self.classes.record(req, num_drafts, num_accepted)
 
     def stats_fields(self) -> dict:
         """The counters, as :class:`~goodserve.scheduler.output.SchedulerStats` fields."""
