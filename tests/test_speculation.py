@@ -623,6 +623,7 @@ def _auto_steps(per_token_s: float) -> tuple[list[int], list[int]]:
                                                                    adapt=False))
     (r,) = create_requests(1, prompt_len=8, max_tokens=100)
     r.num_computed_tokens = r.num_tokens - 1  # decoding
+    r.spec_token_ids = [7] * 4  # proposed whatever was asked for
     lengths, lookaheads = [], []
     for _ in range(2 * (EXPLORE_EVERY + 1)):
         spec.begin_step([r])
@@ -666,6 +667,61 @@ def test_auto_probes_within_the_rows_tpot_allowances():
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats = _stats_at(0.0)
     assert _lengths_over_a_probe(spec, 1, slo_tpot=0.0125) == [0] * EXPLORE_EVERY + [1]
+
+
+def test_auto_probes_at_the_cheaper_price_of_its_drafts():
+    """Issue 33: the learned costs of the warmup request's steps at batch 1 priced a draft at ~5.7 ms, and
+    judged at that price no probe fitted the rows' allowances at 56 rows: ``auto`` verified no drafts for ~100
+    steps. A probe is judged at the cheaper of the learned price and the model's (here a draft learned at 1 s,
+    on the model 1 ms): one draft (12 ms) fits the 12.5-ms allowance of the test above."""
+    model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("ngram", 4), model)
+    spec.stats = _stats_at(0.0)
+    spec.cost.costs = lambda: (0.0, 0.0, 1.0, 0.0)
+    assert _lengths_over_a_probe(spec, 1, slo_tpot=0.0125) == [0] * EXPLORE_EVERY + [1]
+
+
+def test_auto_probes_steps_with_and_without_a_prompt_chunk_apart():
+    """Each kind of step learns its own draft costs, so each counts its own steps without drafts: with steps
+    of decodes alone and steps beside a prompt chunk in turn (drafts priced out of both), the probe of the
+    decodes alone comes at their 17th step; counted together, it came on a step with a chunk, and the costs of
+    the decodes alone went unmeasured. A step whose rows have no drafts to verify is one without drafts
+    whatever its length (counted as one with, it put the next probe off)."""
+    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0),
+                                                                   adapt=False))
+    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
+    r.num_computed_tokens = r.num_tokens - 1
+    r.spec_token_ids = [7] * 4
+    alone, beside = [], []
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step([r], prompt_tokens=512)
+        beside.append(spec.length)
+        spec.begin_step([r])
+        alone.append(spec.length)
+    assert beside == [0] * EXPLORE_EVERY + [4] and alone == [0] * EXPLORE_EVERY + [1]  # k_max and one in turn
+    assert spec._at_zero == [0, 0]
+    free = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 0.0, 0.0, 0.0),
+                                                                   adapt=False))
+    r.spec_token_ids = []
+    for n in range(1, 4):
+        free.begin_step([r])
+        assert free.length == 4 and free._at_zero == [n, 0] and free.lookahead(r) == 4
+    r.spec_token_ids = [7] * 4
+    free.begin_step([r])
+    assert free._at_zero == [0, 0]
+
+
+def test_draft_costs_do_not_learn_a_stalled_step():
+    """A step with drafts that took more than 3x the model's price of it (each draft a decode row) stalled on
+    something else: learned, two 2-s steps among ~0.15-s ones priced each row verifying drafts at tens of ms
+    for as long as they weighed in the fit."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig.from_cli(NGRAM, None), model)
+    out = SchedulerOutput(scheduled=[ScheduledRequest("a", 10, 3, sample=True, spec_token_ids=[5, 6])])
+    assert spec.observe(out, 0.040) is None  # the model prices it at 13 ms with its drafts as decode rows
+    assert spec.cost.num_steps == 0
+    assert spec.observe(out, 0.039) is None
+    assert spec.cost.num_steps == 1
 
 
 def test_acceptance_lower_bound_prices_a_long_length_measured_on_few_rows_lower():
@@ -752,6 +808,7 @@ def test_auto_checks_the_model_less_often_while_it_holds():
                                                                    adapt=False))
     (r,) = create_requests(1, prompt_len=8, max_tokens=10_000)
     r.num_computed_tokens = r.num_tokens - 1  # decoding
+    r.spec_token_ids = [7] * 4
     took = iter([0.0105, 0.0095, 0.012, 0.012, 0.010, 0.012, 0.010])
     gaps, run = [], 0
     while len(gaps) < 7:
@@ -784,6 +841,7 @@ def test_auto_tries_one_draft_more_half_way_between_checks():
     spec.stats._reached[1], spec.stats._accepted[1] = 6.0, 1.8
     (r,) = create_requests(1, prompt_len=8, max_tokens=10_000)
     r.num_computed_tokens = r.num_tokens - 1
+    r.spec_token_ids = [7] * 2
     lengths = []
     for _ in range(EXPLORE_EVERY):
         spec.begin_step([r])

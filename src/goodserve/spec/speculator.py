@@ -32,6 +32,10 @@ EXPLORE_EVERY = 16
 EXPLORE_MAX = 256
 #: Relative error of the step-time model's prediction within which a step without drafts confirms it.
 PROBE_TOLERANCE = 0.1
+#: A step with drafts that took more than this many times the model's price of it (each draft a decode row)
+#: stalled on something else: :class:`~goodserve.spec.length.DraftCost` does not learn it (BENCHMARKS.md,
+#: "Speculative decoding: lengths per request").
+STALL = 3.0
 
 
 class Speculator:
@@ -54,7 +58,7 @@ class Speculator:
         self.run_positions: Optional[int] = None
         self._slo = SLOPredictor(model, max_num_batched_tokens=0, block_size=1)  # only its allowances are read
         self.length = 0  # drafts per row chosen for the step being built
-        self._steps_at_zero = 0  # consecutive steps auto chose no drafts for
+        self._at_zero = [0, 0]  # steps without a chunk, and with one, that verified no drafts since one did
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step, or for its decodes alone if more (before probes)
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
@@ -80,8 +84,9 @@ class Speculator:
             self.length = self.config.length
             return
         if again:
-            self._steps_at_zero, self._steps_with, self._probes = self._counted
-        self._counted = (self._steps_at_zero, self._steps_with, self._probes)
+            at_zero, self._steps_with, self._probes = self._counted
+            self._at_zero = list(at_zero)
+        self._counted = (tuple(self._at_zero), self._steps_with, self._probes)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         contexts = [r.num_computed_tokens for r in decodes if self.eligible(r)]
         costs, beside = self.cost.costs(), self.cost_beside.costs()
@@ -99,20 +104,26 @@ class Speculator:
         # a step verifies none (drafts are asked for the step before), at longer intervals while the model
         # predicts those steps (:meth:`observe`); and half way through each EXPLORE_EVERY steps with drafts,
         # a step of decodes alone verifies one draft more where that may pay (:meth:`_longer_may_pay`).
-        self._steps_at_zero = self._steps_at_zero + 1 if self.length == 0 and contexts else 0
+        # A step verifies drafts only where a row has some; steps with a prompt chunk and steps without count
+        # theirs apart, since each kind measures its own DraftCost and needs its own probes.
+        verifying = self.length > 0 and any(r.spec_token_ids for r in decodes if self.eligible(r))
+        kind = int(prompt_tokens > 0)
+        self._at_zero[kind] = self._at_zero[kind] + 1 if not verifying and contexts else 0
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
-        # A probe is judged at the acceptance rates' upper bounds: it is what measures them. One that does not
-        # fit is put off another EXPLORE_EVERY steps, so that its drafts are asked for on the step before it.
-        if self._steps_at_zero > EXPLORE_EVERY:
+        # A probe is judged at the acceptance rates' upper bounds and at the cheaper of two prices of its drafts
+        # (the model's, as decode rows, and the learned one): it is what measures them. One that does not fit
+        # is put off another EXPLORE_EVERY steps, so that its drafts are asked for on the step before it.
+        if self._at_zero[kind] > EXPLORE_EVERY:
             rates = self.stats.upper_rates()
 
             def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
-                seconds = step_seconds(self.model, contexts, k, costs, prompt_tokens, beside=beside,
-                                       run_positions=self.run_positions)
+                seconds = min(step_seconds(self.model, contexts, k, None, prompt_tokens),
+                              step_seconds(self.model, contexts, k, costs, prompt_tokens, beside=beside,
+                                           run_positions=self.run_positions))
                 return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
 
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
-            self._steps_at_zero = 0
+            self._at_zero[kind] = 0
             if probe:
                 self.length, self._probes = probe, self._probes + 1
         elif self._steps_with > self._explore_with:
@@ -194,7 +205,7 @@ class Speculator:
         ahead = max(self.length, self._chosen)  # after a probe without drafts, or a step with a prompt chunk
         if ahead:
             return min(self.k_max, ahead + 1)
-        return self._probe_length() if self._steps_at_zero == EXPLORE_EVERY else 0  # for a probe with drafts
+        return self._probe_length() if EXPLORE_EVERY in self._at_zero else 0  # for a probe with drafts
 
     def observe(self, out: SchedulerOutput, seconds: float) -> Optional[tuple[StepShape, float]]:
         """A step took ``seconds``: what the step-time model should learn from it, as ``(shape, seconds)``, or
@@ -202,7 +213,7 @@ class Speculator:
         but not its cost, and a model fitted on both would misprice each, so: a step without drafts as it
         ran; a step with drafts teaches the cost of a draft instead (:class:`~goodserve.spec.length.DraftCost`),
         one learned on steps of decodes alone and one on steps with a prompt chunk: the two take different
-        paths (:func:`~goodserve.spec.length.step_seconds`).
+        paths (:func:`~goodserve.spec.length.step_seconds`); but not a step that stalled (:data:`STALL`).
 
         The first step without drafts after ``auto`` chose none to check the model is judged before the model
         learns it: predicted within :data:`PROBE_TOLERANCE`, the steps with drafts before the next such check
@@ -226,7 +237,8 @@ class Speculator:
             reread = sum(reread_ktokens(len(s.spec_token_ids), self.run_positions, [s.num_computed_tokens])
                          for s in out.scheduled)
             without = self.model.predict_shape(StepShape.of(out, drafts=False))
-            (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts, reread)
+            if seconds <= STALL * max(without, self.model.predict_shape(StepShape.of(out))):
+                (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts, reread)
             return None
         return StepShape.of(out), seconds
 
