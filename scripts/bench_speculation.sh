@@ -3,9 +3,11 @@
 #   A. batch 1 on the code-copy workload (real source code to reproduce; azure-code prompt lengths):
 #      goodserve without speculation vs n-gram speculation (auto length, up to 8 drafts), then llama.cpp's
 #      llama-server without vs with its own n-gram speculation (--spec-type ngram-simple), same GGUF.
-#   B. served goodput at three rates: auto vs off, fixed k=4 vs fixed k=2, then auto vs fixed k=4.
+#   B. served goodput at three rates: auto vs off, fixed k=4 vs fixed k=2, then auto vs fixed k=4 (PAIRS picks;
+#      k4_off, fixed k=4 vs off, on request).
 # Usage: scripts/bench_speculation.sh OUT_DIR   (LLAMA_BIN: llama.cpp's bin folder, see
-# ../shared/tools/build-llama-server.sh; PART=A or B to run one part; RATES, NUM, PAIRS for part B)
+# ../shared/tools/build-llama-server.sh; PART=A or B to run one part; RATES, NUM, PAIRS for part B; DATASET
+# for another workload than code-copy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; mkdir -p "$out"
@@ -13,8 +15,8 @@ py=${PYTHON:-.venv/bin/python}
 model=$("$py" -c 'from goodserve.models.loader import default_model_path; print(default_model_path())')
 ngram8='{{"method": "ngram", "num_speculative_tokens": 8}}'  # braces doubled: the launch templates are formatted
 serve="{python} -m goodserve.cli serve --port {port} --slo-ttft 5 --slo-tpot 0.2"  # the goodput SLOs, which auto reads
-common=(--dataset code-copy --max-input-len 1024 --max-output-len 256 --seed 0 --num-warmups 1 --interleave
-        --no-progress)
+common=(--dataset "${DATASET:-code-copy}" --max-input-len 1024 --max-output-len 256 --seed 0 --num-warmups 1
+        --interleave --no-progress)
 run() { flock /tmp/goodserve-bench.lock "$py" -m goodserve.cli bench compare "$@"; }
 if [ "${PART:-A}" = A ]; then
   run --launch "$serve --speculative-config '$ngram8'" --label ngram-auto \
@@ -44,6 +46,12 @@ if [ "${PART:-B}" = B ]; then
       --baseline-launch "$serve --speculative-config '$ngram8' --speculative-length 2" --baseline-label k2 \
       "${common[@]}" "${slo[@]}" --num-prompts "$num" --request-rates "$rates" \
       --save-result "$out/served_k4_k2.json" 2>&1 | grep -v ' INFO ' | tee "$out/served_k4_k2.txt"
+  fi
+  if want k4_off; then
+  run --launch "$serve --speculative-config '$ngram8' --speculative-length 4" --label k4 \
+      --baseline-launch "$serve" --baseline-label off \
+      "${common[@]}" "${slo[@]}" --num-prompts "$num" --request-rates "$rates" \
+      --save-result "$out/served_k4_off.json" 2>&1 | grep -v ' INFO ' | tee "$out/served_k4_off.txt"
   fi
   if want auto_k4; then
   run --launch "$serve --speculative-config '$ngram8'" --label auto \

@@ -681,6 +681,27 @@ def test_auto_probes_at_the_cheaper_price_of_its_drafts():
     assert _lengths_over_a_probe(spec, 1, slo_tpot=0.0125) == [0] * EXPLORE_EVERY + [1]
 
 
+def test_auto_probes_beside_a_chunk_at_the_prompt_tokens_its_drafts_displace():
+    """Issue 33: drafts and prompt chunks share the token budget the decodes leave, and a probe beside a chunk
+    is priced so, as :func:`choose_length` prices any length (priced on top of the whole chunk, the probes
+    beside the 1,024-token chunks of a burst of arrivals did not fit the rows' allowances). Model: 10 ms + 1 ms
+    a token; one row, 100 prompt tokens filling the room: k = 4 displaces 4 of them (111 ms), within the row's
+    111.5 ms (on top of the chunk: 115 ms, and one draft 112 ms, neither fits)."""
+    model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("ngram", 4), model)
+    spec.stats = _stats_at(0.0)
+    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
+    r.options = dataclasses.replace(r.options, slo_tpot=0.1115)
+    r.num_computed_tokens = 8
+    r.append_output_token(7)
+    r.first_token_time = 5.0
+    lengths = []
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step([r], prompt_tokens=100, room=100, now=5.0)
+        lengths.append(spec.length)
+    assert lengths == [0] * EXPLORE_EVERY + [4]
+
+
 def test_auto_probes_steps_with_and_without_a_prompt_chunk_apart():
     """Each kind of step learns its own draft costs, so each counts its own steps without drafts: with steps
     of decodes alone and steps beside a prompt chunk in turn (drafts priced out of both), the probe of the

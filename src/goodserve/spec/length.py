@@ -289,6 +289,12 @@ def prompt_value(model: StepTimeModel, prompt_tokens: int) -> float:
     return max(step_seconds(model, [], 0, None, prompt_tokens) - model.predict(0, 0, 0), 0.0)
 
 
+def chunk_beside(prompt_tokens: int, room: Optional[int], rows: int, k: int) -> int:
+    """The prompt tokens a step computes beside ``rows`` decode rows verifying ``k`` drafts each, where drafts
+    and prompt chunks share the ``room`` the decodes leave of the token budget (``None``: no limit)."""
+    return prompt_tokens if room is None else max(0, min(prompt_tokens, room - rows * k))
+
+
 def keeps(allowances: Sequence[tuple[float, float]], seconds: float, tokens: float) -> bool:
     """Whether a step of ``seconds`` expected to emit ``tokens`` tokens a row keeps every row within its TPOT
     allowance ``(a, c)``: ``seconds <= a + c (tokens - 1)`` (see :func:`choose_length`)."""
@@ -355,7 +361,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     per_decode = decode_token_value(model, contexts)
     best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within every allowance
     for k in range(k_max + 1):
-        chunk = prompt_tokens if room is None else max(0, min(prompt_tokens, room - rows * k))
+        chunk = chunk_beside(prompt_tokens, room, rows, k)
         seconds = step_seconds(model, contexts, k, costs, chunk, beside, run_positions)
         if k > 0 and seconds > limit:
             break

@@ -18,7 +18,8 @@ from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import AcceptanceStats, DraftCost, choose_length, keeps, reread_ktokens, step_seconds
+from goodserve.spec.length import (AcceptanceStats, DraftCost, choose_length, chunk_beside, keeps, reread_ktokens,
+                                   step_seconds)
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
@@ -34,7 +35,7 @@ EXPLORE_MAX = 256
 PROBE_TOLERANCE = 0.1
 #: A step with drafts that took more than this many times the model's price of it (each draft a decode row)
 #: stalled on something else: :class:`~goodserve.spec.length.DraftCost` does not learn it (BENCHMARKS.md,
-#: "Speculative decoding: lengths per request").
+#: "Speculative decoding: ... probes while requests arrive").
 STALL = 3.0
 
 
@@ -117,8 +118,9 @@ class Speculator:
             rates = self.stats.upper_rates()
 
             def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
-                seconds = min(step_seconds(self.model, contexts, k, None, prompt_tokens),
-                              step_seconds(self.model, contexts, k, costs, prompt_tokens, beside=beside,
+                chunk = chunk_beside(prompt_tokens, room, len(contexts), k)  # its drafts take prompt tokens' room
+                seconds = min(step_seconds(self.model, contexts, k, None, chunk),
+                              step_seconds(self.model, contexts, k, costs, chunk, beside=beside,
                                            run_positions=self.run_positions))
                 return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
 
