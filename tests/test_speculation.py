@@ -643,9 +643,10 @@ def test_auto_explores_k_max_then_one_draft_after_sixteen_steps_at_zero():
     assert lookaheads == [0] * (EXPLORE_EVERY - 1) + [4, 4] + [0] * (EXPLORE_EVERY - 1) + [1, 2]
 
 
-def _lengths_over_a_probe(spec: Speculator, rows: int, slo_tpot: float) -> list[int]:
+def _lengths_over_a_probe(spec: Speculator, rows: int, slo_tpot: float, **step) -> list[int]:
     """The lengths ``spec`` chooses over ``EXPLORE_EVERY + 1`` steps of ``rows`` requests that each just got
-    their first token (at 5 s) and decode under a TPOT SLO of ``slo_tpot`` seconds."""
+    their first token (at 5 s) and decode under a TPOT SLO of ``slo_tpot`` seconds (``step``: further
+    arguments of each ``begin_step``)."""
     reqs = create_requests(rows, prompt_len=8, max_tokens=100)
     for r in reqs:
         r.options = dataclasses.replace(r.options, slo_tpot=slo_tpot)
@@ -654,7 +655,7 @@ def _lengths_over_a_probe(spec: Speculator, rows: int, slo_tpot: float) -> list[
         r.first_token_time = 5.0
     lengths = []
     for _ in range(EXPLORE_EVERY + 1):
-        spec.begin_step(reqs, now=5.0)
+        spec.begin_step(reqs, now=5.0, **step)
         lengths.append(spec.length)
     return lengths
 
@@ -690,16 +691,7 @@ def test_auto_probes_beside_a_chunk_at_the_prompt_tokens_its_drafts_displace():
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats = _stats_at(0.0)
-    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
-    r.options = dataclasses.replace(r.options, slo_tpot=0.1115)
-    r.num_computed_tokens = 8
-    r.append_output_token(7)
-    r.first_token_time = 5.0
-    lengths = []
-    for _ in range(EXPLORE_EVERY + 1):
-        spec.begin_step([r], prompt_tokens=100, room=100, now=5.0)
-        lengths.append(spec.length)
-    assert lengths == [0] * EXPLORE_EVERY + [4]
+    assert _lengths_over_a_probe(spec, 1, slo_tpot=0.1115, prompt_tokens=100, room=100) == [0] * EXPLORE_EVERY + [4]
 
 
 def test_auto_probes_steps_with_and_without_a_prompt_chunk_apart():
