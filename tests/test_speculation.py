@@ -23,8 +23,8 @@ from goodserve.scheduler.output import SampledToken, ScheduledRequest, Scheduler
 from goodserve.scheduler.scheduler import Scheduler
 from goodserve.scheduler.step_time import StepCoefficients, StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import (COST_RIDGE, AcceptanceStats, DraftCost, choose_length, extra_runs,
-                                   nonnegative_solve, reread_ktokens, step_seconds)
+from goodserve.spec.length import (COST_RIDGE, AcceptanceStats, DraftCost, TPOTBound, choose_length,
+                                   extra_runs, nonnegative_solve, reread_ktokens, step_seconds)
 from goodserve.spec.ngram import NgramProposer
 from goodserve.spec.speculator import EXPLORE_EVERY, Speculator
 from tiny_models import make_tiny_hf_model
@@ -244,10 +244,10 @@ def test_the_amx_attention_holds_16_query_rows_of_a_row_a_run():
     assert backend.run_positions(48, 2, 64, torch.bfloat16) is None
 
 
-def test_auto_length_keeps_the_rows_tpot_allowances():
-    """Issue 33: ``auto`` maximises work per second within each row's TPOT allowance ``a`` plus ``c`` for each
-    token the step emits beyond one. Model: 10 ms + 1 ms a token; acceptance 0.8; one row beside 512 prompt
-    tokens, each further token worth 200 ms. Without drafts the step takes 523 ms.
+def test_auto_length_keeps_the_rows_tpot_slos():
+    """Issue 33: ``auto`` maximises work per second within each row's TPOT bound: for a row that may end with
+    the step, what it banked ``a`` plus its 200-ms SLO for each token the step emits beyond one. Model: 10 ms
+    + 1 ms a token; acceptance 0.8; one row beside 512 prompt tokens. Without drafts the step takes 523 ms.
     ``a = 0.2`` (a fresh row, nothing banked: ``T / E[k] <= 200 ms``): k = 2 needs 525 <= 200 + 288 (out),
     k = 3 526 <= 590 and k = 4 527 <= 672; of these k = 3 has the higher rate (0.97899 against 0.97792).
     ``a = 0.3``: k = 2 fits too (525 <= 588), and its rate is higher (0.97989). ``a = 1`` (a row ahead of its
@@ -255,12 +255,38 @@ def test_auto_length_keeps_the_rows_tpot_allowances():
     the rate decides: 0. The tightest row decides; without a chunk, 4 drafts fit (15 ms)."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
-    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(0.2, 0.2)]) == 3
-    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(0.3, 0.2)]) == 2
-    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(1.0, 0.2)]) == 0
-    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(0.0, 0.2)]) == 0
-    assert choose_length(model, stats, [100], 4, prompt_tokens=512, allowances=[(1.0, 0.2), (0.3, 0.2)]) == 2
-    assert choose_length(model, stats, [100], 4, allowances=[(0.2, 0.2)]) == 4
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=[TPOTBound(0.2, 0.2)]) == 3
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=[TPOTBound(0.3, 0.2)]) == 2
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=[TPOTBound(1.0, 0.2)]) == 0
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=[TPOTBound(0.0, 0.2)]) == 0
+    both = [TPOTBound(1.0, 0.2), TPOTBound(0.3, 0.2)]
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=both) == 2
+    assert choose_length(model, stats, [100], 4, bounds=[TPOTBound(0.2, 0.2)]) == 4
+
+
+def test_auto_length_keeps_a_row_behind_long_prompt_steps_by_drafts_in_later_steps_too():
+    """Issue 33: a fresh row certain to emit 50 more tokens, later steps taking 523 ms like this one (a burst of
+    long prompt chunks; model and acceptance as above). At a token a step it ends at a TPOT of ~523 ms, over
+    its 200-ms SLO whatever this step does; emitting ``E[k]`` tokens in this step and each later one, it ends
+    within it from k = 3 on (``0.2 + 49 · 0.2 - (50 - E) · 0.523 / E``: 1.41 s at k = 3 against -0.42 at
+    k = 2), so ``auto`` verifies 3 drafts, the better rate of 3 and 4. Held to later steps of one token, the
+    row was lost at every k and the rate chose none, as it still does for a row lost at every k (-100 s
+    banked), which does not stop the other row from being kept. A row that may end any time but may also emit
+    50 more tokens is held to both ends: from k = 3 on each later step gains it time (``L / E < s``), so the
+    binding end is now (1.87 tokens beyond the first: 0.574 s); at k = 2 later steps lose it time, and at 50
+    tokens it ends over its SLO; without a most, it is lost wherever later steps lose it time."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = _stats_at(0.8)
+    behind = TPOTBound(0.2, 0.2, left=50, later=0.523, most=50)
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=[behind]) == 3
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=[TPOTBound(-100.0, 0.2)]) == 0
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=[TPOTBound(-100.0, 0.2), behind]) == 3
+    assert behind.seconds(1.0) == pytest.approx(0.2 + 49 * (0.2 - 0.523))  # the slo policy's allowance
+    unsure = TPOTBound(0.2, 0.2, left=1, later=0.523, most=50)
+    assert choose_length(model, stats, [100], 4, prompt_tokens=512, bounds=[unsure]) == 3
+    assert unsure.seconds(3.0) == pytest.approx(0.2 + 2 * 0.2)
+    assert unsure.seconds(2.0) == pytest.approx(0.2 + 0.2 + 48 * (0.2 - 0.523 / 2))
+    assert TPOTBound(0.2, 0.2, later=0.523).seconds(2.0) == -math.inf
 
 
 def test_auto_length_counts_the_prompt_tokens_drafts_displace():
@@ -276,14 +302,16 @@ def test_auto_length_counts_the_prompt_tokens_drafts_displace():
     assert choose_length(model, stats, [100], 4, prompt_tokens=4, room=4) == 0
 
 
-def test_auto_reads_the_tpot_allowances_of_its_decode_rows():
-    """The speculator passes ``choose_length`` the TPOT allowance of each row that decodes this step, as the
-    ``slo`` policy reckons it, with later steps at the recent step time (300 ms here, so a further token is
-    worth the row's 200-ms SLO). A fresh row (its first token just out) may wait 200 ms a token: beside 512
-    prompt tokens, 3 drafts (the test above). A row that streamed 5 tokens in 200 ms has banked 800 ms: the
-    step fits without drafts, and the rate picks none. A row still prefilling does not count, nor does a row
-    without an SLO. A row under a grammar verifies no drafts but waits for the step, held to its allowance
-    for the one token it emits."""
+def test_auto_reads_the_tpot_bounds_of_its_decode_rows():
+    """The speculator passes ``choose_length`` the TPOT bound of each row that decodes this step, with later
+    steps at the recent step time (300 ms here). A fresh row (its first token just out) that may end with the
+    step may wait 200 ms a token: beside 512 prompt tokens, 3 drafts (the test above). A row that streamed 5
+    tokens in 200 ms has banked 800 ms: the step fits without drafts, and the rate picks none. A row still
+    prefilling does not count, nor does a row without an SLO. A row under a grammar verifies no drafts but
+    waits for the step, held to its SLO for the one token it emits: no k keeps it beside the chunk, and the
+    fresh row beside it still verifies 3 drafts. A fresh row certain to emit 7 more tokens (``ignore_eos``),
+    each later step 300 ms: at one token a step it ends over its SLO (-0.4 s), at ``E[k]`` a step within it
+    from k = 2 on (k = 1: 0.520 s against a 0.524-s step), and k = 2 has the best rate of those."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     model.recent_step_s = 0.3
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
@@ -304,8 +332,6 @@ def test_auto_reads_the_tpot_allowances_of_its_decode_rows():
     decoding.num_computed_tokens = decoding.num_tokens - 1
     spec.begin_step([decoding, prefilling], prompt_tokens=512, now=50.2)
     assert spec.length == 0
-    # Fresh, a row under a grammar allows 200 ms for its one token whatever k: no k keeps it beside the
-    # chunk, and the rate picks none.
     fresh, constrained = create_requests(2, prompt_len=100, max_tokens=8)
     constrained.sampling_params = dataclasses.replace(constrained.sampling_params,
                                                       structured_outputs=StructuredOutputsParams(json_object=True))
@@ -317,7 +343,10 @@ def test_auto_reads_the_tpot_allowances_of_its_decode_rows():
     spec.begin_step([fresh, prefilling], prompt_tokens=512, now=50.2)
     assert spec.length == 3
     spec.begin_step([fresh, prefilling, constrained], prompt_tokens=512, now=50.2)
-    assert spec.length == 0
+    assert spec.length == 3
+    fresh.sampling_params = dataclasses.replace(fresh.sampling_params, ignore_eos=True)
+    spec.begin_step([fresh, prefilling], prompt_tokens=512, now=50.2)
+    assert spec.length == 2
 
 
 def test_the_scheduler_tells_auto_the_prompt_tokens_the_step_may_prefill():
@@ -774,15 +803,15 @@ def test_acceptance_upper_bound_is_wide_on_few_rows_and_tight_on_many():
 
 def test_auto_probes_at_the_acceptance_upper_bound():
     """Issue 33: a rate estimated from a few rows must not keep ``auto`` from the probe that measures it. One
-    row rejected its draft (α = 1/3 over 3 rows with the prior); 58 fresh rows under a 100-ms TPOT SLO (later
-    steps 68 ms) on a model of 10 ms + 1 ms a token. One draft a row makes a 126-ms step: at α = 1/3 it
-    expects 1.33 tokens a row, within 100 + 68 · 0.33 = 122.7 ms: no, and 4 drafts (300 ms) neither, so
-    judged at the estimate no probe was ever taken (as after a served run's warmup row rejected its draft).
-    At the upper bound (0.797) one draft fits (154 ms): the 17th step probes it."""
+    row rejected its draft (α = 1/3 over 3 rows with the prior); 58 fresh rows under an 80-ms TPOT SLO on a
+    model of 10 ms + 1 ms a token (68 ms without drafts). One draft a row makes a 126-ms step: at α = 1/3 it
+    expects 1.33 tokens a row, within 80 · 1.33 = 106.7 ms: no, and 4 drafts (300 ms) neither, so judged at
+    the estimate no probe was ever taken (as after a served run's warmup row rejected its draft). At the
+    upper bound (0.797) one draft fits (143.8 ms), 4 do not (267 ms): the 17th step probes one."""
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats.record(1, 0)
-    assert _lengths_over_a_probe(spec, 58, slo_tpot=0.1) == [0] * EXPLORE_EVERY + [1]
+    assert _lengths_over_a_probe(spec, 58, slo_tpot=0.08) == [0] * EXPLORE_EVERY + [1]
 
 
 def test_auto_asks_for_the_drafts_of_every_probe_it_takes():

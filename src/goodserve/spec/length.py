@@ -7,13 +7,14 @@ past some load any fixed ``k`` costs more than it returns (SmartSpec, Liu et al.
 Speculative Decoding for Serving LLMs Using Goodput", §3). So ``auto`` chooses ``k`` each step from the
 online step-time model and the measured acceptance rates: the ``k`` maximising expected tokens per second,
 ``B · E[tokens | k] / T(B, k)``, 0 included, each token valued at its cost beside a prompt chunk, within the
-rows' TPOT allowances (:func:`choose_length`).
+rows' TPOT SLOs (:func:`choose_length`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -295,19 +296,68 @@ def chunk_beside(prompt_tokens: int, room: Optional[int], rows: int, k: int) -> 
     return prompt_tokens if room is None else max(0, min(prompt_tokens, room - rows * k))
 
 
-def keeps(allowances: Sequence[tuple[float, float]], seconds: float, tokens: float) -> bool:
-    """Whether a step of ``seconds`` expected to emit ``tokens`` tokens a row keeps every row within its TPOT
-    allowance ``(a, c)``: ``seconds <= a + c (tokens - 1)`` (see :func:`choose_length`)."""
-    return all(seconds <= a + c * (tokens - 1) for a, c in allowances)
+@dataclass(frozen=True)
+class TPOTBound:
+    """A decode row's TPOT SLO as a bound on the seconds of the step being built, by the tokens it emits.
+
+    With ``k`` tokens streamed since its first at ``F``, a row that emits ``t`` tokens this step, and ``t`` in
+    each later step of ``L`` seconds until it ends ``R >= t`` tokens from now, ends at ``TPOT = (now + T +
+    (R - t) / t · L - F) / (k + R - 1)``: within its SLO ``s`` for every step time ``T`` up to
+    ``F + s (k + R - 1) - now - (R - t) L / t = a + s (t - 1) + (R - t) (s - L / t)``, with ``a = F + s k - now``.
+    Where its length is not certain, the bound must hold at every ``R`` it may reach: it is linear in ``R``,
+    so at the fewest tokens it is certain to emit while ``L / t <= s`` (later steps gain it time) and at the
+    most it may emit while ``L / t > s`` (each later step loses it some).
+
+    Later steps emit what this one does: a row that keeps its SLO only by verifying drafts keeps it only if
+    later steps verify them too, and ``auto`` chooses them there by the same rule. At ``t = 1`` and a certain
+    length this is the ``slo`` policy's allowance over ``R`` tokens
+    (:meth:`goodserve.scheduler.slo_pace.SLOPredictor.allowance`, without its margin); held to later steps of
+    one token each, a row slowed by a burst of long prompt steps (``L > s``) was lost at every ``k``, and
+    ``auto`` verified no drafts where a fixed k = 4 kept such rows in their SLO (BENCHMARKS.md, "Speculative
+    decoding: TPOT bounds over the rest of a request").
+
+    Attributes:
+        banked: ``a = F + s k - now``, seconds (what the next step may take if the row ends with it).
+        slo: ``s``, seconds a token.
+        left: The output tokens the row is certain to emit from its next one on (at least 1;
+            :meth:`~goodserve.scheduler.slo_pace.SLOPredictor.certain_tokens`). Where ``t`` is more, the
+            row is taken to end with this step.
+        later: ``L``, seconds a later step takes.
+        most: The most output tokens it may emit from its next one on (``None``: no limit).
+        speculates: Whether the row verifies drafts (``t = 1`` whatever the step's length otherwise).
+    """
+
+    banked: float
+    slo: float
+    left: int = 1
+    later: float = 0.0
+    most: Optional[int] = None
+    speculates: bool = True
+
+    def seconds(self, tokens: float) -> float:
+        """The longest step that keeps the row within its SLO if it emits ``tokens`` tokens (expected)."""
+        t = tokens if self.speculates else 1.0
+        gain = self.slo - self.later / t  # what each later token gains the row (seconds; negative: loses)
+        if gain >= 0:
+            return self.banked + self.slo * (t - 1) + max(self.left - t, 0.0) * gain
+        if self.most is None:
+            return -math.inf
+        return self.banked + self.slo * (t - 1) + max(self.most - t, 0.0) * gain
+
+
+def kept(bounds: Sequence[TPOTBound], seconds: float, tokens: float) -> int:
+    """How many rows of ``bounds`` a step of ``seconds`` expected to emit ``tokens`` tokens a row keeps within
+    their TPOT SLOs."""
+    return sum(seconds <= b.seconds(tokens) for b in bounds)
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
                   limit: float = math.inf, costs: Optional[Sequence[float]] = None,
                   prompt_tokens: int = 0, room: Optional[int] = None,
-                  allowances: Sequence[tuple[float, float]] = (), beside: Optional[Sequence[float]] = None,
+                  bounds: Sequence[TPOTBound] = (), beside: Optional[Sequence[float]] = None,
                   run_positions: Optional[int] = None) -> int:
-    """The number of drafts per decode row that maximises the step's work per second, within the rows' TPOT
-    allowances.
+    """The number of drafts per decode row that keeps the most rows within their TPOT SLOs and, of those,
+    maximises the step's work per second.
 
     The work of a step is its tokens, each valued at what it costs on the step-time model: ``rate = (B ·
     E[tokens | k] · d + p(C_k)) / T(B, k, C_k)``, with ``d`` the seconds of a plain decode row
@@ -322,14 +372,12 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     still pay. Prompt tokens are not counted as one token each: a chunk computes many cheaply, and so counted
     they would price every draft out of any step with a prompt chunk.
 
-    ``allowances``: for each decode row streaming under a TPOT SLO, ``(a, c)``: the seconds its next step
-    may take with its TPOT average still in its SLO, were the step to emit one token
-    (:meth:`goodserve.scheduler.slo_pace.SLOPredictor.allowance`), and the seconds each further token of
-    the step adds to that (its share of a later step, at most its SLO). The choice is taken among the ``k``
-    with ``T(B, k, C_k) <= a + c (E[tokens | k] - 1)`` for every row: a step slowed by a prompt chunk past
-    a row's allowance speculates to keep its TPOT (each accepted draft is a token the row does not wait a
+    ``bounds``: for each decode row streaming under a TPOT SLO, the longest step that keeps its TPOT average
+    in its SLO by the tokens the step emits (:class:`TPOTBound`). The choice is taken among the ``k`` with
+    ``T(B, k, C_k)`` within the bounds of the most rows at ``E[tokens | k]``: a step slowed by a prompt chunk
+    past a row's bound speculates to keep its TPOT (each accepted draft is a token the row does not wait a
     later step for), while a row ahead of its SLO lends the step the time it banked. Where no ``k`` keeps
-    every row, the rate alone decides.
+    any row, the rate alone decides.
 
     Args:
         model: The online step-time model (a step of ``B`` rows verifying ``k`` drafts each computes and samples
@@ -349,7 +397,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
             within the token budget).
         room: Tokens of the step's budget the decodes leave, shared by drafts and prompt chunks (``None``: no
             limit).
-        allowances: ``(a, c)`` in seconds for each row under a TPOT SLO (none: no constraint).
+        bounds: The TPOT bound of each row under a TPOT SLO (none: no constraint).
 
     Returns:
         ``k`` in ``[0, k_max]``; 0 without decode rows.
@@ -359,7 +407,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         return 0
     rates = stats.lower_rates()
     per_decode = decode_token_value(model, contexts)
-    best, within = (0, -1.0), (-1, -1.0)  # (k, rate): over all k, and over the k within every allowance
+    best, score = 0, (-1, -1.0)  # the k with the most rows kept, then the highest rate
     for k in range(k_max + 1):
         chunk = chunk_beside(prompt_tokens, room, rows, k)
         seconds = step_seconds(model, contexts, k, costs, chunk, beside, run_positions)
@@ -367,8 +415,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
             break
         tokens = stats.expected_tokens(rates, k)
         rate = (rows * tokens * per_decode + prompt_value(model, chunk)) / max(seconds, 1e-9)
-        if rate > best[1]:
-            best = (k, rate)
-        if keeps(allowances, seconds, tokens) and rate > within[1]:
-            within = (k, rate)
-    return within[0] if within[0] >= 0 else best[0]
+        this = (kept(bounds, seconds, tokens), rate)
+        if this > score:
+            best, score = k, this
+    return best

@@ -18,8 +18,8 @@ from goodserve.scheduler.output import SchedulerOutput, StepShape
 from goodserve.scheduler.slo_pace import SLOPredictor
 from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
-from goodserve.spec.length import (AcceptanceStats, DraftCost, choose_length, chunk_beside, keeps, reread_ktokens,
-                                   step_seconds)
+from goodserve.spec.length import (AcceptanceStats, DraftCost, TPOTBound, choose_length, chunk_beside, kept,
+                                   reread_ktokens, step_seconds)
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
@@ -57,7 +57,7 @@ class Speculator:
         #: The most positions of a row one attention run holds (``None``: any number); the runner's
         #: (:meth:`goodserve.runner.model_runner.ModelRunner.attention_run_positions`).
         self.run_positions: Optional[int] = None
-        self._slo = SLOPredictor(model, max_num_batched_tokens=0, block_size=1)  # only its allowances are read
+        self._slo = SLOPredictor(model, max_num_batched_tokens=0, block_size=1)  # only its step figures are read
         self.length = 0  # drafts per row chosen for the step being built
         self._at_zero = [0, 0]  # steps without a chunk, and with one, that verified no drafts since one did
         self._steps_with = 0  # consecutive steps auto chose drafts for
@@ -78,8 +78,8 @@ class Speculator:
                    prompt_tokens: int = 0, room: Optional[int] = None, now: float = 0.0) -> None:
         """Choose the step's length: the fixed one, or under ``auto`` the one maximising the work per second of
         the eligible decode rows and the ``prompt_tokens`` the step may prefill beside them in the ``room``
-        their drafts share, within the TPOT allowances of the rows at ``now`` (monotonic seconds;
-        :func:`~goodserve.spec.length.choose_length`), keeping the step within ``limit`` seconds.
+        their drafts share, among those keeping the most rows within their TPOT SLOs at ``now`` (monotonic
+        seconds; :func:`~goodserve.spec.length.choose_length`), keeping the step within ``limit`` seconds.
         ``again``: the same step chooses anew (after a preemption), its probes counted once."""
         if self.config.length != "auto":
             self.length = self.config.length
@@ -91,8 +91,8 @@ class Speculator:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         contexts = [r.num_computed_tokens for r in decodes if self.eligible(r)]
         costs, beside = self.cost.costs(), self.cost_beside.costs()
-        allowances = self._allowances(decodes, now)
-        priced = dict(limit=limit, costs=costs, allowances=allowances, run_positions=self.run_positions)
+        bounds = self._bounds(decodes, now)
+        priced = dict(limit=limit, costs=costs, bounds=bounds, run_positions=self.run_positions)
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, **priced,
                                                    prompt_tokens=prompt_tokens, room=room, beside=beside)
         if prompt_tokens:  # the next step may be one of these decodes alone: drafts are asked for it too
@@ -116,13 +116,15 @@ class Speculator:
         # is put off another EXPLORE_EVERY steps, so that its drafts are asked for on the step before it.
         if self._at_zero[kind] > EXPLORE_EVERY:
             rates = self.stats.upper_rates()
+            chunk = chunk_beside(prompt_tokens, room, len(contexts), 0)
+            without = kept(bounds, step_seconds(self.model, contexts, 0, None, chunk), 1.0)  # rows a step at 0 keeps
 
-            def fits(k: int) -> bool:  # within the step limit and every row's TPOT allowance
+            def fits(k: int) -> bool:  # within the step limit, keeping as many rows in their SLOs as no drafts
                 chunk = chunk_beside(prompt_tokens, room, len(contexts), k)  # its drafts take prompt tokens' room
                 seconds = min(step_seconds(self.model, contexts, k, None, chunk),
                               step_seconds(self.model, contexts, k, costs, chunk, beside=beside,
                                            run_positions=self.run_positions))
-                return seconds <= limit and keeps(allowances, seconds, self.stats.expected_tokens(rates, k))
+                return seconds <= limit and kept(bounds, seconds, self.stats.expected_tokens(rates, k)) >= without
 
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
             self._at_zero[kind] = 0
@@ -151,23 +153,18 @@ class Speculator:
         upper, lower = self.stats.upper_rates(), self.stats.lower_rates()
         return self.stats.expected_tokens(upper, k + 1) / longer >= self.stats.expected_tokens(lower, k) / now
 
-    def _allowances(self, decodes: Sequence[Request], now: float) -> list[tuple[float, float]]:
-        """``(a, c)`` of each of the step's ``decodes`` streaming under a TPOT SLO
-        (:func:`~goodserve.spec.length.choose_length`):
-        its allowance as the ``slo`` policy reckons it, and, for a row that speculates, its SLO capped at what
-        a later step takes (a token this step emits is one a later step need not; a row that does not
-        speculate emits one token whatever ``k``, so 0), left out where its TPOT is lost whatever this step
-        does."""
+    def _bounds(self, decodes: Sequence[Request], now: float) -> list[TPOTBound]:
+        """The :class:`~goodserve.spec.length.TPOTBound` of each of the step's ``decodes`` streaming under a TPOT
+        SLO, its later steps taking what the ``slo`` policy expects of them (the recent mean step, at least a
+        step of these decodes alone)."""
         streaming = [r for r in decodes if SLOPredictor.streams(r)]
         if not streaming:
             return []
-        fig = self._slo.figures(SLOPredictor.decodes(decodes))
-        out = []
-        for r in streaming:
-            a = self._slo.allowance(r, now, fig)
-            if a > -math.inf:
-                out.append((a, min(r.slo_tpot, fig.later_step) if self.eligible(r) else 0.0))
-        return out
+        later = self._slo.figures(SLOPredictor.decodes(decodes)).later_step
+        return [TPOTBound(r.first_token_time + r.slo_tpot * r.num_output_tokens - now, r.slo_tpot,
+                          SLOPredictor.certain_tokens(r), later,
+                          None if r.max_tokens is None else r.max_tokens - r.num_output_tokens, self.eligible(r))
+                for r in streaming]
 
     def _probe_length(self) -> int:
         """Drafts per row of the next probe from 0: ``k_max``, then one, in turn. What drafts add to a step
