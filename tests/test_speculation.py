@@ -268,13 +268,14 @@ def test_auto_length_keeps_a_row_behind_long_prompt_steps_by_drafts_in_later_ste
     """Issue 33: a fresh row certain to emit 50 more tokens, later steps taking 523 ms like this one (a burst of
     long prompt chunks; model and acceptance as above). At a token a step it ends at a TPOT of ~523 ms, over
     its 200-ms SLO whatever this step does; emitting ``E[k]`` tokens in this step and each later one, it ends
-    within it from k = 3 on (``0.2 + 49 · 0.2 - (50 - E) · 0.523 / E``: 1.41 s at k = 3 against -0.42 at
+    within it from k = 3 on (``0.2 + 49 · 0.2 - (50 - E) · 0.523 / E``: 1.40 s at k = 3 against -0.42 at
     k = 2), so ``auto`` verifies 3 drafts, the better rate of 3 and 4. Held to later steps of one token, the
     row was lost at every k and the rate chose none, as it still does for a row lost at every k (-100 s
     banked), which does not stop the other row from being kept. A row that may end any time but may also emit
     50 more tokens is held to both ends: from k = 3 on each later step gains it time (``L / E < s``), so the
-    binding end is now (1.87 tokens beyond the first: 0.574 s); at k = 2 later steps lose it time, and at 50
-    tokens it ends over its SLO; without a most, it is lost wherever later steps lose it time."""
+    binding end is now (1.87 tokens beyond the first: 0.573 s); at k = 2 later steps lose it time, and at 50
+    tokens it ends over its SLO; without a most, it is lost wherever later steps lose it time. A row with one
+    token left emits one whatever k (its drafts stop there): drafts do not keep it."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
     behind = TPOTBound(0.2, 0.2, left=50, later=0.523, most=50)
@@ -287,6 +288,7 @@ def test_auto_length_keeps_a_row_behind_long_prompt_steps_by_drafts_in_later_ste
     assert unsure.seconds(3.0) == pytest.approx(0.2 + 2 * 0.2)
     assert unsure.seconds(2.0) == pytest.approx(0.2 + 0.2 + 48 * (0.2 - 0.523 / 2))
     assert TPOTBound(0.2, 0.2, later=0.523).seconds(2.0) == -math.inf
+    assert TPOTBound(-0.1, 0.2, later=0.3, most=1).seconds(3.36) == pytest.approx(-0.1)  # its last token: no drafts
 
 
 def test_auto_length_counts_the_prompt_tokens_drafts_displace():
@@ -303,15 +305,15 @@ def test_auto_length_counts_the_prompt_tokens_drafts_displace():
 
 
 def test_auto_reads_the_tpot_bounds_of_its_decode_rows():
-    """The speculator passes ``choose_length`` the TPOT bound of each row that decodes this step, with later
-    steps at the recent step time (300 ms here). A fresh row (its first token just out) that may end with the
-    step may wait 200 ms a token: beside 512 prompt tokens, 3 drafts (the test above). A row that streamed 5
-    tokens in 200 ms has banked 800 ms: the step fits without drafts, and the rate picks none. A row still
-    prefilling does not count, nor does a row without an SLO. A row under a grammar verifies no drafts but
-    waits for the step, held to its SLO for the one token it emits: no k keeps it beside the chunk, and the
-    fresh row beside it still verifies 3 drafts. A fresh row certain to emit 7 more tokens (``ignore_eos``),
-    each later step 300 ms: at one token a step it ends over its SLO (-0.4 s), at ``E[k]`` a step within it
-    from k = 2 on (k = 1: 0.520 s against a 0.524-s step), and k = 2 has the best rate of those."""
+    """The speculator passes ``choose_length`` the TPOT bound of each row that decodes this step, with later steps at
+    the recent step time (300 ms here). A fresh row (its first token just out) that may end with the step may wait
+    200 ms a token: beside 512 prompt tokens, 3 drafts (the test above). A row that streamed 5 tokens in 200 ms has
+    banked 800 ms: the step fits without drafts, and the rate picks none. A row still prefilling does not count, nor
+    does a row without an SLO. A row under a grammar verifies no drafts but waits for the step, one token a step
+    whatever k, each later one 300 ms over a 200-ms SLO: lost at every k (bound at its ``max_tokens``: -0.4 s), it
+    does not stop the fresh row beside it from verifying 3 drafts. A fresh row certain to emit 7 more tokens
+    (``ignore_eos``), each later step 300 ms: at one token a step it ends over its SLO (-0.4 s), at ``E[k]`` a step
+    within it from k = 2 on (k = 1: 0.520 s against a 0.524-s step), and k = 2 has the best rate of those."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     model.recent_step_s = 0.3
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
@@ -689,10 +691,11 @@ def _lengths_over_a_probe(spec: Speculator, rows: int, slo_tpot: float, **step) 
     return lengths
 
 
-def test_auto_probes_within_the_rows_tpot_allowances():
-    """A probe is a step like any other: it keeps the rows' TPOT allowances. Model: 10 ms + 1 ms a token;
-    drafts never accepted, so ``auto`` chooses 0. A fresh row with a 12.5-ms TPOT SLO (later steps 11 ms)
-    allows 12.5 ms: a probe of 4 drafts (15 ms) would break it, one draft (12 ms) does not."""
+def test_auto_probes_within_the_rows_tpot_slos():
+    """A probe keeps as many rows within their TPOT SLOs as a step without drafts. Model: 10 ms + 1 ms a token; drafts
+    never accepted, so ``auto`` chooses 0. A fresh row with a 12.5-ms TPOT SLO (later steps 11 ms) is kept by the
+    11-ms step without drafts, and allows 12.5 ms a token: a probe of 4 drafts (15 ms) would break it, one draft (12
+    ms) does not."""
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats = _stats_at(0.0)
@@ -701,9 +704,9 @@ def test_auto_probes_within_the_rows_tpot_allowances():
 
 def test_auto_probes_at_the_cheaper_price_of_its_drafts():
     """Issue 33: the learned costs of the warmup request's steps at batch 1 priced a draft at ~5.7 ms, and
-    judged at that price no probe fitted the rows' allowances at 56 rows: ``auto`` verified no drafts for ~100
+    judged at that price no probe kept the rows' TPOT at 56 rows: ``auto`` verified no drafts for ~100
     steps. A probe is judged at the cheaper of the learned price and the model's (here a draft learned at 1 s,
-    on the model 1 ms): one draft (12 ms) fits the 12.5-ms allowance of the test above."""
+    on the model 1 ms): one draft (12 ms) fits the 12.5-ms bound of the test above."""
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats = _stats_at(0.0)
@@ -714,9 +717,9 @@ def test_auto_probes_at_the_cheaper_price_of_its_drafts():
 def test_auto_probes_beside_a_chunk_at_the_prompt_tokens_its_drafts_displace():
     """Issue 33: drafts and prompt chunks share the token budget the decodes leave, and a probe beside a chunk
     is priced so, as :func:`choose_length` prices any length (priced on top of the whole chunk, the probes
-    beside the 1,024-token chunks of a burst of arrivals did not fit the rows' allowances). Model: 10 ms + 1 ms
-    a token; one row, 100 prompt tokens filling the room: k = 4 displaces 4 of them (111 ms), within the row's
-    111.5 ms (on top of the chunk: 115 ms, and one draft 112 ms, neither fits)."""
+    beside the 1,024-token chunks of a burst of arrivals did not keep the rows' TPOT). Model: 10 ms + 1 ms a
+    token; one row, 100 prompt tokens filling the room: k = 4 displaces 4 of them (111 ms), within the row's
+    111.5 ms (on top of the chunk, 115 ms: no; and the probe would fall back to one draft, 112 ms)."""
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats = _stats_at(0.0)
@@ -807,7 +810,7 @@ def test_auto_probes_at_the_acceptance_upper_bound():
     model of 10 ms + 1 ms a token (68 ms without drafts). One draft a row makes a 126-ms step: at α = 1/3 it
     expects 1.33 tokens a row, within 80 · 1.33 = 106.7 ms: no, and 4 drafts (300 ms) neither, so judged at
     the estimate no probe was ever taken (as after a served run's warmup row rejected its draft). At the
-    upper bound (0.797) one draft fits (143.8 ms), 4 do not (267 ms): the 17th step probes one."""
+    upper bound (0.797, then 0.845) one draft fits (143.8 ms), 4 do not (281.8 ms): the 17th step probes one."""
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig("ngram", 4), model)
     spec.stats.record(1, 0)

@@ -5,9 +5,9 @@ costs little more than one token while the batch is small, and each accepted dra
 As the batch grows the step turns compute-bound and every draft token lengthens the step for everyone:
 past some load any fixed ``k`` costs more than it returns (SmartSpec, Liu et al. 2024, "Optimizing
 Speculative Decoding for Serving LLMs Using Goodput", §3). So ``auto`` chooses ``k`` each step from the
-online step-time model and the measured acceptance rates: the ``k`` maximising expected tokens per second,
-``B · E[tokens | k] / T(B, k)``, 0 included, each token valued at its cost beside a prompt chunk, within the
-rows' TPOT SLOs (:func:`choose_length`).
+online step-time model and the measured acceptance rates: of the ``k`` (0 included) keeping the most rows within
+their TPOT SLOs, the one maximising expected tokens per second, ``B · E[tokens | k] / T(B, k)``, each token valued
+at its cost beside a prompt chunk (:func:`choose_length`).
 """
 
 from __future__ import annotations
@@ -305,8 +305,8 @@ class TPOTBound:
     (R - t) / t · L - F) / (k + R - 1)``: within its SLO ``s`` for every step time ``T`` up to
     ``F + s (k + R - 1) - now - (R - t) L / t = a + s (t - 1) + (R - t) (s - L / t)``, with ``a = F + s k - now``.
     Where its length is not certain, the bound must hold at every ``R`` it may reach: it is linear in ``R``,
-    so at the fewest tokens it is certain to emit while ``L / t <= s`` (later steps gain it time) and at the
-    most it may emit while ``L / t > s`` (each later step loses it some).
+    so at the fewest tokens it is certain to emit (or ``t``, if more) while ``L / t <= s`` (later steps gain it
+    time) and at the most it may emit while ``L / t > s`` (each later step loses it some).
 
     Later steps emit what this one does: a row that keeps its SLO only by verifying drafts keeps it only if
     later steps verify them too, and ``auto`` chooses them there by the same rule. At ``t = 1`` and a certain
@@ -321,8 +321,8 @@ class TPOTBound:
         slo: ``s``, seconds a token.
         left: The output tokens the row is certain to emit from its next one on (at least 1;
             :meth:`~goodserve.scheduler.slo_pace.SLOPredictor.certain_tokens`). Where ``t`` is more, the
-            row is taken to end with this step.
-        later: ``L``, seconds a later step takes.
+            row is taken to end with this step (``R = t``).
+        later: ``L``, seconds a later step takes (the same whatever ``k``).
         most: The most output tokens it may emit from its next one on (``None``: no limit).
         speculates: Whether the row verifies drafts (``t = 1`` whatever the step's length otherwise).
     """
@@ -335,8 +335,11 @@ class TPOTBound:
     speculates: bool = True
 
     def seconds(self, tokens: float) -> float:
-        """The longest step that keeps the row within its SLO if it emits ``tokens`` tokens (expected)."""
+        """The longest step that keeps the row within its SLO if it emits ``tokens`` tokens (expected; at most
+        ``most``: its drafts stop there, :meth:`goodserve.spec.speculator.Speculator.drafts`)."""
         t = tokens if self.speculates else 1.0
+        if self.most is not None:
+            t = max(1.0, min(t, float(self.most)))
         gain = self.slo - self.later / t  # what each later token gains the row (seconds; negative: loses)
         if gain >= 0:
             return self.banked + self.slo * (t - 1) + max(self.left - t, 0.0) * gain
