@@ -341,11 +341,10 @@ class TPOTBound:
         if self.most is not None:
             t = max(1.0, min(t, float(self.most)))
         gain = self.slo - self.later / t  # what each later token gains the row (seconds; negative: loses)
-        if gain >= 0:
-            return self.banked + self.slo * (t - 1) + max(self.left - t, 0.0) * gain
-        if self.most is None:
+        ends = self.left if gain >= 0 else self.most  # the length at which the bound binds
+        if ends is None:
             return -math.inf
-        return self.banked + self.slo * (t - 1) + max(self.most - t, 0.0) * gain
+        return self.banked + self.slo * (t - 1) + max(ends - t, 0.0) * gain
 
 
 def kept(bounds: Sequence[TPOTBound], seconds: float, tokens: float) -> int:

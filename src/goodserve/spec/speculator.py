@@ -162,8 +162,7 @@ class Speculator:
             return []
         later = self._slo.figures(SLOPredictor.decodes(decodes)).later_step
         return [TPOTBound(r.first_token_time + r.slo_tpot * r.num_output_tokens - now, r.slo_tpot,
-                          SLOPredictor.certain_tokens(r), later,
-                          None if r.max_tokens is None else r.max_tokens - r.num_output_tokens, self.eligible(r))
+                          SLOPredictor.certain_tokens(r), later, r.max_tokens - r.num_output_tokens, self.eligible(r))
                 for r in streaming]
 
     def _probe_length(self) -> int:
