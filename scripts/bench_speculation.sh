@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 out=${1:?output folder}; mkdir -p "$out"
 py=${PYTHON:-.venv/bin/python}
 model=$("$py" -c 'from goodserve.models.loader import default_model_path; print(default_model_path())')
-ngram8='{{"method": "ngram", "num_speculative_tokens": 8}}'  # braces doubled: the launch templates are formatted
+# braces doubled: the launch templates are formatted. SPEC: another config (e.g. a draft model's), braces doubled too
+ngram8=${SPEC:-'{{"method": "ngram", "num_speculative_tokens": 8}}'}
 serve="{python} -m goodserve.cli serve --port {port} --slo-ttft 5 --slo-tpot 0.2"  # the goodput SLOs, which auto reads
 common=(--dataset "${DATASET:-code-copy}" --max-input-len 1024 --max-output-len 256 --seed 0 --num-warmups 1
         --interleave --no-progress)

@@ -72,7 +72,8 @@ class EngineCore:
 
             self.kv_events = ZmqEventPublisher(config.kv_events)
             self.kv_events.publish((), InstanceLoad.of(self.scheduler))  # batch 0: subscribers learn the life
-        self._last_step: Optional[tuple[SchedulerOutput, float, float]] = None  # (step, start, end) unobserved
+        # (step, start, end, seconds it spent proposing drafts) of the step not yet observed
+        self._last_step: Optional[tuple[SchedulerOutput, float, float, float]] = None
         self._cold = True  # no step has run yet: the first one pays for cold caches and lazily built kernels
 
     def add_request(self, request: Request) -> None:
@@ -107,9 +108,9 @@ class EngineCore:
         """
         start = time.monotonic()
         if self._last_step is not None:
-            prev, prev_start, prev_end = self._last_step
+            prev, prev_start, prev_end, proposing = self._last_step
             back_to_back = start - prev_end < prev_end - prev_start
-            self.scheduler.observe_step_time(prev, (start if back_to_back else prev_end) - prev_start)
+            self.scheduler.observe_step_time(prev, (start if back_to_back else prev_end) - prev_start, proposing)
             self._last_step = None
         sched = self.scheduler.schedule(start)
         if self.kv_connector is not None:
@@ -131,7 +132,7 @@ class EngineCore:
         if self._cold:
             self._cold = False
         else:
-            self._last_step = (sched, start, time.monotonic())
+            self._last_step = (sched, start, time.monotonic(), self.runner.propose_seconds)
         self.publish_kv_events()
         return CoreStep(outputs, sched)
 

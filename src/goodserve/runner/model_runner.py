@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -146,6 +147,9 @@ class ModelRunner:
         self.windows = sorted({w for w in map(m.layer_window, range(m.num_hidden_layers)) if w is not None})
         self.sampler = Sampler(seed=config.seed)
         self.proposer = make_proposer(config, draft)
+        #: Seconds the last :meth:`execute` spent proposing drafts for the next step (a draft model's passes):
+        #: ``auto`` speculation prices them with the drafts they propose, not with this step's rows.
+        self.propose_seconds = 0.0
         self.requests: dict[str, CachedRequestState] = {}
 
     @property
@@ -213,6 +217,7 @@ class ModelRunner:
             Exception: whatever the forward pass raises (a fault of the engine, not of one request).
         """
         self.update_states(scheduler_output)
+        self.propose_seconds = 0.0
         if scheduler_output.is_empty:
             return {}
         input_ids, positions, meta, ordered = self._prepare_inputs(scheduler_output)
@@ -248,8 +253,10 @@ class ModelRunner:
                 if s.num_lookahead and self.proposer is not None:
                     asks.append((rid, state.prompt_token_ids + state.output_token_ids, s.num_lookahead))
         if asks:
+            start = time.perf_counter()
             for rid, drafts in self.proposer.propose_batch(asks).items():
                 result[rid].spec_token_ids = drafts
+            self.propose_seconds = time.perf_counter() - start
         return result
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> None:

@@ -22,14 +22,17 @@ from goodserve.spec.length import (AcceptanceStats, DraftCost, TPOTBound, choose
                                    reread_ktokens, step_seconds)
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
-#: turn), so what drafts cost is measured (a 1-in-17 probe); and steps it chooses drafts for before one step
-#: verifies none, so the step-time model keeps measuring the steps without them (~6% of the drafts' tokens
-#: forgone, until :data:`EXPLORE_MAX`).
+#: turn), so what drafts cost is measured (a 1-in-17 probe, the interval doubling after each probe until ``auto``
+#: chooses drafts itself, up to :data:`EXPLORE_MAX`); and steps it chooses drafts for before one step verifies
+#: none, so the step-time model keeps measuring the steps without them (~6% of the drafts' tokens forgone,
+#: until :data:`EXPLORE_MAX`).
 EXPLORE_EVERY = 16
 #: The most steps with drafts between two steps without: the interval doubles from :data:`EXPLORE_EVERY` each
 #: time a step without drafts took what the step-time model predicted, within :data:`PROBE_TOLERANCE`
 #: (a model that holds needs few such probes), and falls back to it when one did not after one that did
-#: (:meth:`Speculator.observe`).
+#: (:meth:`Speculator.observe`). Also the most steps without drafts between two probes with drafts: each
+#: probe after which ``auto`` still chooses none doubles that interval (drafts that do not pay need few probes:
+#: a draft model's probe proposes with passes of its own), and a step ``auto`` chooses drafts for resets it.
 EXPLORE_MAX = 256
 #: Relative error of the step-time model's prediction within which a step without drafts confirms it.
 PROBE_TOLERANCE = 0.1
@@ -60,13 +63,16 @@ class Speculator:
         self._slo = SLOPredictor(model, max_num_batched_tokens=0, block_size=1)  # only its step figures are read
         self.length = 0  # drafts per row chosen for the step being built
         self._at_zero = [0, 0]  # steps without a chunk, and with one, that verified no drafts since one did
+        self._probe_every = [EXPLORE_EVERY, EXPLORE_EVERY]  # ... before a probe with drafts, of each kind
+        self._probing = False  # this step is a probe with drafts: its proposals follow auto's own choice
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step, or for its decodes alone if more (before probes)
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
         self._explore_with = EXPLORE_EVERY  # steps with drafts before one without (doubles while the model holds)
         self._judging = False  # a step without drafts was chosen to check the model: judge it when it is back
         self._held = True  # the last check found the model within PROBE_TOLERANCE
-        self._counted = (0, 0, 0)  # the three counters before this step's first begin_step
+        self._counted = (0, 0, 0, 0)  # the four counters before this step's first begin_step
+        self._proposed = 0.0  # seconds the last step observed spent proposing the drafts of the next
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -85,9 +91,10 @@ class Speculator:
             self.length = self.config.length
             return
         if again:
-            at_zero, self._steps_with, self._probes = self._counted
-            self._at_zero = list(at_zero)
-        self._counted = (tuple(self._at_zero), self._steps_with, self._probes)
+            at_zero, self._steps_with, self._probes, probe_every = self._counted
+            self._at_zero, self._probe_every = list(at_zero), list(probe_every)
+        self._counted = (tuple(self._at_zero), self._steps_with, self._probes, tuple(self._probe_every))
+        self._probing = False
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         contexts = [r.num_computed_tokens for r in decodes if self.eligible(r)]
         costs, beside = self.cost.costs(), self.cost_beside.costs()
@@ -101,7 +108,8 @@ class Speculator:
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
         # step verifies drafts stops measuring what the decodes alone cost. So after EXPLORE_EVERY steps at
-        # 0, a step verifies drafts (k_max or 1 per row, in turn), and after EXPLORE_EVERY steps with drafts,
+        # 0, a step verifies drafts (k_max or 1 per row, in turn; the next such probe twice as many steps
+        # later, until auto chooses drafts itself: EXPLORE_MAX), and after EXPLORE_EVERY steps with drafts,
         # a step verifies none (drafts are asked for the step before), at longer intervals while the model
         # predicts those steps (:meth:`observe`); and half way through each EXPLORE_EVERY steps with drafts,
         # a step of decodes alone verifies one draft more where that may pay (:meth:`_longer_may_pay`).
@@ -110,11 +118,13 @@ class Speculator:
         verifying = self.length > 0 and any(r.spec_token_ids for r in decodes if self.eligible(r))
         kind = int(prompt_tokens > 0)
         self._at_zero[kind] = self._at_zero[kind] + 1 if not verifying and contexts else 0
+        if verifying:
+            self._probe_every[kind] = EXPLORE_EVERY
         self._steps_with = self._steps_with + 1 if self.length > 0 else 0
         # A probe is judged at the acceptance rates' upper bounds and at the cheaper of two prices of its drafts
         # (the model's, as decode rows, and the learned one): it is what measures them. One that does not fit
-        # is put off another EXPLORE_EVERY steps, so that its drafts are asked for on the step before it.
-        if self._at_zero[kind] > EXPLORE_EVERY:
+        # is put off as many steps again, so that its drafts are asked for on the step before it.
+        if self._at_zero[kind] > self._probe_every[kind]:
             rates = self.stats.upper_rates()
             chunk = chunk_beside(prompt_tokens, room, len(contexts), 0)
             without = kept(bounds, step_seconds(self.model, contexts, 0, None, chunk), 1.0)  # rows a step at 0 keeps
@@ -129,7 +139,8 @@ class Speculator:
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
             self._at_zero[kind] = 0
             if probe:
-                self.length, self._probes = probe, self._probes + 1
+                self.length, self._probes, self._probing = probe, self._probes + 1, True
+                self._probe_every[kind] = min(2 * self._probe_every[kind], EXPLORE_MAX)
         elif self._steps_with > self._explore_with:
             self.length, self._steps_with, self._judging = 0, 0, True
         elif self._steps_with % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not prompt_tokens and \
@@ -192,7 +203,10 @@ class Speculator:
         """Drafts the runner should propose for ``req`` after this step (at most what it may then verify): a
         fixed length's; under ``auto`` one more than this step verifies (so it can lengthen), or than its
         decodes alone would where it has a prompt chunk (the next step may have none), at most ``k_max``,
-        and none while speculation does not pay but for the step before a probe."""
+        and none while speculation does not pay but for the step before a probe. A probe's step asks for what
+        ``auto`` chose, not for the probe's length again: after a probe that did not pay, the next step verifies
+        none, and a draft model's proposals for it (8 passes, ~49 ms a step at batch 1 for a 6-layer draft of
+        SmolLM2-135M) were thrown away."""
         return max(0, min(self._lookahead(req), self._left(req) - 1))  # after this step's token
 
     def _lookahead(self, req: Request) -> int:
@@ -200,18 +214,29 @@ class Speculator:
             return 0
         if self.config.length != "auto":
             return self.length
-        ahead = max(self.length, self._chosen)  # after a probe without drafts, or a step with a prompt chunk
+        # after a probe without drafts, or a step with a prompt chunk; a probe with drafts: what auto chose
+        ahead = self._chosen if self._probing else max(self.length, self._chosen)
         if ahead:
             return min(self.k_max, ahead + 1)
-        return self._probe_length() if EXPLORE_EVERY in self._at_zero else 0  # for a probe with drafts
+        before_probe = any(n == every for n, every in zip(self._at_zero, self._probe_every))
+        return self._probe_length() if before_probe else 0  # for a probe with drafts
 
-    def observe(self, out: SchedulerOutput, seconds: float) -> Optional[tuple[StepShape, float]]:
-        """A step took ``seconds``: what the step-time model should learn from it, as ``(shape, seconds)``, or
-        ``None``. At a fixed length, every step as it ran. Under ``auto`` a draft has a decode row's figures
-        but not its cost, and a model fitted on both would misprice each, so: a step without drafts as it
-        ran; a step with drafts teaches the cost of a draft instead (:class:`~goodserve.spec.length.DraftCost`),
-        one learned on steps of decodes alone and one on steps with a prompt chunk: the two take different
-        paths (:func:`~goodserve.spec.length.step_seconds`); but not a step that stalled (:data:`STALL`).
+    def observe(self, out: SchedulerOutput, seconds: float,
+                proposing: float = 0.0) -> Optional[tuple[StepShape, float]]:
+        """A step took ``seconds``, ``proposing`` of them proposing drafts for the next step: what the step-time
+        model should learn from it, as ``(shape, seconds)``, or ``None``. At a fixed length, every step as it ran.
+        Under ``auto`` a draft has a decode row's figures but not its cost, and a model fitted on both would
+        misprice each, so: a step without drafts as it ran, but for its proposing; a step with drafts teaches
+        the cost of a draft instead (:class:`~goodserve.spec.length.DraftCost`), one learned on steps of
+        decodes alone and one on steps with a prompt chunk: the two take different paths
+        (:func:`~goodserve.spec.length.step_seconds`); but not a step that stalled (:data:`STALL`).
+
+        Proposing is a cost of the drafts proposed, so it is moved to the step that verifies them: a step with
+        drafts teaches its own seconds plus what the step before spent proposing. Learned where it was spent,
+        a draft model's passes (tens of milliseconds a step) were a cost of every step that proposed: the
+        step-time model priced a step without drafts at what a step with them took, drafts looked free, and
+        ``auto`` verified 4 a row that a 6-layer draft almost never got accepted, at 0.45 times the output
+        rate of no drafts (BENCHMARKS.md, "Speculative decoding with a draft model").
 
         The first step without drafts after ``auto`` chose none to check the model is judged before the model
         learns it: predicted within :data:`PROBE_TOLERANCE`, the steps with drafts before the next such check
@@ -221,24 +246,28 @@ class Speculator:
         these checks under load) misses every check, and checking at the shortest interval then gave up
         drafts' tokens for no better fit (BENCHMARKS.md, "Speculative decoding: drafts beside a prompt
         chunk")."""
+        if self.config.length != "auto":
+            return StepShape.of(out), seconds
+        own, proposed, self._proposed = seconds - proposing, self._proposed, proposing
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if self._judging and not num_drafts:
             self._judging = False
             predicted = self.model.predict_shape(StepShape.of(out))
-            held = abs(seconds - predicted) <= PROBE_TOLERANCE * predicted
+            held = abs(own - predicted) <= PROBE_TOLERANCE * predicted
             again = held or not self._held  # a second miss in a row: more checks have not mended the model
             self._explore_with = min(2 * self._explore_with, EXPLORE_MAX) if again else EXPLORE_EVERY
             self._held = held
-        if num_drafts and self.config.length == "auto":
+        if num_drafts:
             alone = all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled)
             num_rows = sum(1 for s in out.scheduled if s.spec_token_ids)
             reread = sum(reread_ktokens(len(s.spec_token_ids), self.run_positions, [s.num_computed_tokens])
                          for s in out.scheduled)
             without = self.model.predict_shape(StepShape.of(out, drafts=False))
-            if seconds <= STALL * max(without, self.model.predict_shape(StepShape.of(out))):
-                (self.cost if alone else self.cost_beside).observe(without, seconds, num_rows, num_drafts, reread)
+            if own <= STALL * max(without, self.model.predict_shape(StepShape.of(out))):
+                cost = self.cost if alone else self.cost_beside
+                cost.observe(without, own + proposed, num_rows, num_drafts, reread)
             return None
-        return StepShape.of(out), seconds
+        return StepShape.of(out), own
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One row verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
