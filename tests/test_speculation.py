@@ -431,6 +431,29 @@ def test_draft_cost_is_what_steps_take_over_the_model_without_drafts():
     assert fixed.observe(out, 0.019) == (StepShape.of(out), 0.019)  # a fixed length: every step as it ran
 
 
+def test_proposing_is_priced_with_the_drafts_it_proposes():
+    """A draft model's proposing (timed by the runner) is a cost of the drafts proposed, not of the step that
+    proposed them: a step without drafts teaches the step-time model its seconds without its proposing, and a
+    step with drafts teaches the draft costs its seconds plus the proposing of the step before. Learned where
+    it was spent, a step at batch 1 without drafts was priced at what one with 4 drafts a row took, drafts
+    looked free, and ``auto`` verified a 6-layer draft's 4 a row at 0.45 times the output rate of none
+    (BENCHMARKS.md, "Speculative decoding with a draft model"). A fixed length's steps are learned as they
+    ran."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
+                      model)
+    plain = SchedulerOutput(scheduled=[ScheduledRequest("a", 20, 1, sample=True)])
+    shape, seconds = spec.observe(plain, 0.041, proposing=0.030)  # proposed 4 drafts for the next step
+    assert seconds == pytest.approx(0.011)
+    out = SchedulerOutput(scheduled=[ScheduledRequest("a", 21, 5, sample=True, spec_token_ids=[5, 6, 7, 8])])
+    assert spec.observe(out, 0.045, proposing=0.030) is None  # predicted without drafts: 10 + 1 = 11 ms
+    assert _excess(spec.cost, 1, 4) == pytest.approx(0.045 - 0.030 + 0.030 - 0.011, rel=1e-3)
+    assert spec.observe(plain, 0.012, proposing=0.0) == (StepShape.of(plain), 0.012)  # its drafts: unverified
+    fixed = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', "4"),
+                       model)
+    assert fixed.observe(plain, 0.041, proposing=0.030) == (StepShape.of(plain), 0.041)
+
+
 def test_draft_costs_are_the_nonnegative_least_squares():
     """The costs are the least squares with every coefficient non-negative: at the solution the gradient
     ``a θ - b`` is 0 where ``θ > 0`` and ``>= 0`` where ``θ = 0`` (the Karush-Kuhn-Tucker conditions, which
@@ -692,9 +715,34 @@ def test_a_step_auto_verifies_drafts_in_brings_probes_back_to_every_sixteen_step
     assert spec.length > 0 and spec._probe_every == [EXPLORE_EVERY, EXPLORE_EVERY]
 
 
+def test_a_draft_models_probe_takes_the_row_with_the_shortest_context():
+    """A draft model reads what it has not seen of a row's context before it proposes, after steps without drafts
+    most of it: its probe asks drafts of the one row with the shortest context, and is priced as that row's drafts
+    beside the other rows' decodes (each emitting a token). Prompt lookup's probe asks every row (the others)."""
+    model = StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0), adapt=False)  # every token costs 1 s: auto at 0
+    spec = Speculator(SpeculativeConfig("draft_model", 4, model="draft"), model)
+    reqs = [create_requests(1, prompt_len=n, max_tokens=100, start=i)[0] for i, n in enumerate((300, 100, 200))]
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens - 1
+    for _ in range(EXPLORE_EVERY):
+        spec.begin_step(reqs, limit=3.5)
+    assert spec.length == 0 and [spec.lookahead(r) for r in reqs] == [0, 4, 0]
+    reqs[1].spec_token_ids = [7] * 4  # proposed as asked
+    spec.begin_step(reqs, limit=3.5)  # 3 decodes: 3.01 s; one draft more 4.01 s, over the limit; as decode rows too
+    assert spec.length == 0 and spec._probes == 0
+    spec = Speculator(SpeculativeConfig("draft_model", 4, model="draft"), model)
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step(reqs, limit=8.5)  # k_max = 4 for the one row: 3.01 + 4 = 7.01 s
+    assert spec.length == 4 and spec._probes == 1
+    ngram = Speculator(SpeculativeConfig("ngram", 4), model)
+    for _ in range(EXPLORE_EVERY):
+        ngram.begin_step(reqs)
+    assert [ngram.lookahead(r) for r in reqs] == [4, 4, 4]
+
+
 def _lengths_over_a_probe(spec: Speculator, rows: int, slo_tpot: float, **step) -> list[int]:
     """The lengths ``spec`` chooses over ``EXPLORE_EVERY + 1`` steps of ``rows`` requests that each just got
-    their first token (at 5 s) and decode under a TPOT SLO of ``slo_tpot`` seconds (``step``: further
+    their first token (at 5 s), with 4 drafts to verify, and decode under a TPOT SLO of ``slo_tpot`` seconds (``step``: further
     arguments of each ``begin_step``)."""
     reqs = create_requests(rows, prompt_len=8, max_tokens=100)
     for r in reqs:
@@ -702,6 +750,7 @@ def _lengths_over_a_probe(spec: Speculator, rows: int, slo_tpot: float, **step) 
         r.num_computed_tokens = 8
         r.append_output_token(7)
         r.first_token_time = 5.0
+        r.spec_token_ids = [7] * 4  # proposed whatever was asked for
     lengths = []
     for _ in range(EXPLORE_EVERY + 1):
         spec.begin_step(reqs, now=5.0, **step)
@@ -837,13 +886,14 @@ def test_auto_probes_at_the_acceptance_upper_bound():
 
 def test_auto_asks_for_the_drafts_of_every_probe_it_takes():
     """A probe that does not fit (here the step limit: every token costs 1 s, one draft makes a 2.01-s step
-    against 1.5 s) is put off another 16 steps, and the step before the next try asks for its drafts: a probe
-    verifies drafts the runner proposed for it. Before, the count ran on past 16 without asking, and the
-    probe taken once the limit was lifted had no drafts to verify."""
+    against 1.5 s) is put off another 16 steps (not doubled: no probe was taken), and the step before the next
+    try asks for its drafts: a probe verifies drafts the runner proposed for it. Before, the count ran on past
+    16 without asking, and the probe taken once the limit was lifted had no drafts to verify. Where no row has
+    drafts to verify (no match, no room), each step asks again and no probe is counted."""
     spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0),
                                                                    adapt=False))
     (r,) = create_requests(1, prompt_len=8, max_tokens=100)
-    r.num_computed_tokens = r.num_tokens - 1
+    r.num_computed_tokens, r.spec_token_ids = r.num_tokens - 1, [7] * 4
     lengths, lookaheads = [], []
     for i in range(2 * (EXPLORE_EVERY + 1)):
         spec.begin_step([r], limit=1.5 if i <= EXPLORE_EVERY else math.inf)
@@ -852,14 +902,21 @@ def test_auto_asks_for_the_drafts_of_every_probe_it_takes():
     assert lengths == [0] * (2 * EXPLORE_EVERY + 1) + [4]
     assert lookaheads[EXPLORE_EVERY - 1] == 4 and lookaheads[2 * EXPLORE_EVERY] == 4
     assert all(lookaheads[i - 1] >= k for i, k in enumerate(lengths) if k)
+    assert spec._probe_every == [2 * EXPLORE_EVERY, EXPLORE_EVERY] and spec._probes == 1
+    r.spec_token_ids = []  # none proposed
+    for _ in range(2 * EXPLORE_EVERY + 2):
+        spec.begin_step([r])
+        assert spec.length == 0 and spec.lookahead(r) in (0, 1)
+    assert spec._at_zero[0] == 2 * EXPLORE_EVERY and spec.lookahead(r) == 1 and spec._probes == 1
 
 
 def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():
     """Free tokens make ``auto`` choose all 4 drafts; after 16 such steps one step verifies none, so the
-    step-time model keeps measuring the decodes alone, and asks for the drafts of the step after it."""
+    step-time model keeps measuring the decodes alone, and asks for the drafts of the step after it. The step
+    before it asks for none: it would not verify them, and a draft model's passes for them were lost."""
     lengths, lookaheads = _auto_steps(0.0)
     assert lengths == ([4] * EXPLORE_EVERY + [0]) * 2
-    assert lookaheads == [4] * (2 * (EXPLORE_EVERY + 1))
+    assert lookaheads == ([4] * (EXPLORE_EVERY - 1) + [0, 4]) * 2
 
 
 def test_auto_checks_the_model_less_often_while_it_holds():

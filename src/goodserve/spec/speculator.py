@@ -40,6 +40,12 @@ PROBE_TOLERANCE = 0.1
 #: stalled on something else: :class:`~goodserve.spec.length.DraftCost` does not learn it (BENCHMARKS.md,
 #: "Speculative decoding: ... probes while requests arrive").
 STALL = 3.0
+#: Rows a draft model's probe verifies drafts in: the one with the shortest context. A draft model proposes
+#: after reading what it has not seen of a row's context, which, after steps without drafts, is most of it: a
+#: probe of every row read ~40 rows' whole contexts through the draft, 0.5-4 s of passes before one step
+#: (BENCHMARKS.md, "Speculative decoding with a draft model"). Prompt lookup reads nothing: its probes take
+#: every row.
+DRAFT_MODEL_PROBE_ROWS = 1
 
 
 class Speculator:
@@ -65,13 +71,16 @@ class Speculator:
         self._at_zero = [0, 0]  # steps without a chunk, and with one, that verified no drafts since one did
         self._probe_every = [EXPLORE_EVERY, EXPLORE_EVERY]  # ... before a probe with drafts, of each kind
         self._probing = False  # this step is a probe with drafts: its proposals follow auto's own choice
+        self._kind = 0  # this step's kind: 1 with a prompt chunk, 0 of decodes alone
+        self._probe_rows = DRAFT_MODEL_PROBE_ROWS if config.method == "draft_model" else None  # None: every row
+        self._probe_ids: Optional[set[str]] = None  # the rows the next probe takes (None: every row)
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step, or for its decodes alone if more (before probes)
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
         self._explore_with = EXPLORE_EVERY  # steps with drafts before one without (doubles while the model holds)
         self._judging = False  # a step without drafts was chosen to check the model: judge it when it is back
         self._held = True  # the last check found the model within PROBE_TOLERANCE
-        self._counted = (0, 0, 0, 0)  # the four counters before this step's first begin_step
+        self._counted = ((0, 0), 0, 0, (EXPLORE_EVERY, EXPLORE_EVERY))  # the counters before this step's choice
         self._proposed = 0.0  # seconds the last step observed spent proposing the drafts of the next
 
     @staticmethod
@@ -116,7 +125,7 @@ class Speculator:
         # A step verifies drafts only where a row has some; steps with a prompt chunk and steps without count
         # theirs apart, since each kind measures its own DraftCost and needs its own probes.
         verifying = self.length > 0 and any(r.spec_token_ids for r in decodes if self.eligible(r))
-        kind = int(prompt_tokens > 0)
+        kind = self._kind = int(prompt_tokens > 0)
         self._at_zero[kind] = self._at_zero[kind] + 1 if not verifying and contexts else 0
         if verifying:
             self._probe_every[kind] = EXPLORE_EVERY
@@ -124,17 +133,27 @@ class Speculator:
         # A probe is judged at the acceptance rates' upper bounds and at the cheaper of two prices of its drafts
         # (the model's, as decode rows, and the learned one): it is what measures them. One that does not fit
         # is put off as many steps again, so that its drafts are asked for on the step before it.
-        if self._at_zero[kind] > self._probe_every[kind]:
+        if self._at_zero[kind] > self._probe_every[kind] and not any(r.spec_token_ids for r in decodes
+                                                                      if self.eligible(r)):
+            self._at_zero[kind] = self._probe_every[kind]  # nothing to verify (no match, no room): ask again
+        elif self._at_zero[kind] > self._probe_every[kind]:
             rates = self.stats.upper_rates()
             chunk = chunk_beside(prompt_tokens, room, len(contexts), 0)
             without = kept(bounds, step_seconds(self.model, contexts, 0, None, chunk), 1.0)  # rows a step at 0 keeps
+            probed = contexts if self._probe_ids is None else \
+                [r.num_computed_tokens for r in decodes if r.request_id in self._probe_ids and r.spec_token_ids]
 
             def fits(k: int) -> bool:  # within the step limit, keeping as many rows in their SLOs as no drafts
-                chunk = chunk_beside(prompt_tokens, room, len(contexts), k)  # its drafts take prompt tokens' room
-                seconds = min(step_seconds(self.model, contexts, k, None, chunk),
-                              step_seconds(self.model, contexts, k, costs, chunk, beside=beside,
+                chunk = chunk_beside(prompt_tokens, room, len(probed), k)  # its drafts take prompt tokens' room
+                seconds = min(step_seconds(self.model, probed, k, None, chunk),
+                              step_seconds(self.model, probed, k, costs, chunk, beside=beside,
                                            run_positions=self.run_positions))
-                return seconds <= limit and kept(bounds, seconds, self.stats.expected_tokens(rates, k)) >= without
+                tokens = self.stats.expected_tokens(rates, k)
+                if len(probed) < len(contexts):  # the other rows' step, and what they emit: a token each
+                    seconds += step_seconds(self.model, contexts, 0, None, chunk) - \
+                        step_seconds(self.model, probed, 0, None, chunk)
+                    tokens = 1.0
+                return seconds <= limit and kept(bounds, seconds, tokens) >= without
 
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
             self._at_zero[kind] = 0
@@ -146,6 +165,9 @@ class Speculator:
         elif self._steps_with % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not prompt_tokens and \
                 self._longer_may_pay(contexts, costs, limit):
             self.length += 1
+        if self._probe_rows is not None and self._at_zero[kind] == self._probe_every[kind]:  # the probe's rows
+            shortest = sorted((r for r in decodes if self.eligible(r)), key=lambda r: r.num_computed_tokens)
+            self._probe_ids = {r.request_id for r in shortest[:self._probe_rows]}
 
     def _longer_may_pay(self, contexts: Sequence[int], costs: Optional[Sequence[float]], limit: float) -> bool:
         """Whether one draft more than the chosen length a row may pay, its acceptance read at the upper
@@ -203,10 +225,11 @@ class Speculator:
         """Drafts the runner should propose for ``req`` after this step (at most what it may then verify): a
         fixed length's; under ``auto`` one more than this step verifies (so it can lengthen), or than its
         decodes alone would where it has a prompt chunk (the next step may have none), at most ``k_max``,
-        and none while speculation does not pay but for the step before a probe. A probe's step asks for what
-        ``auto`` chose, not for the probe's length again: after a probe that did not pay, the next step verifies
-        none, and a draft model's proposals for it (8 passes, ~49 ms a step at batch 1 for a 6-layer draft of
-        SmolLM2-135M) were thrown away."""
+        and none while speculation does not pay but for the step before a probe (of the same kind, with a
+        prompt chunk or without), nor for a step that checks the model without drafts. A probe's step asks for
+        what ``auto`` chose, not for the probe's length again: after a probe that did not pay, the next step
+        verifies none, and a draft model's proposals for it (8 passes, ~49 ms a step at batch 1 for a 6-layer
+        draft of SmolLM2-135M) were thrown away."""
         return max(0, min(self._lookahead(req), self._left(req) - 1))  # after this step's token
 
     def _lookahead(self, req: Request) -> int:
@@ -216,10 +239,13 @@ class Speculator:
             return self.length
         # after a probe without drafts, or a step with a prompt chunk; a probe with drafts: what auto chose
         ahead = self._chosen if self._probing else max(self.length, self._chosen)
+        if self.length and self._steps_with == self._explore_with:
+            return 0  # the next step checks the model without drafts
         if ahead:
             return min(self.k_max, ahead + 1)
-        before_probe = any(n == every for n, every in zip(self._at_zero, self._probe_every))
-        return self._probe_length() if before_probe else 0  # for a probe with drafts
+        before_probe = self._at_zero[self._kind] == self._probe_every[self._kind] and \
+            (self._probe_ids is None or req.request_id in self._probe_ids)
+        return self._probe_length() if before_probe else 0  # for a probe with drafts, of this step's kind
 
     def observe(self, out: SchedulerOutput, seconds: float,
                 proposing: float = 0.0) -> Optional[tuple[StepShape, float]]:
@@ -248,7 +274,7 @@ class Speculator:
         chunk")."""
         if self.config.length != "auto":
             return StepShape.of(out), seconds
-        own, proposed, self._proposed = seconds - proposing, self._proposed, proposing
+        own, proposed, self._proposed = max(0.0, seconds - proposing), self._proposed, proposing
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if self._judging and not num_drafts:
             self._judging = False
