@@ -670,11 +670,12 @@ def test_the_simulator_speculates_with_the_given_acceptance():
     assert run((0.9,), "auto").scheduler.make_stats().num_spec_accepted_tokens_total > 0
 
 
-def _auto_steps(per_token_s: float, steps: int = 2 * (EXPLORE_EVERY + 1)) -> tuple[list[int], list[int]]:
+def _auto_steps(per_token_s: float, steps: int = 2 * (EXPLORE_EVERY + 1),
+                method: str = "ngram") -> tuple[list[int], list[int]]:
     """The lengths ``auto`` chooses and the lookaheads it asks for over ``steps`` steps of one decoding
     request, on a model pricing a step at ``10 ms + per_token_s`` a token."""
-    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, per_token_s, 0.0, 0.0),
-                                                                   adapt=False))
+    config = SpeculativeConfig(method, 4, model="draft" if method == "draft_model" else None)
+    spec = Speculator(config, StepTimeModel(StepCoefficients(0.01, per_token_s, 0.0, 0.0), adapt=False))
     (r,) = create_requests(1, prompt_len=8, max_tokens=100)
     r.num_computed_tokens = r.num_tokens - 1  # decoding
     r.spec_token_ids = [7] * 4  # proposed whatever was asked for
@@ -691,20 +692,25 @@ def test_auto_explores_k_max_then_one_draft_after_sixteen_steps_at_zero():
     drafts (asked for on the step before), so the model can learn what a longer step costs: ``k_max`` per
     row, and at the next probe one per row, so that the costs of verifying at all, of a row and of each
     draft are told apart (where a row's first draft costs more than each further one, probing one length
-    only, ``auto`` would never learn that ``k_max`` pays where one does not). Each probe after which ``auto``
-    still chooses none doubles the steps to the next (32, then 64), and a probe's step asks for the drafts of
-    ``auto``'s own choice (none), not its own length again: a draft model's passes for drafts no step verifies
-    were a third of the cost of its probes (BENCHMARKS.md, "Speculative decoding with a draft model")."""
-    lengths, lookaheads = _auto_steps(1.0, steps=EXPLORE_EVERY + 1 + 32 + 1 + 64 + 1)
+    only, ``auto`` would never learn that ``k_max`` pays where one does not). For a draft model, each probe
+    after which ``auto`` still chooses none doubles the steps to the next (32, then 64), and a probe's step asks
+    for the drafts of ``auto``'s own choice (none), not its own length again: the draft's passes for drafts no
+    step verifies were a third of the cost of its probes (BENCHMARKS.md, "Speculative decoding with a draft
+    model"). Prompt lookup's proposals cost little: its probes keep to every 16 steps, and its proposals run
+    ahead of them."""
+    lengths, lookaheads = _auto_steps(1.0)
+    assert lengths == [0] * EXPLORE_EVERY + [4] + [0] * EXPLORE_EVERY + [1]
+    assert lookaheads == [0] * (EXPLORE_EVERY - 1) + [4, 4] + [0] * (EXPLORE_EVERY - 1) + [1, 2]
+    lengths, lookaheads = _auto_steps(1.0, steps=EXPLORE_EVERY + 1 + 32 + 1 + 64 + 1, method="draft_model")
     assert lengths == [0] * EXPLORE_EVERY + [4] + [0] * 32 + [1] + [0] * 64 + [4]
     assert lookaheads == [0] * (EXPLORE_EVERY - 1) + [4, 0] + [0] * 31 + [1, 0] + [0] * 63 + [4, 0]
 
 
 def test_a_step_auto_verifies_drafts_in_brings_probes_back_to_every_sixteen_steps():
-    """Probes back off while drafts do not pay, and come back to every :data:`EXPLORE_EVERY` steps at zero once
-    ``auto`` chooses drafts itself (here, when the step-time model makes a token cheap)."""
-    spec = Speculator(SpeculativeConfig("ngram", 4), StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0),
-                                                                   adapt=False))
+    """A draft model's probes back off while drafts do not pay, and come back to every :data:`EXPLORE_EVERY`
+    steps at zero once ``auto`` chooses drafts itself (here, when the step-time model makes a token cheap)."""
+    spec = Speculator(SpeculativeConfig("draft_model", 4, model="draft"),
+                      StepTimeModel(StepCoefficients(0.01, 1.0, 0.0, 0.0), adapt=False))
     (r,) = create_requests(1, prompt_len=8, max_tokens=100)
     r.num_computed_tokens, r.spec_token_ids = r.num_tokens - 1, [7] * 4
     for _ in range(EXPLORE_EVERY + 1):
@@ -742,8 +748,8 @@ def test_a_draft_models_probe_takes_the_row_with_the_shortest_context():
 
 def _lengths_over_a_probe(spec: Speculator, rows: int, slo_tpot: float, **step) -> list[int]:
     """The lengths ``spec`` chooses over ``EXPLORE_EVERY + 1`` steps of ``rows`` requests that each just got
-    their first token (at 5 s), with 4 drafts to verify, and decode under a TPOT SLO of ``slo_tpot`` seconds (``step``: further
-    arguments of each ``begin_step``)."""
+    their first token (at 5 s), with 4 drafts to verify, and decode under a TPOT SLO of ``slo_tpot`` seconds
+    (``step``: further arguments of each ``begin_step``)."""
     reqs = create_requests(rows, prompt_len=8, max_tokens=100)
     for r in reqs:
         r.options = dataclasses.replace(r.options, slo_tpot=slo_tpot)
@@ -902,12 +908,12 @@ def test_auto_asks_for_the_drafts_of_every_probe_it_takes():
     assert lengths == [0] * (2 * EXPLORE_EVERY + 1) + [4]
     assert lookaheads[EXPLORE_EVERY - 1] == 4 and lookaheads[2 * EXPLORE_EVERY] == 4
     assert all(lookaheads[i - 1] >= k for i, k in enumerate(lengths) if k)
-    assert spec._probe_every == [2 * EXPLORE_EVERY, EXPLORE_EVERY] and spec._probes == 1
+    assert spec._probe_every == [EXPLORE_EVERY, EXPLORE_EVERY] and spec._probes == 1
     r.spec_token_ids = []  # none proposed
-    for _ in range(2 * EXPLORE_EVERY + 2):
+    for _ in range(EXPLORE_EVERY + 2):
         spec.begin_step([r])
         assert spec.length == 0 and spec.lookahead(r) in (0, 1)
-    assert spec._at_zero[0] == 2 * EXPLORE_EVERY and spec.lookahead(r) == 1 and spec._probes == 1
+    assert spec._at_zero[0] == EXPLORE_EVERY and spec.lookahead(r) == 1 and spec._probes == 1
 
 
 def test_auto_verifies_no_drafts_once_after_sixteen_steps_with_drafts():

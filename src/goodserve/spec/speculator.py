@@ -22,17 +22,18 @@ from goodserve.spec.length import (AcceptanceStats, DraftCost, TPOTBound, choose
                                    reread_ktokens, step_seconds)
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
-#: turn), so what drafts cost is measured (a 1-in-17 probe, the interval doubling after each probe until ``auto``
-#: chooses drafts itself, up to :data:`EXPLORE_MAX`); and steps it chooses drafts for before one step verifies
-#: none, so the step-time model keeps measuring the steps without them (~6% of the drafts' tokens forgone,
-#: until :data:`EXPLORE_MAX`).
+#: turn), so what drafts cost is measured (a 1-in-17 probe; for a draft model, the interval doubling after each
+#: probe until ``auto`` chooses drafts itself, up to :data:`EXPLORE_MAX`); and steps it chooses drafts for before
+#: one step verifies none, so the step-time model keeps measuring the steps without them (~6% of the drafts'
+#: tokens forgone, until :data:`EXPLORE_MAX`).
 EXPLORE_EVERY = 16
 #: The most steps with drafts between two steps without: the interval doubles from :data:`EXPLORE_EVERY` each
 #: time a step without drafts took what the step-time model predicted, within :data:`PROBE_TOLERANCE`
 #: (a model that holds needs few such probes), and falls back to it when one did not after one that did
-#: (:meth:`Speculator.observe`). Also the most steps without drafts between two probes with drafts: each
-#: probe after which ``auto`` still chooses none doubles that interval (drafts that do not pay need few probes:
-#: a draft model's probe proposes with passes of its own), and a step ``auto`` chooses drafts for resets it.
+#: (:meth:`Speculator.observe`). Also, for a draft model, the most steps without drafts between two probes
+#: with drafts: each probe after which ``auto`` still chooses none doubles that interval (drafts that do not pay
+#: need few probes, and a draft model's probe proposes with passes of its own), and a step of the same kind in
+#: which ``auto`` verifies drafts of its own choice resets it.
 EXPLORE_MAX = 256
 #: Relative error of the step-time model's prediction within which a step without drafts confirms it.
 PROBE_TOLERANCE = 0.1
@@ -43,8 +44,8 @@ STALL = 3.0
 #: Rows a draft model's probe verifies drafts in: the one with the shortest context. A draft model proposes
 #: after reading what it has not seen of a row's context, which, after steps without drafts, is most of it: a
 #: probe of every row read ~40 rows' whole contexts through the draft, 0.5-4 s of passes before one step
-#: (BENCHMARKS.md, "Speculative decoding with a draft model"). Prompt lookup reads nothing: its probes take
-#: every row.
+#: (BENCHMARKS.md, "Speculative decoding with a draft model"). Prompt lookup reads nothing and costs little:
+#: its probes take every row, come every :data:`EXPLORE_EVERY` steps, and its proposals run ahead of them.
 DRAFT_MODEL_PROBE_ROWS = 1
 
 
@@ -72,7 +73,8 @@ class Speculator:
         self._probe_every = [EXPLORE_EVERY, EXPLORE_EVERY]  # ... before a probe with drafts, of each kind
         self._probing = False  # this step is a probe with drafts: its proposals follow auto's own choice
         self._kind = 0  # this step's kind: 1 with a prompt chunk, 0 of decodes alone
-        self._probe_rows = DRAFT_MODEL_PROBE_ROWS if config.method == "draft_model" else None  # None: every row
+        self._costly = config.method == "draft_model"  # proposing costs passes of a model (see DRAFT_MODEL_...)
+        self._probe_rows = DRAFT_MODEL_PROBE_ROWS if self._costly else None  # None: every row
         self._probe_ids: Optional[set[str]] = None  # the rows the next probe takes (None: every row)
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step, or for its decodes alone if more (before probes)
@@ -117,9 +119,9 @@ class Speculator:
         # model only on steps that verify none (:meth:`observe`); a machine on which auto never verified a
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
         # step verifies drafts stops measuring what the decodes alone cost. So after EXPLORE_EVERY steps at
-        # 0, a step verifies drafts (k_max or 1 per row, in turn; the next such probe twice as many steps
-        # later, until auto chooses drafts itself: EXPLORE_MAX), and after EXPLORE_EVERY steps with drafts,
-        # a step verifies none (drafts are asked for the step before), at longer intervals while the model
+        # 0, a step verifies drafts (k_max or 1 per row, in turn; for a draft model, the next such probe twice
+        # as many steps later, until auto chooses drafts itself: EXPLORE_MAX), and after EXPLORE_EVERY steps
+        # with drafts, a step verifies none (no drafts asked for it), at longer intervals while the model
         # predicts those steps (:meth:`observe`); and half way through each EXPLORE_EVERY steps with drafts,
         # a step of decodes alone verifies one draft more where that may pay (:meth:`_longer_may_pay`).
         # A step verifies drafts only where a row has some; steps with a prompt chunk and steps without count
@@ -158,8 +160,9 @@ class Speculator:
             probe = next((k for k in (self._probe_length(), 1) if fits(k)), 0)
             self._at_zero[kind] = 0
             if probe:
-                self.length, self._probes, self._probing = probe, self._probes + 1, True
-                self._probe_every[kind] = min(2 * self._probe_every[kind], EXPLORE_MAX)
+                self.length, self._probes, self._probing = probe, self._probes + 1, self._costly
+                if self._costly:  # drafts that do not pay need few probes, and a draft model's cost passes
+                    self._probe_every[kind] = min(2 * self._probe_every[kind], EXPLORE_MAX)
         elif self._steps_with > self._explore_with:
             self.length, self._steps_with, self._judging = 0, 0, True
         elif self._steps_with % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not prompt_tokens and \
@@ -226,10 +229,11 @@ class Speculator:
         fixed length's; under ``auto`` one more than this step verifies (so it can lengthen), or than its
         decodes alone would where it has a prompt chunk (the next step may have none), at most ``k_max``,
         and none while speculation does not pay but for the step before a probe (of the same kind, with a
-        prompt chunk or without), nor for a step that checks the model without drafts. A probe's step asks for
-        what ``auto`` chose, not for the probe's length again: after a probe that did not pay, the next step
-        verifies none, and a draft model's proposals for it (8 passes, ~49 ms a step at batch 1 for a 6-layer
-        draft of SmolLM2-135M) were thrown away."""
+        prompt chunk or without; for a draft model, of its probe's row), nor for a step that checks the model
+        without drafts. A draft model's probe step asks for what ``auto`` chose, not for the probe's length
+        again: after a probe that did not pay, the next step verifies none, and the draft's proposals for it (8
+        passes, ~49 ms a step at batch 1 for a 6-layer draft of SmolLM2-135M) were thrown away. Prompt lookup's
+        cost little, and let the step after a probe that paid verify at once."""
         return max(0, min(self._lookahead(req), self._left(req) - 1))  # after this step's token
 
     def _lookahead(self, req: Request) -> int:
