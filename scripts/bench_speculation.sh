@@ -7,7 +7,8 @@
 #      k4_off, fixed k=4 vs off, on request).
 # Usage: scripts/bench_speculation.sh OUT_DIR   (LLAMA_BIN: llama.cpp's bin folder, see
 # ../shared/tools/build-llama-server.sh; PART=A or B to run one part; RATES, NUM, PAIRS for part B; DATASET
-# for another workload than code-copy)
+# for another workload than code-copy; SPEC for another --speculative-config than n-gram's, e.g. a draft model's
+# made by scripts/make_layer_draft.py, braces doubled)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; mkdir -p "$out"

@@ -135,15 +135,14 @@ class Speculator:
         # A probe is judged at the acceptance rates' upper bounds and at the cheaper of two prices of its drafts
         # (the model's, as decode rows, and the learned one): it is what measures them. One that does not fit
         # is put off as many steps again, so that its drafts are asked for on the step before it.
-        if self._at_zero[kind] > self._probe_every[kind] and not any(r.spec_token_ids for r in decodes
-                                                                      if self.eligible(r)):
+        with_drafts = [r.num_computed_tokens for r in decodes if self.eligible(r) and r.spec_token_ids]
+        if self._at_zero[kind] > self._probe_every[kind] and not with_drafts:
             self._at_zero[kind] = self._probe_every[kind]  # nothing to verify (no match, no room): ask again
         elif self._at_zero[kind] > self._probe_every[kind]:
             rates = self.stats.upper_rates()
             chunk = chunk_beside(prompt_tokens, room, len(contexts), 0)
             without = kept(bounds, step_seconds(self.model, contexts, 0, None, chunk), 1.0)  # rows a step at 0 keeps
-            probed = contexts if self._probe_ids is None else \
-                [r.num_computed_tokens for r in decodes if r.request_id in self._probe_ids and r.spec_token_ids]
+            probed = contexts if self._probe_rows is None else with_drafts  # a draft model's: the rows asked
 
             def fits(k: int) -> bool:  # within the step limit, keeping as many rows in their SLOs as no drafts
                 chunk = chunk_beside(prompt_tokens, room, len(probed), k)  # its drafts take prompt tokens' room
@@ -169,7 +168,8 @@ class Speculator:
                 self._longer_may_pay(contexts, costs, limit):
             self.length += 1
         if self._probe_rows is not None and self._at_zero[kind] == self._probe_every[kind]:  # the probe's rows
-            shortest = sorted((r for r in decodes if self.eligible(r)), key=lambda r: r.num_computed_tokens)
+            shortest = sorted((r for r in decodes if self.eligible(r) and self._left(r) > 1),
+                              key=lambda r: r.num_computed_tokens)
             self._probe_ids = {r.request_id for r in shortest[:self._probe_rows]}
 
     def _longer_may_pay(self, contexts: Sequence[int], costs: Optional[Sequence[float]], limit: float) -> bool:
@@ -228,12 +228,12 @@ class Speculator:
         """Drafts the runner should propose for ``req`` after this step (at most what it may then verify): a
         fixed length's; under ``auto`` one more than this step verifies (so it can lengthen), or than its
         decodes alone would where it has a prompt chunk (the next step may have none), at most ``k_max``,
-        and none while speculation does not pay but for the step before a probe (of the same kind, with a
-        prompt chunk or without; for a draft model, of its probe's row), nor for a step that checks the model
-        without drafts. A draft model's probe step asks for what ``auto`` chose, not for the probe's length
-        again: after a probe that did not pay, the next step verifies none, and the draft's proposals for it (8
-        passes, ~49 ms a step at batch 1 for a 6-layer draft of SmolLM2-135M) were thrown away. Prompt lookup's
-        cost little, and let the step after a probe that paid verify at once."""
+        and none while speculation does not pay but for the step before a probe (for a draft model, only the
+        probe's row, in a step of the probe's kind: with a prompt chunk or without), nor for a step that checks
+        the model without drafts. A draft model's probe step asks for what ``auto`` chose, not for the probe's
+        length again: after a probe that did not pay, the next step verifies none, and the draft's proposals for
+        it (8 passes, ~49 ms a step at batch 1 for a 6-layer draft of SmolLM2-135M) were thrown away. Prompt
+        lookup's cost little, and let the step after a probe that paid verify at once."""
         return max(0, min(self._lookahead(req), self._left(req) - 1))  # after this step's token
 
     def _lookahead(self, req: Request) -> int:
@@ -247,9 +247,12 @@ class Speculator:
             return 0  # the next step checks the model without drafts
         if ahead:
             return min(self.k_max, ahead + 1)
-        before_probe = self._at_zero[self._kind] == self._probe_every[self._kind] and \
-            (self._probe_ids is None or req.request_id in self._probe_ids)
-        return self._probe_length() if before_probe else 0  # for a probe with drafts, of this step's kind
+        if self._probe_rows is None:  # prompt lookup: before a probe of either kind (asking costs little)
+            before_probe = any(n == every for n, every in zip(self._at_zero, self._probe_every))
+        else:  # a draft model: the probe's row, before a probe of this step's kind (asking costs passes)
+            before_probe = self._at_zero[self._kind] == self._probe_every[self._kind] and \
+                req.request_id in (self._probe_ids or ())
+        return self._probe_length() if before_probe else 0  # for a probe with drafts
 
     def observe(self, out: SchedulerOutput, seconds: float,
                 proposing: float = 0.0) -> Optional[tuple[StepShape, float]]:
@@ -265,7 +268,7 @@ class Speculator:
         drafts teaches its own seconds plus what the step before spent proposing. Learned where it was spent,
         a draft model's passes (tens of milliseconds a step) were a cost of every step that proposed: the
         step-time model priced a step without drafts at what a step with them took, drafts looked free, and
-        ``auto`` verified 4 a row that a 6-layer draft almost never got accepted, at 0.45 times the output
+        ``auto`` verified 4 a row that a 6-layer draft almost never got accepted, at 0.35-0.45 times the output
         rate of no drafts (BENCHMARKS.md, "Speculative decoding with a draft model").
 
         The first step without drafts after ``auto`` chose none to check the model is judged before the model
