@@ -43,8 +43,8 @@ PROBE_TOLERANCE = 0.1
 STALL = 3.0
 #: Rows a draft model's probe verifies drafts in: the one with the shortest context. A draft model proposes
 #: after reading what it has not seen of a row's context, which, after steps without drafts, is most of it: a
-#: probe of every row read ~40 rows' whole contexts through the draft, 0.5-4 s of passes before one step
-#: (BENCHMARKS.md, "Speculative decoding with a draft model"). Prompt lookup reads nothing and costs little:
+#: probe of every row read every row's whole context through the draft before one step (BENCHMARKS.md,
+#: "Speculative decoding with a draft model"). Prompt lookup reads nothing and costs little:
 #: its probes take every row, come every :data:`EXPLORE_EVERY` steps, and its proposals run ahead of them.
 DRAFT_MODEL_PROBE_ROWS = 1
 
@@ -73,9 +73,9 @@ class Speculator:
         self._probe_every = [EXPLORE_EVERY, EXPLORE_EVERY]  # ... before a probe with drafts, of each kind
         self._probing = False  # this step is a probe with drafts: its proposals follow auto's own choice
         self._kind = 0  # this step's kind: 1 with a prompt chunk, 0 of decodes alone
-        self._costly = config.method == "draft_model"  # proposing costs passes of a model (see DRAFT_MODEL_...)
-        self._probe_rows = DRAFT_MODEL_PROBE_ROWS if self._costly else None  # None: every row
-        self._probe_ids: Optional[set[str]] = None  # the rows the next probe takes (None: every row)
+        #: Proposing costs passes of a model (a draft model's): probes take DRAFT_MODEL_PROBE_ROWS rows and back off
+        self._costly = config.method == "draft_model"
+        self._probe_ids: Optional[set[str]] = None  # a draft model's: the rows its next probe takes
         self._steps_with = 0  # consecutive steps auto chose drafts for
         self._chosen = 0  # the length auto chose for this step, or for its decodes alone if more (before probes)
         self._probes = 0  # probes with drafts taken (their length alternates: :meth:`_probe_length`)
@@ -126,7 +126,8 @@ class Speculator:
         # a step of decodes alone verifies one draft more where that may pay (:meth:`_longer_may_pay`).
         # A step verifies drafts only where a row has some; steps with a prompt chunk and steps without count
         # theirs apart, since each kind measures its own DraftCost and needs its own probes.
-        verifying = self.length > 0 and any(r.spec_token_ids for r in decodes if self.eligible(r))
+        with_drafts = [r.num_computed_tokens for r in decodes if self.eligible(r) and r.spec_token_ids]
+        verifying = self.length > 0 and bool(with_drafts)
         kind = self._kind = int(prompt_tokens > 0)
         self._at_zero[kind] = self._at_zero[kind] + 1 if not verifying and contexts else 0
         if verifying:
@@ -135,14 +136,13 @@ class Speculator:
         # A probe is judged at the acceptance rates' upper bounds and at the cheaper of two prices of its drafts
         # (the model's, as decode rows, and the learned one): it is what measures them. One that does not fit
         # is put off as many steps again, so that its drafts are asked for on the step before it.
-        with_drafts = [r.num_computed_tokens for r in decodes if self.eligible(r) and r.spec_token_ids]
         if self._at_zero[kind] > self._probe_every[kind] and not with_drafts:
             self._at_zero[kind] = self._probe_every[kind]  # nothing to verify (no match, no room): ask again
         elif self._at_zero[kind] > self._probe_every[kind]:
             rates = self.stats.upper_rates()
             chunk = chunk_beside(prompt_tokens, room, len(contexts), 0)
             without = kept(bounds, step_seconds(self.model, contexts, 0, None, chunk), 1.0)  # rows a step at 0 keeps
-            probed = contexts if self._probe_rows is None else with_drafts  # a draft model's: the rows asked
+            probed = with_drafts if self._costly else contexts  # a draft model's: the rows asked
 
             def fits(k: int) -> bool:  # within the step limit, keeping as many rows in their SLOs as no drafts
                 chunk = chunk_beside(prompt_tokens, room, len(probed), k)  # its drafts take prompt tokens' room
@@ -167,10 +167,10 @@ class Speculator:
         elif self._steps_with % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not prompt_tokens and \
                 self._longer_may_pay(contexts, costs, limit):
             self.length += 1
-        if self._probe_rows is not None and self._at_zero[kind] == self._probe_every[kind]:  # the probe's rows
+        if self._costly and self._at_zero[kind] == self._probe_every[kind]:  # the probe's rows
             shortest = sorted((r for r in decodes if self.eligible(r) and self._left(r) > 1),
                               key=lambda r: r.num_computed_tokens)
-            self._probe_ids = {r.request_id for r in shortest[:self._probe_rows]}
+            self._probe_ids = {r.request_id for r in shortest[:DRAFT_MODEL_PROBE_ROWS]}
 
     def _longer_may_pay(self, contexts: Sequence[int], costs: Optional[Sequence[float]], limit: float) -> bool:
         """Whether one draft more than the chosen length a row may pay, its acceptance read at the upper
@@ -231,9 +231,9 @@ class Speculator:
         and none while speculation does not pay but for the step before a probe (for a draft model, only the
         probe's row, in a step of the probe's kind: with a prompt chunk or without), nor for a step that checks
         the model without drafts. A draft model's probe step asks for what ``auto`` chose, not for the probe's
-        length again: after a probe that did not pay, the next step verifies none, and the draft's proposals for
-        it (8 passes, ~49 ms a step at batch 1 for a 6-layer draft of SmolLM2-135M) were thrown away. Prompt
-        lookup's cost little, and let the step after a probe that paid verify at once."""
+        length again: after a probe that did not pay, the next step verifies none, and the draft's ``k_max``
+        passes for it were thrown away. Prompt lookup's cost little, and let the step after a probe that paid
+        verify at once."""
         return max(0, min(self._lookahead(req), self._left(req) - 1))  # after this step's token
 
     def _lookahead(self, req: Request) -> int:
@@ -247,7 +247,7 @@ class Speculator:
             return 0  # the next step checks the model without drafts
         if ahead:
             return min(self.k_max, ahead + 1)
-        if self._probe_rows is None:  # prompt lookup: before a probe of either kind (asking costs little)
+        if not self._costly:  # prompt lookup: before a probe of either kind (asking costs little)
             before_probe = any(n == every for n, every in zip(self._at_zero, self._probe_every))
         else:  # a draft model: the probe's row, before a probe of this step's kind (asking costs passes)
             before_probe = self._at_zero[self._kind] == self._probe_every[self._kind] and \
@@ -266,10 +266,10 @@ class Speculator:
 
         Proposing is a cost of the drafts proposed, so it is moved to the step that verifies them: a step with
         drafts teaches its own seconds plus what the step before spent proposing. Learned where it was spent,
-        a draft model's passes (tens of milliseconds a step) were a cost of every step that proposed: the
-        step-time model priced a step without drafts at what a step with them took, drafts looked free, and
-        ``auto`` verified 4 a row that a 6-layer draft almost never got accepted, at 0.35-0.45 times the output
-        rate of no drafts (BENCHMARKS.md, "Speculative decoding with a draft model").
+        a draft model's passes were a cost of every step that proposed: the step-time model priced a step
+        without drafts at what a step with them took, drafts looked free, and ``auto`` verified drafts a draft
+        model almost never got accepted, below the output rate of no drafts (BENCHMARKS.md, "Speculative
+        decoding with a draft model").
 
         The first step without drafts after ``auto`` chose none to check the model is judged before the model
         learns it: predicted within :data:`PROBE_TOLERANCE`, the steps with drafts before the next such check
