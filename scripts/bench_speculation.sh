@@ -8,7 +8,8 @@
 # Usage: scripts/bench_speculation.sh OUT_DIR   (LLAMA_BIN: llama.cpp's bin folder, see
 # ../shared/tools/build-llama-server.sh; PART=A or B to run one part; RATES, NUM, PAIRS for part B; DATASET
 # for another workload than code-copy; SPEC for another --speculative-config than n-gram's, e.g. a draft model's
-# made by scripts/make_layer_draft.py, braces doubled)
+# made by scripts/make_layer_draft.py, braces doubled; TARGET for another served model than the default, e.g. the
+# default model's dequantized copy with the default GGUF as its draft)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?output folder}; mkdir -p "$out"
@@ -16,7 +17,7 @@ py=${PYTHON:-.venv/bin/python}
 model=$("$py" -c 'from goodserve.models.loader import default_model_path; print(default_model_path())')
 # braces doubled: the launch templates are formatted. SPEC: another config (e.g. a draft model's), braces doubled too
 ngram8=${SPEC:-'{{"method": "ngram", "num_speculative_tokens": 8}}'}
-serve="{python} -m goodserve.cli serve --port {port} --slo-ttft 5 --slo-tpot 0.2"  # the goodput SLOs, which auto reads
+serve="{python} -m goodserve.cli serve ${TARGET:+--model $TARGET }--port {port} --slo-ttft 5 --slo-tpot 0.2"  # the goodput SLOs, which auto reads
 common=(--dataset "${DATASET:-code-copy}" --max-input-len 1024 --max-output-len 256 --seed 0 --num-warmups 1
         --interleave --no-progress)
 run() { flock /tmp/goodserve-bench.lock "$py" -m goodserve.cli bench compare "$@"; }

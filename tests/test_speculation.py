@@ -1039,6 +1039,23 @@ def test_greedy_tokens_are_the_same_with_a_draft_model(tmp_path, tiny_model, dra
     assert proposer.kv.usage == 0 and not proposer._states  # every finished request's draft blocks freed
 
 
+def test_a_draft_model_runs_the_fastest_kernels_beside_a_batch_invariant_target(tmp_path, tiny_model):
+    """The target's verification decides every token whatever the drafts, so the draft runs the default
+    kernels, not batch-invariant ones (which read dense copies of the weights at one row): a mixture of experts,
+    which has no batch-invariant path, drafts for a batch-invariant target, whose greedy tokens are unchanged."""
+    draft = make_tiny_hf_model(tmp_path, "mixtral")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=4, log_stats_interval=0, kv_cache_memory=1 << 20, batch_invariant=True)
+    ref = LLM(tiny_model, **kw).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny_model, **kw, speculative_length="3",
+              speculative_config=f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 4}}')
+    assert llm.engine.config.batch_invariant and llm.engine.core.runner.model.batch_invariant
+    assert not llm.engine.core.runner.proposer.runner.config.batch_invariant
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert llm.engine.make_stats().num_spec_draft_tokens_total > 0
+
+
 def test_a_pd_consumer_speculates_and_answers_the_colocated_greedy_text(tiny_model):
     """Prefill on a producer (a ``goodserve serve`` subprocess), decode on a consumer that speculates: the
     answer is the greedy text of a colocated engine without speculation, and the consumer verified drafts."""

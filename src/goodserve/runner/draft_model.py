@@ -65,7 +65,11 @@ class DraftModelProposer:
 
         check_draft(draft.config, target.model, target.scheduler.max_model_len)
         cache = CacheConfig(target.cache.num_blocks, target.cache.block_size, enable_prefix_caching=False)
-        config = dataclasses.replace(target, model=draft.config, cache=cache, speculative=None,
+        # The target's verification decides every token, whatever the drafts (greedy: a draft is accepted when it
+        # is the target's token; sampled: when it is the target's sample), so the draft's numerics change only how
+        # many are accepted: it runs the fastest kernels, not batch-invariant ones (which read dense copies of the
+        # weights at one row, and which some architectures lack).
+        config = dataclasses.replace(target, model=draft.config, cache=cache, speculative=None, batch_invariant=False,
                                      scheduler=SchedulerConfig(max_model_len=target.scheduler.max_model_len))
         self.runner = ModelRunner(config, draft.weights)
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False)
