@@ -437,7 +437,8 @@ def test_proposing_is_priced_with_the_drafts_it_proposes():
     step with drafts teaches the draft costs its seconds plus the proposing of the step before. Learned where
     it was spent, a step at batch 1 without drafts was priced at what one with 4 drafts a row took, drafts
     looked free, and ``auto`` verified drafts a draft model almost never got accepted, below the output rate
-    of none (BENCHMARKS.md, "Speculative decoding with a draft model"). A fixed length's steps are learned as they
+    of none (BENCHMARKS.md, "Speculative decoding with a draft model"). Of the proposing, a draft model's
+    catching up on context it missed is priced with neither step. A fixed length's steps are learned as they
     ran."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
@@ -449,6 +450,12 @@ def test_proposing_is_priced_with_the_drafts_it_proposes():
     assert spec.observe(out, 0.045, proposing=0.030) is None  # predicted without drafts: 10 + 1 = 11 ms
     assert _excess(spec.cost, 1, 4) == pytest.approx(0.045 - 0.030 + 0.030 - 0.011, rel=1e-3)
     assert spec.observe(plain, 0.012, proposing=0.0) == (StepShape.of(plain), 0.012)  # its drafts: unverified
+    spec = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', None),
+                      model)  # 20 ms of the proposing caught up on context the draft had missed: neither step's
+    shape, seconds = spec.observe(plain, 0.041, proposing=0.030, catching_up=0.020)
+    assert seconds == pytest.approx(0.011)
+    assert spec.observe(out, 0.045, proposing=0.030) is None
+    assert _excess(spec.cost, 1, 4) == pytest.approx(0.045 - 0.030 + 0.010 - 0.011, rel=1e-3)
     fixed = Speculator(SpeculativeConfig.from_cli('{"method": "ngram", "num_speculative_tokens": 4}', "4"),
                        model)
     assert fixed.observe(plain, 0.041, proposing=0.030) == (StepShape.of(plain), 0.041)
@@ -719,6 +726,29 @@ def test_a_step_auto_verifies_drafts_in_brings_probes_back_to_every_sixteen_step
     spec.model = StepTimeModel(StepCoefficients(0.01, 1e-6, 0.0, 0.0), adapt=False)  # a token costs nothing
     spec.begin_step([r])
     assert spec.length > 0 and spec._probe_every == [EXPLORE_EVERY, EXPLORE_EVERY]
+
+
+def test_a_draft_models_probes_back_off_only_once_drafts_cannot_pay_at_the_rates_upper_bounds():
+    """Model: 10 ms + 5 ms a token, nothing measured yet. At the rates' lower bounds (0.21 a position) ``auto``
+    chooses none, at their upper bounds (0.91) 4 drafts: the probes measure what decides it, and keep their
+    16-step interval. Backed off, the rates of a draft that paid stayed at the few rows of its first probes and
+    ``auto`` never verified its drafts (BENCHMARKS.md, "Speculative decoding with a draft model that pays").
+    After 200 rows that accepted no draft, even the upper bounds choose none: the next probe doubles the
+    interval."""
+    model = StepTimeModel(StepCoefficients(0.01, 0.005, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("draft_model", 4, model="draft"), model)
+    (r,) = create_requests(1, prompt_len=8, max_tokens=100)
+    r.num_computed_tokens, r.spec_token_ids = r.num_tokens - 1, [7] * 4
+    assert choose_length(model, spec.stats, [8], 4) == 0
+    assert choose_length(model, spec.stats, [8], 4, rates=spec.stats.upper_rates()) == 4
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step([r])
+    assert spec.length == 4 and spec._probes == 1 and spec._probe_every == [EXPLORE_EVERY, EXPLORE_EVERY]
+    for _ in range(200):
+        spec.record(4, 0)
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step([r])
+    assert spec._probes == 2 and spec._probe_every == [2 * EXPLORE_EVERY, EXPLORE_EVERY]
 
 
 def test_a_draft_models_probe_takes_the_row_with_the_shortest_context():
@@ -1037,6 +1067,27 @@ def test_greedy_tokens_are_the_same_with_a_draft_model(tmp_path, tiny_model, dra
     proposer = llm.engine.core.runner.proposer
     proposer.kv.check_integrity()
     assert proposer.kv.usage == 0 and not proposer._states  # every finished request's draft blocks freed
+
+
+def test_a_draft_model_reads_the_context_it_missed_in_a_pass_timed_apart(tiny_model):
+    """The target as its own draft proposes its greedy tokens. A new request's context, or one with more tokens
+    than the draft reads after a step it proposed for (the next token, and the last draft where all were
+    accepted), is read but for its last token in a pass of its own, timed as ``catch_up_seconds``; the drafts
+    are the greedy tokens all the same. After a step it proposed for, there is no such pass."""
+    ctx = PROMPTS[3]
+    greedy = LLM(tiny_model, dtype="float32", block_size=4, log_stats_interval=0).generate(
+        [ctx], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].token_ids
+    llm = LLM(tiny_model, dtype="float32", block_size=4, log_stats_interval=0, kv_cache_memory=1 << 20,
+              speculative_config=f'{{"method": "draft_model", "model": "{tiny_model}", "num_speculative_tokens": 4}}')
+    proposer = llm.engine.core.runner.proposer
+    assert proposer.propose_batch([("x", ctx, 4)]) == {"x": greedy[:4]} and proposer.catch_up_seconds > 0
+    # one draft accepted, then the target's token: the draft reads that token alone
+    assert proposer.propose_batch([("x", ctx + greedy[:2], 4)]) == {"x": greedy[2:6]}
+    assert proposer.catch_up_seconds == 0
+    # the draft missed steps: it reads 4 tokens, 3 of them in the catch-up pass
+    assert proposer.propose_batch([("x", ctx + greedy[:9], 3)]) == {"x": greedy[9:12]}
+    assert proposer.catch_up_seconds > 0
+    proposer.kv.check_integrity()
 
 
 def test_a_draft_model_runs_the_fastest_kernels_beside_a_batch_invariant_target(tmp_path, tiny_model):

@@ -72,8 +72,8 @@ class EngineCore:
 
             self.kv_events = ZmqEventPublisher(config.kv_events)
             self.kv_events.publish((), InstanceLoad.of(self.scheduler))  # batch 0: subscribers learn the life
-        # (step, start, end, seconds it spent proposing drafts) of the step not yet observed
-        self._last_step: Optional[tuple[SchedulerOutput, float, float, float]] = None
+        # (step, start, end, seconds it spent proposing drafts and of them catching up) of the step not yet observed
+        self._last_step: Optional[tuple[SchedulerOutput, float, float, float, float]] = None
         self._cold = True  # no step has run yet: the first one pays for cold caches and lazily built kernels
 
     def add_request(self, request: Request) -> None:
@@ -108,9 +108,10 @@ class EngineCore:
         """
         start = time.monotonic()
         if self._last_step is not None:
-            prev, prev_start, prev_end, proposing = self._last_step
+            prev, prev_start, prev_end, proposing, catching_up = self._last_step
             back_to_back = start - prev_end < prev_end - prev_start
-            self.scheduler.observe_step_time(prev, (start if back_to_back else prev_end) - prev_start, proposing)
+            self.scheduler.observe_step_time(prev, (start if back_to_back else prev_end) - prev_start, proposing,
+                                             catching_up)
             self._last_step = None
         sched = self.scheduler.schedule(start)
         if self.kv_connector is not None:
@@ -132,7 +133,8 @@ class EngineCore:
         if self._cold:
             self._cold = False
         else:
-            self._last_step = (sched, start, time.monotonic(), self.runner.propose_seconds)
+            self._last_step = (sched, start, time.monotonic(), self.runner.propose_seconds,
+                               self.runner.catch_up_seconds)
         self.publish_kv_events()
         return CoreStep(outputs, sched)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -75,6 +76,9 @@ class DraftModelProposer:
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False)
         self._states: dict[str, _DraftState] = {}
         self._finished: list[str] = []
+        #: Seconds the last :meth:`propose_batch` spent catching up: reading context the draft had missed (a new
+        #: request's prompt, the tokens of steps it was not asked in).
+        self.catch_up_seconds = 0.0
 
     def finish(self, request_ids: Sequence[str]) -> None:
         """Drop the draft state (and free the blocks) of requests that ended or were preempted."""
@@ -93,15 +97,17 @@ class DraftModelProposer:
         Returns:
             The drafts by request id (``[]`` for a request whose draft blocks do not fit the pool).
         """
-        out = SchedulerOutput(finished_req_ids=self._finished)
+        catch_up, out = SchedulerOutput(finished_req_ids=self._finished), SchedulerOutput()
         self._finished = []
         ks: dict[str, int] = {}
         for rid, tokens, k in items:
-            if self._catch_up(out, rid, tokens, k):
+            if self._catch_up(catch_up, out, rid, tokens, k):
                 ks[rid] = k
         drafts: dict[str, list[int]] = {rid: [] for rid, _, _ in items}
+        start = time.monotonic()
+        self.runner.execute(catch_up)  # also when empty: finished requests to drop
+        self.catch_up_seconds = time.monotonic() - start if catch_up.scheduled else 0.0
         if not ks:
-            self.runner.execute(out)  # only finished requests to drop
             return drafts
         sampled = self.runner.execute(out)
         for step in range(max(ks.values())):
@@ -123,17 +129,26 @@ class DraftModelProposer:
             state.computed = state.computed + drafts[rid][:-1]
         return drafts
 
-    def _catch_up(self, out: SchedulerOutput, rid: str, tokens: list[int], k: int) -> bool:
+    def _catch_up(self, catch_up: SchedulerOutput, out: SchedulerOutput, rid: str, tokens: list[int], k: int) -> bool:
         """Add ``rid``'s first draft step to ``out``: its context after the prefix whose K/V the draft cache
-        holds, sampling the first draft. Returns whether its blocks (for ``k`` drafts) fit."""
+        holds, sampling the first draft. Returns whether its blocks (for ``k`` drafts) fit.
+
+        Where that is more than the draft reads after a step it proposed for (the target's next token, and the
+        last draft where every draft was accepted: 2 tokens), the draft missed tokens, and all of the context but
+        its last token goes to ``catch_up`` instead, a pass of its own: reading what the draft missed costs what
+        the context costs, not what the drafts do, and ``auto`` prices drafts with the rest of the proposing
+        (:attr:`catch_up_seconds`; BENCHMARKS.md, "Speculative decoding with a draft model that pays")."""
         state = self._states.get(rid)
-        if state is not None:
-            out.finished_req_ids.append(rid)  # the runner takes the context anew as this request's prompt
         reuse = 0
         if state is not None:
             limit = min(len(state.computed), len(tokens) - 1)
             while reuse < limit and state.computed[reuse] == tokens[reuse]:
                 reuse += 1
+        ahead = len(tokens) - reuse
+        missed = ahead > 2
+        first = catch_up if missed else out
+        if state is not None:
+            first.finished_req_ids.append(rid)  # the runner takes the context anew as this request's prompt
         request = Request(rid, tokens, GREEDY, 0.0, max_tokens=1 << 30)
         request.num_computed_tokens = reuse
         if state is not None:  # keep the blocks of the reused prefix (tables are kept by request id)
@@ -143,10 +158,13 @@ class DraftModelProposer:
             self._states.pop(rid, None)
             return False
         self._states[rid] = _DraftState(request, list(tokens))
-        out.new_requests.append(NewRequestData(rid, list(tokens), GREEDY, ()))
-        out.scheduled.append(ScheduledRequest(rid, reuse, len(tokens) - reuse, sample=True,
-                                              new_block_ids=self.kv.get_block_ids(rid),
-                                              resumed_from_preemption=True))
+        first.new_requests.append(NewRequestData(rid, list(tokens), GREEDY, ()))
+        blocks = dict(new_block_ids=self.kv.get_block_ids(rid), resumed_from_preemption=True)
+        if missed:
+            catch_up.scheduled.append(ScheduledRequest(rid, reuse, ahead - 1, sample=False, **blocks))
+            out.scheduled.append(ScheduledRequest(rid, len(tokens) - 1, 1, sample=True))
+        else:
+            out.scheduled.append(ScheduledRequest(rid, reuse, ahead, sample=True, **blocks))
         return True
 
     def _decode_step(self, live: list[str], drafts: dict[str, list[int]]) -> SchedulerOutput:

@@ -148,8 +148,9 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed)
         self.proposer = make_proposer(config, draft)
         #: Seconds the last :meth:`execute` spent proposing drafts for the next step (a draft model's passes):
-        #: ``auto`` speculation prices them with the drafts they propose, not with this step's rows.
-        self.propose_seconds = 0.0
+        #: ``auto`` speculation prices them with the drafts they propose, not with this step's rows; and of
+        #: those, seconds a draft model spent catching up on context it had not read (priced with neither).
+        self.propose_seconds = self.catch_up_seconds = 0.0
         self.requests: dict[str, CachedRequestState] = {}
 
     @property
@@ -217,7 +218,7 @@ class ModelRunner:
             Exception: whatever the forward pass raises (a fault of the engine, not of one request).
         """
         self.update_states(scheduler_output)
-        self.propose_seconds = 0.0
+        self.propose_seconds = self.catch_up_seconds = 0.0
         if scheduler_output.is_empty:
             return {}
         input_ids, positions, meta, ordered = self._prepare_inputs(scheduler_output)
@@ -257,6 +258,7 @@ class ModelRunner:
             for rid, drafts in self.proposer.propose_batch(asks).items():
                 result[rid].spec_token_ids = drafts
             self.propose_seconds = time.monotonic() - start
+            self.catch_up_seconds = getattr(self.proposer, "catch_up_seconds", 0.0)
         return result
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> None:

@@ -298,14 +298,16 @@ class Scheduler(TriageMixin, RemoteKVMixin, SpecDecodeMixin, BaselineModesMixin)
             self._record(out, req, num_hit, n)
         return n
 
-    def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float, proposing: float = 0.0) -> None:
+    def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float, proposing: float = 0.0,
+                          catching_up: float = 0.0) -> None:
         """Tell the step-time model how long a step took (wall seconds, as the requests saw it, ``proposing`` of
-        them spent proposing drafts for the next step); under speculation, through the speculator (which learns
-        what drafts cost from steps that verified some)."""
+        them spent proposing drafts for the next step, ``catching_up`` of those a draft model's reading of context
+        it had missed); under speculation, through the speculator (which learns what drafts cost from steps that
+        verified some)."""
         if scheduler_output.is_empty:
             return
         seen = (StepShape.of(scheduler_output), seconds) if self.speculator is None \
-            else self.speculator.observe(scheduler_output, seconds, proposing)
+            else self.speculator.observe(scheduler_output, seconds, proposing, catching_up)
         if seen is not None:
             self.step_model.observe(*seen)
 

@@ -357,7 +357,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
                   limit: float = math.inf, costs: Optional[Sequence[float]] = None,
                   prompt_tokens: int = 0, room: Optional[int] = None,
                   bounds: Sequence[TPOTBound] = (), beside: Optional[Sequence[float]] = None,
-                  run_positions: Optional[int] = None) -> int:
+                  run_positions: Optional[int] = None, rates: Optional[Sequence[float]] = None) -> int:
     """The number of drafts per decode row that keeps the most rows within their TPOT SLOs and, of those,
     maximises the step's work per second.
 
@@ -400,6 +400,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         room: Tokens of the step's budget the decodes leave, shared by drafts and prompt chunks (``None``: no
             limit).
         bounds: The TPOT bound of each row under a TPOT SLO (none: no constraint).
+        rates: The acceptance rate at each position to price drafts at (default: ``stats``' lower bounds).
 
     Returns:
         ``k`` in ``[0, k_max]``; 0 without decode rows.
@@ -407,7 +408,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
     rows = len(contexts)
     if rows == 0 or k_max <= 0:
         return 0
-    rates = stats.lower_rates()
+    rates = stats.lower_rates() if rates is None else rates
     per_decode = decode_token_value(model, contexts)
     best, score = 0, (-1, -1.0)  # the k with the most rows kept, then the highest rate
     for k in range(k_max + 1):

@@ -160,7 +160,12 @@ class Speculator:
             self._at_zero[kind] = 0
             if probe:
                 self.length, self._probes, self._probing = probe, self._probes + 1, self._costly
-                if self._costly:  # drafts that do not pay need few probes, and a draft model's cost passes
+                # drafts that do not pay need few probes, and a draft model's cost passes; but while they may pay
+                # at the rates' upper bounds, the probes measure what decides it, and backed off, the rates of a
+                # draft that paid stayed at the few rows of the first probes, whose lower bounds chose none
+                if self._costly and not choose_length(self.model, self.stats, contexts, self.k_max, **priced,
+                                                      prompt_tokens=prompt_tokens, room=room, beside=beside,
+                                                      rates=rates):
                     self._probe_every[kind] = min(2 * self._probe_every[kind], EXPLORE_MAX)
         elif self._steps_with > self._explore_with:
             self.length, self._steps_with, self._judging = 0, 0, True
@@ -254,10 +259,11 @@ class Speculator:
                 req.request_id in (self._probe_ids or ())
         return self._probe_length() if before_probe else 0  # for a probe with drafts
 
-    def observe(self, out: SchedulerOutput, seconds: float,
-                proposing: float = 0.0) -> Optional[tuple[StepShape, float]]:
-        """A step took ``seconds``, ``proposing`` of them proposing drafts for the next step: what the step-time
-        model should learn from it, as ``(shape, seconds)``, or ``None``. At a fixed length, every step as it ran.
+    def observe(self, out: SchedulerOutput, seconds: float, proposing: float = 0.0,
+                catching_up: float = 0.0) -> Optional[tuple[StepShape, float]]:
+        """A step took ``seconds``, ``proposing`` of them proposing drafts for the next step (``catching_up`` of
+        those a draft model's reading of context it had missed): what the step-time model should learn from it,
+        as ``(shape, seconds)``, or ``None``. At a fixed length, every step as it ran.
         Under ``auto`` a draft has a decode row's figures but not its cost, and a model fitted on both would
         misprice each, so: a step without drafts as it ran, but for its proposing; a step with drafts teaches
         the cost of a draft instead (:class:`~goodserve.spec.length.DraftCost`), one learned on steps of
@@ -269,7 +275,10 @@ class Speculator:
         a draft model's passes were a cost of every step that proposed: the step-time model priced a step
         without drafts at what a step with them took, drafts looked free, and ``auto`` verified drafts a draft
         model almost never got accepted, below the output rate of no drafts (BENCHMARKS.md, "Speculative
-        decoding with a draft model").
+        decoding with a draft model"). But not the catching up: a draft model reads the context it missed (a new
+        request's prompt, the steps it was not asked in) once per row, whatever the drafts; priced with them, a
+        probe after steps without drafts cost its row's whole context, and ``auto`` never verified the drafts of
+        a draft that paid (BENCHMARKS.md, "Speculative decoding with a draft model that pays").
 
         The first step without drafts after ``auto`` chose none to check the model is judged before the model
         learns it: predicted within :data:`PROBE_TOLERANCE`, the steps with drafts before the next such check
@@ -281,7 +290,7 @@ class Speculator:
         chunk")."""
         if self.config.length != "auto":
             return StepShape.of(out), seconds
-        own, proposed, self._proposed = max(0.0, seconds - proposing), self._proposed, proposing
+        own, proposed, self._proposed = max(0.0, seconds - proposing), self._proposed, proposing - catching_up
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if self._judging and not num_drafts:
             self._judging = False
