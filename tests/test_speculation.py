@@ -751,6 +751,37 @@ def test_a_draft_models_probes_back_off_only_once_drafts_cannot_pay_at_the_rates
     assert spec._probes == 2 and spec._probe_every == [2 * EXPLORE_EVERY, EXPLORE_EVERY]
 
 
+def test_a_draft_model_catches_up_on_a_row_only_where_its_drafts_save_more():
+    """Model: 10 ms + 1 ms a token; acceptance 0.8 (3.24 tokens expected at 4 drafts, at the lower bounds); two
+    rows of 100 and 1,000 tokens, 99 tokens left each, that the draft has never read. ``auto`` chooses 4: a step
+    takes 12 ms without drafts and 20 ms with them (drafts priced as decode rows), so a token saves
+    (12 - 20 / 3.24) / 2 = 2.91 ms of the machine, 0.288 s over a row's 99 tokens. Catching up costs a prompt
+    token's 1 ms a token until measured: 0.1 s for the first row, asked; 1 s for the second, not asked.
+    The next step the first row has 2 tokens the draft has not read (no catch-up): asked. Measured at 20 ms
+    for those 100 tokens, a token of catch-up costs 0.2 ms, and the second row's 0.2 s is worth it: asked.
+    Without this, ``auto`` under load asked for the drafts of rows whose prompts the draft had not read, and
+    spent most of a step's time catching up (BENCHMARKS.md, "Speculative decoding with a draft model that
+    pays")."""
+    model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("draft_model", 4, model="draft"), model)
+    spec.stats = _stats_at(0.8)
+    reqs = [create_requests(1, prompt_len=n, max_tokens=100, start=i)[0] for i, n in enumerate((100, 1000))]
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens - 1
+    spec.begin_step(reqs)
+    assert spec.length == 4 and spec._saving == pytest.approx((0.012 - 0.020 / 3.2382) / 2, rel=1e-4)
+    assert [spec.lookahead(r) for r in reqs] == [4, 0]
+    step = SchedulerOutput(scheduled=[ScheduledRequest(r.request_id, r.num_computed_tokens, 1, sample=True)
+                                      for r in reqs])
+    spec.observe(step, 0.05, proposing=0.03, catching_up=0.02)  # the first row's 100 tokens: 0.2 ms each
+    for r in reqs:
+        r.append_output_token(7)
+        r.append_output_token(7)
+        r.num_computed_tokens = r.num_tokens - 1
+    spec.begin_step(reqs)
+    assert [spec.lookahead(r) for r in reqs] == [4, 4]
+
+
 def test_a_draft_models_probe_takes_the_row_with_the_shortest_context():
     """A draft model reads what it has not seen of a row's context before it proposes, after steps without drafts
     most of it: its probe asks drafts of the one row with the shortest context, and is priced as that row's drafts

@@ -258,7 +258,7 @@ class ModelRunner:
             for rid, drafts in self.proposer.propose_batch(asks).items():
                 result[rid].spec_token_ids = drafts
             self.propose_seconds = time.monotonic() - start
-            self.catch_up_seconds = getattr(self.proposer, "catch_up_seconds", 0.0)
+            self.catch_up_seconds = self.proposer.catch_up_seconds
         return result
 
     def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor) -> None:

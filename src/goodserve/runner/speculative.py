@@ -28,8 +28,9 @@ from goodserve.spec.ngram import NgramProposer
 
 def make_proposer(engine: EngineConfig, draft: Optional[Any] = None) -> Optional[Any]:
     """The proposer ``engine.speculative`` names (``None`` without speculation): an object with
-    ``propose_batch([(request_id, context, k), ...]) -> {request_id: drafts}`` and ``finish(request_ids)``
-    (requests that ended or were preempted).
+    ``propose_batch([(request_id, context, k), ...]) -> {request_id: drafts}``, ``finish(request_ids)``
+    (requests that ended or were preempted) and ``catch_up_seconds`` (what the last call spent reading context
+    it had missed).
 
     Args:
         engine: The engine's config.

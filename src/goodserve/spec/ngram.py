@@ -21,6 +21,9 @@ class NgramProposer:
         max_n: The longest suffix matched; longer matches are tried first (they predict better).
     """
 
+    #: Seconds the last call spent reading context it had missed: none, proposals are read off the context.
+    catch_up_seconds = 0.0
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 

@@ -23,17 +23,18 @@ from goodserve.spec.length import (AcceptanceStats, DraftCost, TPOTBound, choose
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe; for a draft model, the interval doubling after each
-#: probe until ``auto`` chooses drafts itself, up to :data:`EXPLORE_MAX`); and steps it chooses drafts for before
-#: one step verifies none, so the step-time model keeps measuring the steps without them (~6% of the drafts'
-#: tokens forgone, until :data:`EXPLORE_MAX`).
+#: probe at which drafts cannot pay even at the acceptance rates' upper bounds, until ``auto`` chooses drafts
+#: itself, up to :data:`EXPLORE_MAX`); and steps it chooses drafts for before one step verifies none, so the
+#: step-time model keeps measuring the steps without them (~6% of the drafts' tokens forgone, until
+#: :data:`EXPLORE_MAX`).
 EXPLORE_EVERY = 16
 #: The most steps with drafts between two steps without: the interval doubles from :data:`EXPLORE_EVERY` each
 #: time a step without drafts took what the step-time model predicted, within :data:`PROBE_TOLERANCE`
 #: (a model that holds needs few such probes), and falls back to it when one did not after one that did
 #: (:meth:`Speculator.observe`). Also, for a draft model, the most steps without drafts between two probes
-#: with drafts: each probe after which ``auto`` still chooses none doubles that interval (drafts that do not pay
-#: need few probes, and a draft model's probe proposes with passes of its own), and a step of the same kind in
-#: which ``auto`` verifies drafts of its own choice resets it.
+#: with drafts: each probe at which drafts cannot pay even at the acceptance rates' upper bounds doubles that
+#: interval (drafts that do not pay need few probes, and a draft model's probe proposes with passes of its own),
+#: and a step of the same kind in which ``auto`` verifies drafts of its own choice resets it.
 EXPLORE_MAX = 256
 #: Relative error of the step-time model's prediction within which a step without drafts confirms it.
 PROBE_TOLERANCE = 0.1
@@ -47,6 +48,12 @@ STALL = 3.0
 #: "Speculative decoding with a draft model"). Prompt lookup reads nothing and costs little:
 #: its probes take every row, come every :data:`EXPLORE_EVERY` steps, and its proposals run ahead of them.
 DRAFT_MODEL_PROBE_ROWS = 1
+#: Tokens a draft model reads after a step it proposed for (the target's next token, and the last draft where all
+#: were accepted): a row with more unseen tokens makes it catch up (:mod:`goodserve.runner.draft_model`).
+CATCH_UP_TOKENS = 2
+#: Weight of each step in the recency-weighted sums of a draft model's catch-up seconds and tokens, whose ratio
+#: prices a token of catch-up (a ratio of sums: a pass of a few tokens costs mostly its overhead).
+CATCH_UP_WEIGHT = 0.2
 
 
 class Speculator:
@@ -84,6 +91,13 @@ class Speculator:
         self._held = True  # the last check found the model within PROBE_TOLERANCE
         self._counted = ((0, 0), 0, 0, (EXPLORE_EVERY, EXPLORE_EVERY))  # the counters before this step's choice
         self._proposed = 0.0  # seconds the last step observed spent proposing the drafts of the next
+        # A draft model's catch-up (:meth:`_worth_catching_up`): each row's tokens when its drafts were last asked
+        # for, the machine seconds a token of this step's choice saves, the tokens the asks of this step make the
+        # draft catch up on, and the recency-weighted seconds and tokens of catch-up measured
+        self._seen: dict[str, int] = {}
+        self._saving = 0.0
+        self._catching_up = 0
+        self._caught_up = [0.0, 0.0]
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -120,10 +134,11 @@ class Speculator:
         # draft cannot learn that drafts are cheap (a lone decode is bandwidth-bound), one on which every
         # step verifies drafts stops measuring what the decodes alone cost. So after EXPLORE_EVERY steps at
         # 0, a step verifies drafts (k_max or 1 per row, in turn; for a draft model, the next such probe twice
-        # as many steps later, until auto chooses drafts itself: EXPLORE_MAX), and after EXPLORE_EVERY steps
-        # with drafts, a step verifies none (no drafts asked for it), at longer intervals while the model
-        # predicts those steps (:meth:`observe`); and half way through each EXPLORE_EVERY steps with drafts,
-        # a step of decodes alone verifies one draft more where that may pay (:meth:`_longer_may_pay`).
+        # as many steps later while drafts cannot pay at the rates' upper bounds, until auto chooses drafts
+        # itself: EXPLORE_MAX), and after EXPLORE_EVERY steps with drafts, a step verifies none (no drafts asked
+        # for it), at longer intervals while the model predicts those steps (:meth:`observe`); and half way
+        # through each EXPLORE_EVERY steps with drafts, a step of decodes alone verifies one draft more where
+        # that may pay (:meth:`_longer_may_pay`).
         # A step verifies drafts only where a row has some; steps with a prompt chunk and steps without count
         # theirs apart, since each kind measures its own DraftCost and needs its own probes.
         with_drafts = [r.num_computed_tokens for r in decodes if self.eligible(r) and r.spec_token_ids]
@@ -172,10 +187,48 @@ class Speculator:
         elif self._steps_with % EXPLORE_EVERY == EXPLORE_EVERY // 2 and not prompt_tokens and \
                 self._longer_may_pay(contexts, costs, limit):
             self.length += 1
-        if self._costly and self._at_zero[kind] == self._probe_every[kind]:  # the probe's rows
-            shortest = sorted((r for r in decodes if self.eligible(r) and self._left(r) > 1),
-                              key=lambda r: r.num_computed_tokens)
-            self._probe_ids = {r.request_id for r in shortest[:DRAFT_MODEL_PROBE_ROWS]}
+        if self._costly:
+            self._draft_model_step(running, decodes, contexts, costs, kind)
+
+    def _draft_model_step(self, running: Sequence[Request], decodes: Sequence[Request], contexts: Sequence[int],
+                          costs: Optional[Sequence[float]], kind: int) -> None:
+        """A draft model's share of :meth:`begin_step`: what a token of the drafts asked for saves, and before a
+        probe, its row: the one the draft has the fewest tokens to catch up on (then the shortest context)."""
+        self._catching_up = 0
+        if len(self._seen) > 2 * len(running) + 64:  # forget requests that left
+            live = {r.request_id for r in running}
+            self._seen = {rid: n for rid, n in self._seen.items() if rid in live}
+        k, self._saving = max(self.length, self._chosen), 0.0
+        if k and contexts:
+            tokens = self.stats.expected_tokens(self.stats.lower_rates(), k)
+            drafting = step_seconds(self.model, contexts, k, costs, run_positions=self.run_positions)
+            self._saving = (step_seconds(self.model, contexts, 0, None) - drafting / tokens) / len(contexts)
+        if self._at_zero[kind] == self._probe_every[kind]:  # the probe's rows
+            rows = sorted((r for r in decodes if self.eligible(r) and self._left(r) > 1),
+                          key=lambda r: (self._unseen(r), r.num_computed_tokens))
+            self._probe_ids = {r.request_id for r in rows[:DRAFT_MODEL_PROBE_ROWS]}
+
+    def _unseen(self, req: Request) -> int:
+        """Tokens of ``req``'s context a draft model has not read (all, where its drafts were never asked for)."""
+        return req.num_tokens - self._seen.get(req.request_id, 0)
+
+    def _worth_catching_up(self, req: Request, probe: bool) -> bool:
+        """Whether to ask a draft model for ``req``'s drafts, and if so, note it. A row the draft missed tokens of
+        (a new request's prompt, steps it was not asked in) makes it read them first, once, at about a prompt
+        token's cost: asked only where the machine seconds its drafts save over the tokens it has left (at the
+        step's choice) exceed that, or for a probe. Unpriced, ``auto`` under load asked drafts of rows whose prompts
+        the draft had not read, and spent most of a step's time catching up; priced with the drafts, a probe after
+        steps without drafts cost its row's whole context, and ``auto`` never verified the drafts of a draft that
+        paid (BENCHMARKS.md, "Speculative decoding with a draft model that pays")."""
+        unseen = self._unseen(req)
+        if unseen > CATCH_UP_TOKENS:
+            seconds, tokens = self._caught_up  # before any was measured, a prompt token's price
+            per_token = seconds / tokens if tokens else self.model.coefficients.per_token_s
+            if not probe and self._left(req) * self._saving <= unseen * per_token:
+                return False
+            self._catching_up += unseen
+        self._seen[req.request_id] = req.num_tokens
+        return True
 
     def _longer_may_pay(self, contexts: Sequence[int], costs: Optional[Sequence[float]], limit: float) -> bool:
         """Whether one draft more than the chosen length a row may pay, its acceptance read at the upper
@@ -251,12 +304,12 @@ class Speculator:
         if self.length and self._steps_with == self._explore_with:
             return 0  # the next step checks the model without drafts
         if ahead:
-            return min(self.k_max, ahead + 1)
+            return min(self.k_max, ahead + 1) if not self._costly or self._worth_catching_up(req, False) else 0
         if not self._costly:  # prompt lookup: before a probe of either kind (asking costs little)
             before_probe = any(n == every for n, every in zip(self._at_zero, self._probe_every))
         else:  # a draft model: the probe's row, before a probe of this step's kind (asking costs passes)
             before_probe = self._at_zero[self._kind] == self._probe_every[self._kind] and \
-                req.request_id in (self._probe_ids or ())
+                req.request_id in (self._probe_ids or ()) and self._worth_catching_up(req, True)
         return self._probe_length() if before_probe else 0  # for a probe with drafts
 
     def observe(self, out: SchedulerOutput, seconds: float, proposing: float = 0.0,
@@ -291,6 +344,9 @@ class Speculator:
         if self.config.length != "auto":
             return StepShape.of(out), seconds
         own, proposed, self._proposed = max(0.0, seconds - proposing), self._proposed, proposing - catching_up
+        if catching_up > 0 and self._catching_up:
+            keep = 1 - CATCH_UP_WEIGHT
+            self._caught_up = [keep * self._caught_up[0] + catching_up, keep * self._caught_up[1] + self._catching_up]
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if self._judging and not num_drafts:
             self._judging = False
