@@ -34,6 +34,7 @@ from goodserve.engine.engine_thread import EngineThread
 from goodserve.models.quant import make_dense_copies
 from goodserve.outputs import RequestOutput
 from goodserve.request_options import RequestOptions
+from goodserve.runner.draft_model import DraftModelProposer
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import SchedulerStats
 
@@ -266,10 +267,13 @@ class AsyncEngine:
 
 
 def _serving_engine(args: EngineArgs) -> Engine:
-    """An :class:`Engine` for serving: the dense copies of its quantized layers are made before the first
-    step (:func:`goodserve.models.quant.make_dense_copies`), so no served step pays for them."""
+    """An :class:`Engine` for serving: the dense copies of its quantized layers, and of its draft model's, are made
+    before the first step (:func:`goodserve.models.quant.make_dense_copies`), so no served step pays for them (made
+    in a draft model's first catch-up, they priced every later one at several times its cost)."""
     engine = Engine(args)
-    made = make_dense_copies(engine.core.runner.model)
+    runner = engine.core.runner
+    draft = runner.proposer.runner if isinstance(runner.proposer, DraftModelProposer) else None
+    made = sum(make_dense_copies(r.model) for r in (runner, draft) if r is not None)
     if made:
         logger.debug("made the dense copies of %d quantized layers", made)
     return engine

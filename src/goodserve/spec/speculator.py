@@ -52,8 +52,11 @@ DRAFT_MODEL_PROBE_ROWS = 1
 #: were accepted): a row with more unseen tokens makes it catch up (:mod:`goodserve.runner.draft_model`).
 CATCH_UP_TOKENS = 2
 #: Weight of each step in the recency-weighted sums of a draft model's catch-up seconds and tokens, whose ratio
-#: prices a token of catch-up (a ratio of sums: a pass of a few tokens costs mostly its overhead).
+#: prices a token of catch-up.
 CATCH_UP_WEIGHT = 0.2
+#: The fewest tokens of a step's catch-up that teach its price: a pass of a few tokens (a probe's row, read
+#: again after 16 steps) costs mostly its overhead, several times what a token of a prompt's catch-up costs.
+CATCH_UP_MEASURED = 64
 
 
 class Speculator:
@@ -344,7 +347,7 @@ class Speculator:
         if self.config.length != "auto":
             return StepShape.of(out), seconds
         own, proposed, self._proposed = max(0.0, seconds - proposing), self._proposed, proposing - catching_up
-        if catching_up > 0 and self._catching_up:
+        if catching_up > 0 and self._catching_up >= CATCH_UP_MEASURED:
             keep = 1 - CATCH_UP_WEIGHT
             self._caught_up = [keep * self._caught_up[0] + catching_up, keep * self._caught_up[1] + self._catching_up]
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
