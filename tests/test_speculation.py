@@ -757,9 +757,10 @@ def test_a_draft_model_catches_up_on_a_row_only_where_its_drafts_save_more():
     takes 12 ms without drafts and 20 ms with them (drafts priced as decode rows), so a token saves
     (12 - 20 / 3.24) / 2 = 2.91 ms of the machine, 0.288 s over a row's 99 tokens. Catching up costs a prompt
     token's 1 ms a token until measured: 0.1 s for the first row, asked; 1 s for the second, not asked.
-    The next step the first row has 2 tokens the draft has not read (no catch-up): asked. Measured at 20 ms
-    for those 100 tokens, a token of catch-up costs 0.2 ms, and the second row's 0.2 s is worth it: asked.
-    Without this, ``auto`` under load asked for the drafts of rows whose prompts the draft had not read, and
+    The draft proposes for the first row, reading its whole context: the next step, after 4 tokens (3 drafts
+    accepted), the draft has none of its tokens to read first, and it is asked without a catch-up. Measured at
+    20 ms for the first row's 100 tokens, a token of catch-up costs 0.2 ms, and the second row's 0.2 s is worth
+    it: asked. A row preempted, or asked and given no drafts, has its whole context to read again. Without this, ``auto`` under load asked for the drafts of rows whose prompts the draft had not read, and
     spent most of a step's time catching up (BENCHMARKS.md, "Speculative decoding with a draft model that
     pays")."""
     model = StepTimeModel(StepCoefficients(0.01, 0.001, 0.0, 0.0), adapt=False)
@@ -775,11 +776,18 @@ def test_a_draft_model_catches_up_on_a_row_only_where_its_drafts_save_more():
                                       for r in reqs])
     spec.observe(step, 0.05, proposing=0.03, catching_up=0.02)  # the first row's 100 tokens: 0.2 ms each
     for r in reqs:
-        r.append_output_token(7)
-        r.append_output_token(7)
+        for _ in range(4):
+            r.append_output_token(7)
         r.num_computed_tokens = r.num_tokens - 1
+        r.spec_token_ids = [7] * 4 if r is reqs[0] else []  # proposed as asked
+        spec.proposed(r)
     spec.begin_step(reqs)
-    assert [spec.lookahead(r) for r in reqs] == [4, 4]
+    assert [spec.lookahead(r) for r in reqs] == [4, 4] and spec._catching_up == 1004  # the second row's alone
+    reqs[0].num_preemptions += 1
+    assert spec._unseen(reqs[0]) == reqs[0].num_tokens
+    reqs[1].spec_token_ids = []  # asked, and no drafts came
+    spec.proposed(reqs[1])
+    assert spec._unseen(reqs[1]) == reqs[1].num_tokens
 
 
 def test_a_draft_models_probe_takes_the_row_with_the_shortest_context():

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
+
 from goodserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from goodserve.kv_cache.manager import KVCacheManager
 from goodserve.models.checkpoint import LoadedModel
@@ -106,6 +108,8 @@ class DraftModelProposer:
         drafts: dict[str, list[int]] = {rid: [] for rid, _, _ in items}
         start = time.monotonic()
         self.runner.execute(catch_up)  # also when empty: finished requests to drop
+        if catch_up.scheduled and self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)  # nothing sampled: its kernels may still run
         self.catch_up_seconds = time.monotonic() - start if catch_up.scheduled else 0.0
         if not ks:
             return drafts
@@ -147,8 +151,8 @@ class DraftModelProposer:
         ahead = len(tokens) - reuse
         missed = ahead > 2
         first = catch_up if missed else out
-        if state is not None:
-            first.finished_req_ids.append(rid)  # the runner takes the context anew as this request's prompt
+        if state is not None:  # the runner takes the context anew as this request's prompt (the catch-up pass
+            catch_up.finished_req_ids.append(rid)  # always runs, so the request is dropped whatever fits)
         request = Request(rid, tokens, GREEDY, 0.0, max_tokens=1 << 30)
         request.num_computed_tokens = reuse
         if state is not None:  # keep the blocks of the reused prefix (tables are kept by request id)

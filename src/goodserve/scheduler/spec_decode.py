@@ -75,6 +75,7 @@ class SpecDecodeMixin:
         if req.is_finished:
             return
         req.spec_token_ids = token.spec_token_ids
+        self.speculator.proposed(req)
         if num_spec:
             kept = self.kv_cache_manager.trim(req, req.num_tokens)
             if kept is not None:

@@ -48,8 +48,9 @@ STALL = 3.0
 #: "Speculative decoding with a draft model"). Prompt lookup reads nothing and costs little:
 #: its probes take every row, come every :data:`EXPLORE_EVERY` steps, and its proposals run ahead of them.
 DRAFT_MODEL_PROBE_ROWS = 1
-#: Tokens a draft model reads after a step it proposed for (the target's next token, and the last draft where all
-#: were accepted): a row with more unseen tokens makes it catch up (:mod:`goodserve.runner.draft_model`).
+#: Tokens of a row's context a draft model has not read before a step (those of steps it did not propose after)
+#: from which it catches up: with the step's own, it reads more than the 2 tokens that follow a step it proposed
+#: after (the target's token, and the last draft where all were accepted; :mod:`goodserve.runner.draft_model`).
 CATCH_UP_TOKENS = 2
 #: Weight of each step in the recency-weighted sums of a draft model's catch-up seconds and tokens, whose ratio
 #: prices a token of catch-up.
@@ -94,10 +95,12 @@ class Speculator:
         self._held = True  # the last check found the model within PROBE_TOLERANCE
         self._counted = ((0, 0), 0, 0, (EXPLORE_EVERY, EXPLORE_EVERY))  # the counters before this step's choice
         self._proposed = 0.0  # seconds the last step observed spent proposing the drafts of the next
-        # A draft model's catch-up (:meth:`_worth_catching_up`): each row's tokens when its drafts were last asked
-        # for, the machine seconds a token of this step's choice saves, the tokens the asks of this step make the
-        # draft catch up on, and the recency-weighted seconds and tokens of catch-up measured
-        self._seen: dict[str, int] = {}
+        # A draft model's catch-up (:meth:`_worth_catching_up`): each row's tokens, and preemptions, when the draft
+        # last proposed for it (:meth:`proposed`), the rows this step asks it for, the machine seconds a token of
+        # this step's choice saves, the tokens the asks of this step make the draft catch up on, and the
+        # recency-weighted seconds and tokens of catch-up measured
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._asked: set[str] = set()
         self._saving = 0.0
         self._catching_up = 0
         self._caught_up = [0.0, 0.0]
@@ -197,7 +200,7 @@ class Speculator:
                           costs: Optional[Sequence[float]], kind: int) -> None:
         """A draft model's share of :meth:`begin_step`: what a token of the drafts asked for saves, and before a
         probe, its row: the one the draft has the fewest tokens to catch up on (then the shortest context)."""
-        self._catching_up = 0
+        self._catching_up, self._asked = 0, set()
         if len(self._seen) > 2 * len(running) + 64:  # forget requests that left
             live = {r.request_id for r in running}
             self._seen = {rid: n for rid, n in self._seen.items() if rid in live}
@@ -212,8 +215,21 @@ class Speculator:
             self._probe_ids = {r.request_id for r in rows[:DRAFT_MODEL_PROBE_ROWS]}
 
     def _unseen(self, req: Request) -> int:
-        """Tokens of ``req``'s context a draft model has not read (all, where its drafts were never asked for)."""
-        return req.num_tokens - self._seen.get(req.request_id, 0)
+        """Tokens of ``req``'s context a draft model has not read: all where it never proposed for ``req``, or
+        ``req`` was preempted since (the draft dropped what it held)."""
+        seen, preemptions = self._seen.get(req.request_id, (0, -1))
+        return req.num_tokens - seen if preemptions == req.num_preemptions else req.num_tokens
+
+    def proposed(self, req: Request) -> None:
+        """After a step: ``req`` has the drafts the runner proposed for its next step (``req.spec_token_ids``). For
+        a draft model, where it was asked: with drafts, the draft has read its whole context; with none, the draft
+        dropped what it held (no room for its blocks, or nothing drafted)."""
+        if req.request_id not in self._asked:
+            return
+        if req.spec_token_ids:
+            self._seen[req.request_id] = (req.num_tokens, req.num_preemptions)
+        else:
+            self._seen.pop(req.request_id, None)
 
     def _worth_catching_up(self, req: Request, probe: bool) -> bool:
         """Whether to ask a draft model for ``req``'s drafts, and if so, note it. A row the draft missed tokens of
@@ -224,13 +240,13 @@ class Speculator:
         steps without drafts cost its row's whole context, and ``auto`` never verified the drafts of a draft that
         paid (BENCHMARKS.md, "Speculative decoding with a draft model that pays")."""
         unseen = self._unseen(req)
-        if unseen > CATCH_UP_TOKENS:
+        if unseen >= CATCH_UP_TOKENS:
             seconds, tokens = self._caught_up  # before any was measured, a prompt token's price
             per_token = seconds / tokens if tokens else self.model.coefficients.per_token_s
             if not probe and self._left(req) * self._saving <= unseen * per_token:
                 return False
             self._catching_up += unseen
-        self._seen[req.request_id] = req.num_tokens
+        self._asked.add(req.request_id)
         return True
 
     def _longer_may_pay(self, contexts: Sequence[int], costs: Optional[Sequence[float]], limit: float) -> bool:
@@ -294,8 +310,10 @@ class Speculator:
         the model without drafts. A draft model's probe step asks for what ``auto`` chose, not for the probe's
         length again: after a probe that did not pay, the next step verifies none, and the draft's ``k_max``
         passes for it were thrown away. Prompt lookup's cost little, and let the step after a probe that paid
-        verify at once."""
-        return max(0, min(self._lookahead(req), self._left(req) - 1))  # after this step's token
+        verify at once. A draft model is not asked for a row whose catch-up costs more than its drafts save
+        (:meth:`_worth_catching_up`)."""
+        room = self._left(req) - 1  # after this step's token
+        return min(self._lookahead(req), room) if room > 0 else 0
 
     def _lookahead(self, req: Request) -> int:
         if not self.eligible(req):
