@@ -56,9 +56,7 @@ CATCH_UP_TOKENS = 2
 #: prices a token of catch-up.
 CATCH_UP_WEIGHT = 0.2
 #: The fewest tokens of a step's catch-up that teach its price: a pass of a few tokens (a probe's row, read
-#: again after 16 steps) costs mostly its overhead, several times what a token of a prompt's catch-up costs. The
-#: first such catch-up teaches nothing: it pays for cold caches and kernels made on first use, as the engine's
-#: first step does (learned, it priced a token at ~2x what the later ones cost, and ``auto`` refused them all).
+#: again after 16 steps) costs mostly its overhead, several times what a token of a prompt's catch-up costs.
 CATCH_UP_MEASURED = 64
 
 
@@ -105,7 +103,7 @@ class Speculator:
         self._asked: set[str] = set()
         self._saving = 0.0
         self._catching_up = 0
-        self._caught_up: Optional[list[float]] = None  # None: no catch-up measured yet (the first is cold)
+        self._caught_up = [0.0, 0.0]
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -243,7 +241,7 @@ class Speculator:
         paid (BENCHMARKS.md, "Speculative decoding with a draft model that pays")."""
         unseen = self._unseen(req)
         if unseen >= CATCH_UP_TOKENS:
-            seconds, tokens = self._caught_up or (0.0, 0.0)  # before any was measured, a prompt token's price
+            seconds, tokens = self._caught_up  # before any was measured, a prompt token's price
             per_token = seconds / tokens if tokens else self.model.coefficients.per_token_s
             if not probe and self._left(req) * self._saving <= unseen * per_token:
                 return False
@@ -369,8 +367,7 @@ class Speculator:
         own, proposed, self._proposed = max(0.0, seconds - proposing), self._proposed, proposing - catching_up
         if catching_up > 0 and self._catching_up >= CATCH_UP_MEASURED:
             keep = 1 - CATCH_UP_WEIGHT
-            self._caught_up = [0.0, 0.0] if self._caught_up is None else \
-                [keep * self._caught_up[0] + catching_up, keep * self._caught_up[1] + self._catching_up]
+            self._caught_up = [keep * self._caught_up[0] + catching_up, keep * self._caught_up[1] + self._catching_up]
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if self._judging and not num_drafts:
             self._judging = False
