@@ -26,6 +26,7 @@ from goodserve.models.checkpoint import LoadedModel
 from goodserve.request import Request
 from goodserve.sampling_params import SamplingParams
 from goodserve.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from goodserve.spec.speculator import CATCH_UP_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +139,10 @@ class DraftModelProposer:
         holds, sampling the first draft. Returns whether its blocks (for ``k`` drafts) fit.
 
         Where that is more than the draft reads after a step it proposed for (the target's next token, and the
-        last draft where every draft was accepted: 2 tokens), the draft missed tokens, and all of the context but
-        its last token goes to ``catch_up`` instead, a pass of its own: reading what the draft missed costs what
-        the context costs, not what the drafts do, and ``auto`` prices drafts with the rest of the proposing
+        last draft where every draft was accepted: :data:`~goodserve.spec.speculator.CATCH_UP_TOKENS`), the draft
+        missed tokens, and all of the context but its last token goes to ``catch_up`` instead, a pass of its own:
+        reading what the draft missed costs what the context costs, not what the drafts do, and ``auto`` prices
+        drafts with the rest of the proposing
         (:attr:`catch_up_seconds`; BENCHMARKS.md, "Speculative decoding with a draft model that pays")."""
         state = self._states.get(rid)
         reuse = 0
@@ -149,8 +151,7 @@ class DraftModelProposer:
             while reuse < limit and state.computed[reuse] == tokens[reuse]:
                 reuse += 1
         ahead = len(tokens) - reuse
-        missed = ahead > 2
-        first = catch_up if missed else out
+        missed = ahead > CATCH_UP_TOKENS
         if state is not None:  # the runner takes the context anew as this request's prompt (the catch-up pass
             catch_up.finished_req_ids.append(rid)  # always runs, so the request is dropped whatever fits)
         request = Request(rid, tokens, GREEDY, 0.0, max_tokens=1 << 30)
@@ -162,7 +163,7 @@ class DraftModelProposer:
             self._states.pop(rid, None)
             return False
         self._states[rid] = _DraftState(request, list(tokens))
-        first.new_requests.append(NewRequestData(rid, list(tokens), GREEDY, ()))
+        (catch_up if missed else out).new_requests.append(NewRequestData(rid, list(tokens), GREEDY, ()))
         blocks = dict(new_block_ids=self.kv.get_block_ids(rid), resumed_from_preemption=True)
         if missed:
             catch_up.scheduled.append(ScheduledRequest(rid, reuse, ahead - 1, sample=False, **blocks))

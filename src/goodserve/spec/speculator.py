@@ -56,7 +56,7 @@ CATCH_UP_TOKENS = 2
 #: prices a token of catch-up.
 CATCH_UP_WEIGHT = 0.2
 #: The fewest tokens of a step's catch-up that teach its price: a pass of a few tokens (a probe's row, read
-#: again after 16 steps) costs mostly its overhead, several times what a token of a prompt's catch-up costs.
+#: again after :data:`EXPLORE_EVERY` steps) costs mostly its overhead, several times a prompt's catch-up token.
 CATCH_UP_MEASURED = 64
 
 
