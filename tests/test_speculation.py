@@ -291,6 +291,25 @@ def test_auto_length_keeps_a_row_behind_long_prompt_steps_by_drafts_in_later_ste
     assert TPOTBound(-0.1, 0.2, later=0.3, most=1).seconds(3.36) == pytest.approx(-0.1)  # its last token: no drafts
 
 
+def test_auto_length_holds_later_steps_to_what_their_drafts_cost():
+    """The row of the test above, behind long prompt steps, in a step of decodes alone (11 ms), its drafts priced
+    at 0.1 s each. Held to later steps of 523 ms, 3 drafts (311 ms, 2.87 tokens) kept it: 1.40 s allowed. But
+    later steps that emit as many tokens verify as many drafts: at 823 ms each lose it time, and at 50 tokens
+    it ends over its SLO; it is lost at every k, and the rate chooses none. Before, ``auto`` with a draft model
+    at 57 rows chose 4 drafts a row priced at ~2.5 s a step, where a step without took 0.13 s (BENCHMARKS.md,
+    "Speculative decoding with a draft model under load"). Drafts of 10 ms keep it still (3)."""
+    model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
+    stats = _stats_at(0.8)
+    behind = TPOTBound(0.2, 0.2, left=50, later=0.523, most=50)
+    tokens = stats.expected_tokens(stats.lower_rates(), 3)
+    assert behind.seconds(tokens) == pytest.approx(0.2 + 0.2 * (tokens - 1) + (50 - tokens) * (0.2 - 0.523 / tokens))
+    later = (0.2 - 0.823 / tokens) * (50 - tokens)  # each later step 0.3 s dearer: it loses the row time
+    assert behind.seconds(tokens, 0.3) == pytest.approx(0.2 + 0.2 * (tokens - 1) + later)
+    assert behind.seconds(tokens, 0.3) < 0
+    assert choose_length(model, stats, [100], 4, costs=(0.0, 0.0, 0.1, 0.0), bounds=[behind]) == 0
+    assert choose_length(model, stats, [100], 4, costs=(0.0, 0.0, 0.01, 0.0), bounds=[behind]) == 3
+
+
 def test_auto_length_counts_the_prompt_tokens_drafts_displace():
     """Drafts and prompt chunks share the budget the decodes leave. Model: 10 ms + 1 ms a token; acceptance
     0.8 over ~490 rows, priced at its lower bound 0.780 (0.781 past the first draft); one row and 4 prompt
@@ -788,6 +807,31 @@ def test_a_draft_model_catches_up_on_a_row_only_where_its_drafts_save_more():
     reqs[1].spec_token_ids = []  # asked, and no drafts came
     spec.proposed(reqs[1])
     assert spec._unseen(reqs[1]) == reqs[1].num_tokens
+
+
+def test_a_draft_models_probes_go_on_while_auto_chooses_drafts_no_catch_up_repays():
+    """Model: 10 ms a step, tokens nearly free, so ``auto`` chooses drafts at its price of drafts never measured
+    (each a decode row); but the draft has read neither row, and a token of catch-up costs 0.1 s: no row is
+    asked. The probes still come: after :data:`EXPLORE_EVERY` steps that verified nothing, the row with the
+    shortest context is asked for a probe's drafts (one step later here: the 16th step with drafts chosen asks
+    for none, to check the model), and the step after verifies them. Asked for none, a server
+    whose every row was new to the draft never measured what its drafts cost, and chose drafts at every step
+    (BENCHMARKS.md, "Speculative decoding with a draft model under load")."""
+    model = StepTimeModel(StepCoefficients(0.01, 1e-6, 0.0, 0.0), adapt=False)
+    spec = Speculator(SpeculativeConfig("draft_model", 4, model="draft"), model)
+    spec._caught_up = [10.0, 100.0]  # measured: 0.1 s a token
+    reqs = [create_requests(1, prompt_len=n, max_tokens=100, start=i)[0] for i, n in enumerate((300, 100))]
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens - 1
+    asked = []
+    for _ in range(EXPLORE_EVERY + 1):
+        spec.begin_step(reqs)
+        assert spec.length > 0  # auto's own choice
+        asked.append([spec.lookahead(r) for r in reqs])
+    assert asked == [[0, 0]] * EXPLORE_EVERY + [[0, 4]]  # the 16th would check the model without drafts
+    reqs[1].spec_token_ids = [7] * 4  # proposed as asked
+    spec.begin_step(reqs)
+    assert spec.drafts(reqs[1], 100) == [7] * min(4, spec.length) and spec._at_zero == [0, 0]
 
 
 def test_a_draft_models_probe_takes_the_row_with_the_shortest_context():

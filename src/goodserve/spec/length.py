@@ -234,8 +234,9 @@ def step_seconds(model: StepTimeModel, contexts: Sequence[int], k: int, costs: O
     :class:`DraftCost` adds for ``B`` rows verifying ``B k`` drafts, learned on steps of the same kind: of
     decodes alone (``costs``), or with a prompt chunk (``beside``): ``(fixed, per row, per draft, per
     thousand tokens of context read again)`` (:meth:`DraftCost.costs`), the runs of ``run_positions`` positions
-    (:func:`reread_ktokens`). Before any draft was measured, the model's step of ``B (k + 1)`` positions (and
-    the chunks).
+    (:func:`reread_ktokens`), and for a draft model a fifth, per pass of the draft (``k`` a step:
+    :meth:`goodserve.spec.propose_cost.ProposeCost.priced`). Before any draft was measured, the model's step of
+    ``B (k + 1)`` positions (and the chunks).
 
     Measured drafts are not capped at a decode row's cost: where plain decodes run on a faster path than rows
     with drafts (the one-call decode step), a draft costs more than a decode row. Capped, ``auto`` priced
@@ -269,8 +270,9 @@ def _priced(model: StepTimeModel, contexts: Sequence[int], k: int, costs: Option
     base = model.predict(rows * per_row + prompt_tokens, rows * per_row, pairs)
     if costs is None or k == 0:
         return base
-    fixed, per_row, per_draft, per_reread = costs
-    return base + fixed + rows * per_row + rows * k * per_draft + reread * per_reread
+    fixed, per_row, per_draft, per_reread = costs[:4]
+    per_pass = costs[4] if len(costs) > 4 else 0.0  # a draft model's passes (ProposeCost.priced)
+    return base + fixed + rows * per_row + rows * k * per_draft + reread * per_reread + k * per_pass
 
 
 def decode_token_value(model: StepTimeModel, contexts: Sequence[int]) -> float:
@@ -309,7 +311,11 @@ class TPOTBound:
     time) and at the most it may emit while ``L / t > s`` (each later step loses it some).
 
     Later steps emit what this one does: a row that keeps its SLO only by verifying drafts keeps it only if
-    later steps verify them too, and ``auto`` chooses them there by the same rule. At ``t = 1`` and a certain
+    later steps verify them too, and ``auto`` chooses them there by the same rule; so they take what those
+    drafts add to a step too, ``L + D`` (:meth:`seconds`). Held to ``L`` alone, a row a burst had put behind
+    its SLO looked kept by drafts however dear: with a draft model at 57 rows, ``auto`` chose 4 drafts a row,
+    priced at ~2.5 s a step against 0.13 s without (BENCHMARKS.md, "Speculative decoding with a draft model
+    under load"). At ``t = 1`` and a certain
     length this is the ``slo`` policy's allowance over ``R`` tokens
     (:meth:`goodserve.scheduler.slo_pace.SLOPredictor.allowance`, without its margin); held to later steps of
     one token each, a row slowed by a burst of long prompt steps (``L > s``) was lost at every ``k``, and
@@ -322,7 +328,7 @@ class TPOTBound:
         left: The output tokens the row is certain to emit from its next one on (at least 1;
             :meth:`~goodserve.scheduler.slo_pace.SLOPredictor.certain_tokens`). Where ``t`` is more, the
             row is taken to end with this step (``R = t``).
-        later: ``L``, seconds a later step takes (the same whatever ``k``).
+        later: ``L``, seconds a later step takes without drafts.
         most: The most output tokens it may emit from its next one on (``None``: no limit).
         speculates: Whether the row verifies drafts (``t = 1`` whatever the step's length otherwise).
     """
@@ -334,23 +340,25 @@ class TPOTBound:
     most: Optional[int] = None
     speculates: bool = True
 
-    def seconds(self, tokens: float) -> float:
+    def seconds(self, tokens: float, drafts: float = 0.0) -> float:
         """The longest step that keeps the row within its SLO if it emits ``tokens`` tokens (expected; at most
-        ``most``: its drafts stop there, :meth:`goodserve.spec.speculator.Speculator.drafts`)."""
+        ``most``: its drafts stop there, :meth:`goodserve.spec.speculator.Speculator.drafts`), each later step
+        taking ``drafts`` seconds more than ``later`` (what the drafts that emit them add to a step)."""
         t = tokens if self.speculates else 1.0
+        later = self.later + drafts if self.speculates else self.later
         if self.most is not None:
             t = max(1.0, min(t, float(self.most)))
-        gain = self.slo - self.later / t  # what each later token gains the row (seconds; negative: loses)
+        gain = self.slo - later / t  # what each later token gains the row (seconds; negative: loses)
         ends = self.left if gain >= 0 else self.most  # the length at which the bound binds
         if ends is None:
             return -math.inf
         return self.banked + self.slo * (t - 1) + max(ends - t, 0.0) * gain
 
 
-def kept(bounds: Sequence[TPOTBound], seconds: float, tokens: float) -> int:
+def kept(bounds: Sequence[TPOTBound], seconds: float, tokens: float, drafts: float = 0.0) -> int:
     """How many rows of ``bounds`` a step of ``seconds`` expected to emit ``tokens`` tokens a row keeps within
-    their TPOT SLOs."""
-    return sum(seconds <= b.seconds(tokens) for b in bounds)
+    their TPOT SLOs, later steps taking ``drafts`` seconds more (:meth:`TPOTBound.seconds`)."""
+    return sum(seconds <= b.seconds(tokens, drafts) for b in bounds)
 
 
 def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequence[int], k_max: int,
@@ -376,7 +384,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
 
     ``bounds``: for each decode row streaming under a TPOT SLO, the longest step that keeps its TPOT average
     in its SLO by the tokens the step emits (:class:`TPOTBound`). The choice is taken among the ``k`` with
-    ``T(B, k, C_k)`` within the bounds of the most rows at ``E[tokens | k]``: a step slowed by a prompt chunk
+    ``T(B, k, C_k)`` within the bounds of the most rows at ``E[tokens | k]``, each later step taking what ``k``
+    drafts a row add to a step of the decodes alone: a step slowed by a prompt chunk
     past a row's bound speculates to keep its TPOT (each accepted draft is a token the row does not wait a
     later step for), while a row ahead of its SLO lends the step the time it banked. Where no ``k`` keeps
     any row, the rate alone decides.
@@ -410,6 +419,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         return 0
     rates = stats.lower_rates() if rates is None else rates
     per_decode = decode_token_value(model, contexts)
+    alone = step_seconds(model, contexts, 0, costs)  # a later step, of these decodes alone
     best, score = 0, (-1, -1.0)  # the k with the most rows kept, then the highest rate
     for k in range(k_max + 1):
         chunk = chunk_beside(prompt_tokens, room, rows, k)
@@ -418,7 +428,8 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
             break
         tokens = stats.expected_tokens(rates, k)
         rate = (rows * tokens * per_decode + prompt_value(model, chunk)) / max(seconds, 1e-9)
-        this = (kept(bounds, seconds, tokens), rate)
+        drafts = step_seconds(model, contexts, k, costs, run_positions=run_positions) - alone if k else 0.0
+        this = (kept(bounds, seconds, tokens, drafts), rate)
         if this > score:
             best, score = k, this
     return best

@@ -20,6 +20,7 @@ from goodserve.scheduler.step_time import StepTimeModel
 from goodserve.spec.config import SpeculativeConfig
 from goodserve.spec.length import (AcceptanceStats, DraftCost, TPOTBound, choose_length, chunk_beside, kept,
                                    reread_ktokens, step_seconds)
+from goodserve.spec.propose_cost import ProposeCost
 
 #: Steps ``auto`` chooses no drafts for before one step verifies drafts (``k_max`` per row and 1 per row in
 #: turn), so what drafts cost is measured (a 1-in-17 probe; for a draft model, the interval doubling after each
@@ -75,6 +76,7 @@ class Speculator:
         self.stats = AcceptanceStats(self.k_max)
         self.cost = DraftCost()  # what drafts add to a step of decodes alone
         self.cost_beside = DraftCost()  # ... and to a step with a prompt chunk
+        self.propose = ProposeCost()  # a draft model's passes, timed where they run
         #: The most positions of a row one attention run holds (``None``: any number); the runner's
         #: (:meth:`goodserve.runner.model_runner.ModelRunner.attention_run_positions`).
         self.run_positions: Optional[int] = None
@@ -129,6 +131,9 @@ class Speculator:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         contexts = [r.num_computed_tokens for r in decodes if self.eligible(r)]
         costs, beside = self.cost.costs(), self.cost_beside.costs()
+        if self._costly:  # with the draft's passes
+            proposing, per_token = self.propose.costs(), self.model.coefficients.per_token_s
+            costs, beside = (ProposeCost.priced(c, proposing, per_token) for c in (costs, beside))
         bounds = self._bounds(decodes, now)
         priced = dict(limit=limit, costs=costs, bounds=bounds, run_positions=self.run_positions)
         self.length = self._chosen = choose_length(self.model, self.stats, contexts, self.k_max, **priced,
@@ -311,7 +316,7 @@ class Speculator:
         length again: after a probe that did not pay, the next step verifies none, and the draft's ``k_max``
         passes for it were thrown away. Prompt lookup's cost little, and let the step after a probe that paid
         verify at once. A draft model is not asked for a row whose catch-up costs more than its drafts save
-        (:meth:`_worth_catching_up`)."""
+        (:meth:`_worth_catching_up`), but for a probe."""
         room = self._left(req) - 1  # after this step's token
         return min(self._lookahead(req), room) if room > 0 else 0
 
@@ -324,8 +329,11 @@ class Speculator:
         ahead = self._chosen if self._probing else max(self.length, self._chosen)
         if self.length and self._steps_with == self._explore_with:
             return 0  # the next step checks the model without drafts
-        if ahead:
-            return min(self.k_max, ahead + 1) if not self._costly or self._worth_catching_up(req, False) else 0
+        if ahead and (not self._costly or self._worth_catching_up(req, False)):
+            return min(self.k_max, ahead + 1)
+        # a draft model's row whose catch-up auto's choice does not repay still takes its probes: were it asked
+        # for none, a server whose every row the draft had not read never measured what the drafts cost, and
+        # auto's choice stayed at its price of drafts never measured (BENCHMARKS.md, "... probes that measure")
         if not self._costly:  # prompt lookup: before a probe of either kind (asking costs little)
             before_probe = any(n == every for n, every in zip(self._at_zero, self._probe_every))
         else:  # a draft model: the probe's row, before a probe of this step's kind (asking costs passes)
@@ -368,6 +376,8 @@ class Speculator:
         if catching_up > 0 and self._catching_up >= CATCH_UP_MEASURED:
             keep = 1 - CATCH_UP_WEIGHT
             self._caught_up = [keep * self._caught_up[0] + catching_up, keep * self._caught_up[1] + self._catching_up]
+        if self._costly:
+            self.propose.observe(proposing - catching_up, [s.num_lookahead for s in out.scheduled])
         num_drafts = sum(len(s.spec_token_ids) for s in out.scheduled)
         if self._judging and not num_drafts:
             self._judging = False
@@ -383,8 +393,8 @@ class Speculator:
                          for s in out.scheduled)
             without = self.model.predict_shape(StepShape.of(out, drafts=False))
             if own <= STALL * max(without, self.model.predict_shape(StepShape.of(out))):
-                cost = self.cost if alone else self.cost_beside
-                cost.observe(without, own + proposed, num_rows, num_drafts, reread)
+                cost = self.cost if alone else self.cost_beside  # a draft model's passes are timed apart
+                cost.observe(without, own if self._costly else own + proposed, num_rows, num_drafts, reread)
             return None
         return StepShape.of(out), own
 
