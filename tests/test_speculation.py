@@ -296,8 +296,8 @@ def test_auto_length_holds_later_steps_to_what_their_drafts_cost():
     at 0.1 s each. Held to later steps of 523 ms, 3 drafts (311 ms, 2.87 tokens) kept it: 1.40 s allowed. But
     later steps that emit as many tokens verify as many drafts: at 823 ms each lose it time, and at 50 tokens
     it ends over its SLO; it is lost at every k, and the rate chooses none. Before, ``auto`` with a draft model
-    at 57 rows chose 4 drafts a row priced at ~2.5 s a step, where a step without took 0.13 s (BENCHMARKS.md,
-    "Speculative decoding with a draft model under load"). Drafts of 10 ms keep it still (3)."""
+    under load chose drafts priced at many times a step without them (BENCHMARKS.md, "Speculative decoding with
+    a draft model under load"). Drafts of 10 ms keep it still (3)."""
     model = StepTimeModel(StepCoefficients(0.010, 0.001, 0.0, 0.0), adapt=False)
     stats = _stats_at(0.8)
     behind = TPOTBound(0.2, 0.2, left=50, later=0.523, most=50)

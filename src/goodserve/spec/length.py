@@ -313,9 +313,9 @@ class TPOTBound:
     Later steps emit what this one does: a row that keeps its SLO only by verifying drafts keeps it only if
     later steps verify them too, and ``auto`` chooses them there by the same rule; so they take what those
     drafts add to a step too, ``L + D`` (:meth:`seconds`). Held to ``L`` alone, a row a burst had put behind
-    its SLO looked kept by drafts however dear: with a draft model at 57 rows, ``auto`` chose 4 drafts a row,
-    priced at ~2.5 s a step against 0.13 s without (BENCHMARKS.md, "Speculative decoding with a draft model
-    under load"). At ``t = 1`` and a certain
+    its SLO looked kept by drafts however dear: with a draft model under load, ``auto`` chose drafts priced at
+    many times a step without them (BENCHMARKS.md, "Speculative decoding with a draft model under load"). At
+    ``t = 1`` and a certain
     length this is the ``slo`` policy's allowance over ``R`` tokens
     (:meth:`goodserve.scheduler.slo_pace.SLOPredictor.allowance`, without its margin); held to later steps of
     one token each, a row slowed by a burst of long prompt steps (``L > s``) was lost at every ``k``, and

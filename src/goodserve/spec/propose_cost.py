@@ -3,9 +3,9 @@
 A draft model proposes ``k`` drafts a row in ``k`` passes of its own over the rows asked: ``seconds = per_pass · k +
 per_draft · Σ drafts``. The runner times those passes (apart from its catch-up on context it had not read), so
 the fit needs no step-time model. Learned as part of what a step with drafts took beyond its prediction
-(:class:`~goodserve.spec.length.DraftCost`), a probe's one row at 57 rows added ~20 ms of passes to a ~130-ms
-step whose prediction erred by as much: its cost was fitted as nothing, ``auto`` chose 8 drafts for every row,
-and the draft's catch-up on them took 4 s in one step (BENCHMARKS.md, "Speculative decoding with a draft model
+(:class:`~goodserve.spec.length.DraftCost`), the passes of a probe's one row in a large batch were smaller than
+the prediction's error: their cost was fitted as nothing, ``auto`` chose the most drafts for every row, and the
+draft's catch-up on them stalled a step for seconds (BENCHMARKS.md, "Speculative decoding with a draft model
 under load").
 """
 

@@ -333,7 +333,8 @@ class Speculator:
             return min(self.k_max, ahead + 1)
         # a draft model's row whose catch-up auto's choice does not repay still takes its probes: were it asked
         # for none, a server whose every row the draft had not read never measured what the drafts cost, and
-        # auto's choice stayed at its price of drafts never measured (BENCHMARKS.md, "... probes that measure")
+        # auto's choice stayed at its price of drafts never measured (BENCHMARKS.md, "Speculative decoding with a
+        # draft model under load")
         if not self._costly:  # prompt lookup: before a probe of either kind (asking costs little)
             before_probe = any(n == every for n, every in zip(self._at_zero, self._probe_every))
         else:  # a draft model: the probe's row, before a probe of this step's kind (asking costs passes)
@@ -353,7 +354,9 @@ class Speculator:
         (:func:`~goodserve.spec.length.step_seconds`); but not a step that stalled (:data:`STALL`).
 
         Proposing is a cost of the drafts proposed, so it is moved to the step that verifies them: a step with
-        drafts teaches its own seconds plus what the step before spent proposing. Learned where it was spent,
+        drafts teaches its own seconds plus what the step before spent proposing; a draft model's passes are timed
+        and fitted apart (:class:`~goodserve.spec.propose_cost.ProposeCost`), its steps with drafts teaching what
+        verifying them added alone. Learned where it was spent,
         a draft model's passes were a cost of every step that proposed: the step-time model priced a step
         without drafts at what a step with them took, drafts looked free, and ``auto`` verified drafts a draft
         model almost never got accepted, below the output rate of no drafts (BENCHMARKS.md, "Speculative
