@@ -419,7 +419,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
         return 0
     rates = stats.lower_rates() if rates is None else rates
     per_decode = decode_token_value(model, contexts)
-    alone = step_seconds(model, contexts, 0, costs)  # a later step, of these decodes alone
+    alone = step_seconds(model, contexts, 0, costs) if bounds else 0.0  # a later step, of these decodes alone
     best, score = 0, (-1, -1.0)  # the k with the most rows kept, then the highest rate
     for k in range(k_max + 1):
         chunk = chunk_beside(prompt_tokens, room, rows, k)
@@ -428,7 +428,7 @@ def choose_length(model: StepTimeModel, stats: AcceptanceStats, contexts: Sequen
             break
         tokens = stats.expected_tokens(rates, k)
         rate = (rows * tokens * per_decode + prompt_value(model, chunk)) / max(seconds, 1e-9)
-        drafts = step_seconds(model, contexts, k, costs, run_positions=run_positions) - alone if k else 0.0
+        drafts = step_seconds(model, contexts, k, costs, run_positions=run_positions) - alone if k and bounds else 0.0
         this = (kept(bounds, seconds, tokens, drafts), rate)
         if this > score:
             best, score = k, this
