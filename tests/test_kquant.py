@@ -15,7 +15,7 @@ from goodserve.models.quant import QuantLinear, dequantize_rows, make_linear, pa
 TINY_Q4_K_M = str(Path(__file__).parent / "data" / "tiny-llama-q4_k_m.gguf")
 _FILE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 needs_kernel = pytest.mark.skipif(not native.block_gemv_usable(torch.empty(0)),
-                                  reason="the block kernel needs AVX-512 VNNI and a C++ compiler")
+                                  reason="the block kernel needs AVX-512 VNNI or AVX2 and a C++ compiler")
 
 
 def _scales_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
@@ -159,7 +159,9 @@ def check_blocks_layer(weight, qtype: str) -> QuantLinear:
     layer = make_linear(weight, None, torch.bfloat16, "auto")
     assert isinstance(layer, QuantLinear) and layer.kind == "blocks" and layer.qtype == qtype
     assert torch.equal(layer.dense_weight(), dequantize_rows(weight, torch.bfloat16))
-    assert not isinstance(make_linear(weight, None, torch.float32, "auto"), QuantLinear)  # float32: dense
+    # float32: dense, but on a CPU without a fast bfloat16 path, where float32 is --dtype auto's choice
+    in_float32 = make_linear(weight, None, torch.float32, "auto")
+    assert isinstance(in_float32, QuantLinear) == native.blocks_run_in(torch.float32)
     x = torch.randn(2, 512)
     x[1, 40] = float("nan")
     y = QuantLinear("blocks", weight, torch.float32)(x)
@@ -263,18 +265,21 @@ def test_q4_k_m_file_greedy_tokens_equal_the_float32_dense_run():
 
 
 def check_greedy_equals_dense_float32(path: str, left_out: int) -> None:
-    """The GGUF at ``path`` in bfloat16 under ``--quantization auto`` gives the greedy tokens of the same file
-    dequantized to float32, for this family of prompts but the one of ``left_out`` tokens (a near tie; also
-    used by test_q5)."""
+    """The GGUF at ``path`` under ``--dtype auto`` and ``--quantization auto`` (bfloat16; float32 on an AVX2-only
+    CPU, whose blocks run in float32) gives the greedy tokens of the same file dequantized to float32, for this
+    family of prompts but the one of ``left_out`` tokens (a near tie in bfloat16; also used by test_q5)."""
     from goodserve import LLM, SamplingParams
+    from goodserve.engine.args import resolve_dtype
 
     prompts = [[100 + (7 * i + 3 * j) % 400 for j in range(n)] for i, n in enumerate((5, 17, 33, 48, 3, 9, 12, 25, 7))
                if n != left_out]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = {}
-    for dtype, quantization in (("float32", "none"), ("bfloat16", "auto")):
+    for dtype, quantization in (("float32", "none"), (resolve_dtype("auto", "cpu"), "auto")):
         llm = LLM(path, dtype=dtype, quantization=quantization, block_size=4, num_blocks=256,
                   log_stats_interval=0)
-        runs[dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert runs["bfloat16"] == runs["float32"]
-    assert len({t for ids in runs["float32"] for t in ids}) > 10  # not one token repeated
+        model = llm.engine.core.runner.model
+        assert (quantization == "auto") == any(isinstance(m, QuantLinear) for m in model.modules())
+        runs[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert runs["auto"] == runs["none"]
+    assert len({t for ids in runs["none"] for t in ids}) > 10  # not one token repeated

@@ -8,12 +8,13 @@ import torch
 
 from goodserve.models import native
 from goodserve.models.attention import AttentionMetadata, NativeAttentionBackend
+from goodserve.models.invariant import kernel_mode
 from goodserve.models.llama import LlamaForCausalLM
 from goodserve.models.short_rows import MAX_SHORT_CHUNK, as_decode_rows, decode_rows
 from test_block_gemv import _config, _model, _weights
 
 pytestmark = pytest.mark.skipif(not native.block_gemv_usable(torch.empty(0)),
-                                reason="the block kernel needs AVX-512 VNNI and a C++ compiler")
+                                reason="the block kernel needs AVX-512 VNNI or AVX2 and a C++ compiler")
 
 BS = 4  # tokens per block
 CPU = torch.device("cpu")
@@ -147,4 +148,5 @@ def test_greedy_tokens_with_ngram_speculation_in_one_call_equal_those_without(mo
             stats = llm.engine.make_stats()
     assert runs[True] == runs[False]
     assert stats.num_spec_accepted_tokens_total > 0
-    assert calls["short"] > 0  # steps verifying drafts took the one-call path
+    # steps verifying drafts took the one-call path (batch-invariant: where its GEMM has a native kernel)
+    assert calls["short"] > 0 or (batch_invariant and kernel_mode() == "none")

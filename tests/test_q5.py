@@ -16,7 +16,7 @@ from test_kquant import (check_blocks_layer, check_dequantizes_as_gguf, check_gr
 TINY_Q5 = str(Path(__file__).parent / "data" / "tiny-llama-q5.gguf")
 _FILE_BYTES = {"Q5_0": 22, "Q5_1": 24}
 needs_kernel = pytest.mark.skipif(not native.block_gemv_usable(torch.empty(0)),
-                                  reason="the block kernel needs AVX-512 VNNI and a C++ compiler")
+                                  reason="the block kernel needs AVX-512 VNNI or AVX2 and a C++ compiler")
 
 
 def q5_bytes(qtype: str, n: int, k: int, seed: int = 0, centered: bool = False) -> np.ndarray:
@@ -97,7 +97,7 @@ def test_q5_layer_runs_small_steps_on_the_kernel_and_nan_reaches_its_outputs(qty
 
 
 def test_without_the_kernel_q5_runs_dense(monkeypatch):
-    """Where the block kernel does not build (no AVX-512 VNNI), a Q5 weight is dequantized to the dtype, as
+    """Where the block kernel does not build (no AVX-512 VNNI or AVX2), a Q5 weight is dequantized to the dtype, as
     before: PyTorch's int4 kernel takes only Q4_0 / Q4_1."""
     weight = unpack_gguf_q5(q5_bytes("Q5_1", 64, 512), "Q5_1", (64, 512))
     monkeypatch.setattr(native, "block_gemv_usable", lambda x: False)

@@ -18,7 +18,7 @@ from test_block_gemv import _config, _model, _weights
 from test_one_call_short_rows import BS, _step
 
 pytestmark = pytest.mark.skipif(not native.block_gemv_usable(torch.empty(0)),
-                                reason="the block kernel needs AVX-512 VNNI and a C++ compiler")
+                                reason="the block kernel needs AVX-512 VNNI or AVX2 and a C++ compiler")
 AMX = kernel_mode() == "amx"
 TINY_Q4_K_M = str(Path(__file__).parent / "data" / "tiny-llama-q4_k_m.gguf")
 

@@ -260,8 +260,8 @@ class SparseMoeBlock(nn.Module):
             self.gate_up = self.down = None
             return
         _log_once(f"MoE experts held as GGUF blocks ({', '.join(sorted({p.qtype for p in blocks}))}) run dequantized"
-                  f" to {dtype}: the block kernel takes them under --quantization auto in bfloat16 where it is"
-                  " built (AVX-512 VNNI)")
+                  f" to {dtype}: the block kernel takes them under --quantization auto in bfloat16 (float32 on"
+                  " an AVX2-only CPU) where it is built (AVX-512 VNNI or AVX2)")
         self.gate_up, self.down = (nn.Parameter(torch.cat([p.dequantize(dtype) if isinstance(p, StackedBlocks)
                                                            else p.to(dtype) for p in parts[n]], dim=1),
                                                 requires_grad=False) for n in shapes)

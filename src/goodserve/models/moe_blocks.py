@@ -153,11 +153,10 @@ def unpack_gguf_experts(data: np.ndarray, qtype: str, shape: tuple[int, int, int
 
 
 def runs_on_blocks(weights: list[StackedBlocks], dtype: torch.dtype) -> bool:
-    """Whether ``--quantization auto`` runs these experts' weights on the block kernel: activations in bfloat16,
-    the kernel built here (AVX-512 VNNI), every weight of a shape it takes (``K`` a multiple of 64 up to
-    16,384, of 256 for the K-quants; ``N`` a multiple of 16)."""
-    return dtype == torch.bfloat16 and native.block_gemv_usable(torch.empty(0, dtype=dtype)) and all(
-        native.block_gemv_fits(n, k) for _, n, k in (w.shape for w in weights))
+    """Whether ``--quantization auto`` runs these experts' weights on the block kernel: activations of a dtype
+    :func:`goodserve.models.native.blocks_run_in` allows, every weight of a shape the kernel takes (``K`` a
+    multiple of 64 up to 16,384, of 256 for the K-quants; ``N`` a multiple of 16)."""
+    return native.blocks_run_in(dtype) and all(native.block_gemv_fits(n, k) for _, n, k in (w.shape for w in weights))
 
 
 def experts_mix(weights: dict[str, object]) -> str:

@@ -8,7 +8,7 @@
   ops of a few microseconds of dispatch, more than their arithmetic, ~180 calls per step of the default
   model; here each is one call, rounded as the ops it replaces.
 - :func:`block_gemv`: ``x W^T`` for a few rows with ``W`` in the GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 or K-quant
-  blocks and ``x`` quantized to int16 per block of 32, on AVX-512 VNNI: at batch 1 the
+  blocks and ``x`` quantized to int16 per block of 32, on AVX-512 VNNI or AVX2: at batch 1 the
   decode step is a read of every weight, and this reads the file's bytes once, at the memory's rate.
   :func:`block_gemv_grouped` runs a mixture of experts' step, each expert over its rows, in one call.
 - :func:`goodserve.models.native_decode.decode_layers`: a decode step of 1-8 rows through every layer in one
@@ -272,8 +272,20 @@ def block_in_features(kind: str, scales: torch.Tensor) -> int:
 
 def block_gemv_usable(x: torch.Tensor) -> bool:
     """Whether :func:`block_gemv` runs for activations like ``x`` (:func:`supports`, and the library built
-    with AVX-512 VNNI)."""
+    with AVX-512 VNNI or AVX2)."""
     return supports(x) and torch.ops.goodserve.block_gemv_supported()
+
+
+def blocks_run_in(dtype: torch.dtype) -> bool:
+    """Whether ``--quantization auto`` runs a GGUF's blocks on :func:`block_gemv` under activations of ``dtype``:
+    bfloat16, and float32 on a CPU where oneDNN has no bfloat16 path (AVX2 only: float32 is then
+    ``--dtype auto``'s choice, not a precision mode, and the kernel reads 3.5-7x fewer bytes than float32
+    copies; ``--quantization none`` dequantizes there). Elsewhere float32 is the precision mode: every
+    weight dequantized. The kernel itself takes either dtype."""
+    from goodserve.models.linear import onednn_has_bfloat16
+
+    return (dtype == torch.bfloat16 or (dtype == torch.float32 and not onednn_has_bfloat16())) \
+        and block_gemv_usable(torch.empty(0, dtype=dtype))
 
 
 def block_gemv_fits(n: int, k: int) -> bool:

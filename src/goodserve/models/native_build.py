@@ -153,7 +153,7 @@ def _log_capabilities() -> None:
     ops = torch.ops.goodserve
     missing = []
     if not ops.block_gemv_supported():
-        missing.append("GGUF blocks (no AVX-512 VNNI: PyTorch's int4 kernel instead)")
+        missing.append("GGUF blocks (no AVX-512 VNNI or AVX2: PyTorch's int4 kernel instead)")
     mode = ops.bi_gemm_mode(-1)
     if mode == 0:
         missing.append("batch-invariant GEMM (no AVX512-BF16: GEMM-library tiles instead)")

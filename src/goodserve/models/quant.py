@@ -15,7 +15,7 @@ bfloat16's 8 significant bits, the same relative error as widening the dequantiz
 ``aten._weight_int8pack_mm`` holds one scale per output row, so int8 is a re-quantization (per row,
 symmetric, round to nearest) and never exact.
 
-goodserve's block kernel (:func:`goodserve.models.native.block_gemv`, AVX-512 VNNI) reads ``Q4_0``,
+goodserve's block kernel (:func:`goodserve.models.native.block_gemv`, AVX-512 VNNI or AVX2) reads ``Q4_0``,
 ``Q4_1`` and ``Q8_0`` blocks with their fp16 scales and minimums exactly as the file holds them (and the
 K-quants ``Q4_K`` / ``Q5_K`` / ``Q6_K`` and ``Q5_0`` / ``Q5_1``, repacked at load:
 :mod:`goodserve.models.kquant`, :mod:`goodserve.models.q5`), and rounds the activations to int16 per block of
@@ -59,7 +59,8 @@ DEFAULT_MAX_ROWS = 4
 #: CPU (issue 15, run 6): the dense copies of one layer's four matrices take ~11.5 ms, and the kernel costs
 #: ~0.025-0.06 ms more per row than the dense GEMM at 16-128 rows, so the copy pays for itself after
 #: ~190-460 rows. The block kernel reads its weight once per 4 rows, as the int4 kernel does, and follows the
-#: same rule. Other kernels and dtypes (not measured; int4 in float32 is ~30x slower) copy at once. A
+#: same rule in either activation dtype. Other kernels and dtypes (not measured; int4 in float32 is ~30x
+#: slower) copy at once. A
 #: server makes every copy before its first step (:func:`make_dense_copies`).
 DENSE_AFTER_ROWS = 256
 
@@ -364,8 +365,8 @@ class QuantLinear(nn.Module):
         bias: ``[out]`` or ``None``.
         max_rows: Steps of more rows run on a dense ``dtype`` copy of the weight, once it is made.
         dense_after_rows: The copy is made by the step that brings the rows of such steps to this many; the
-            steps before it run on the kernel. Default: :data:`DENSE_AFTER_ROWS` for int4 and blocks in
-            bfloat16, else 0.
+            steps before it run on the kernel. Default: :data:`DENSE_AFTER_ROWS` for blocks, and for int4 in
+            bfloat16; else 0.
 
     Raises:
         ValueError: see :func:`pack_int4` and :func:`goodserve.models.native.check_blocks`; for another kind.
@@ -376,7 +377,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.kind, self.dtype, self.max_rows = kind, dtype, max_rows
         if dense_after_rows is None:
-            dense_after_rows = DENSE_AFTER_ROWS if kind in ("int4", "blocks") and dtype == torch.bfloat16 else 0
+            dense_after_rows = DENSE_AFTER_ROWS if kind == "blocks" or (kind == "int4" and dtype == torch.bfloat16) \
+                else 0
         self.dense_after_rows = dense_after_rows
         self._rows_past_max = 0  # rows of steps past max_rows so far (until the dense copy is made)
         self.out_features, self.in_features = weight.shape
@@ -457,11 +459,11 @@ def make_dense_copies(model: nn.Module) -> int:
 def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quantization: str) -> nn.Module:
     """The linear layer that runs ``weight`` under ``--quantization`` (rules in :data:`QUANTIZATIONS`).
 
-    ``auto`` keeps each weight as the file holds it where a kernel exists, when ``dtype`` is bfloat16:
-    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks on the native block kernel where it builds
-    (:func:`runs_on_blocks`), else Q4_0/Q4_1 on PyTorch's int4 kernel; every other weight, and every weight in
-    float32 (the precision mode; PyTorch 2.13's int4 kernel has no fast float32 path on CPU: ~30x slower), is
-    dequantized to ``dtype``.
+    ``auto`` keeps each weight as the file holds it where a kernel exists: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
+    Q4_K/Q5_K/Q6_K blocks on the native block kernel where it builds, in bfloat16 or (on an AVX2-only CPU)
+    float32 (:func:`runs_on_blocks`), else Q4_0/Q4_1 on PyTorch's int4 kernel in bfloat16; every other weight,
+    and every weight in float32 elsewhere (the precision mode; PyTorch 2.13's int4 kernel has no fast float32
+    path on CPU: ~30x slower), is dequantized to ``dtype``.
 
     Args:
         weight: ``[out, in]`` tensor or :class:`BlockQuantized`.
@@ -491,9 +493,8 @@ def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quanti
 
 def runs_on_blocks(weight, dtype: torch.dtype) -> bool:
     """Whether ``--quantization auto`` runs ``weight`` on the native block kernel: the file's blocks, activations
-    in bfloat16, and the kernel built here (AVX-512 VNNI) for the weight's shape."""
-    return (isinstance(weight, BlockQuantized) and dtype == torch.bfloat16
-            and native.block_gemv_fits(*weight.shape) and native.block_gemv_usable(torch.empty(0, dtype=dtype)))
+    of a dtype :func:`goodserve.models.native.blocks_run_in` allows, and a shape the kernel takes."""
+    return isinstance(weight, BlockQuantized) and native.block_gemv_fits(*weight.shape) and native.blocks_run_in(dtype)
 
 
 def _dense(weight) -> torch.Tensor:

@@ -1,4 +1,5 @@
-// y = x W^T for a few rows of x (decode steps), with W in GGUF blocks as the file holds them, on AVX-512 VNNI.
+// y = x W^T for a few rows of x (decode steps), with W in GGUF blocks as the file holds them, on AVX-512 VNNI
+// (here) or AVX2 (block_gemv_avx2.h: the same layouts and integer products, 8 lanes wide).
 //
 // Weight block b of row n: 32 unsigned codes u and an fp16 scale d (and, for Q4_1, an fp16 minimum m); the
 // weight is d * (u - offset) + m: Q4_0 offset 8, no m; Q4_1 offset 0; Q8_0 is stored as u = q + 128
@@ -46,6 +47,11 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define GOODSERVE_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GOODSERVE_BLOCK_AVX2 1  // block_gemv_avx2.h: the same kernel 8 lanes wide
+#endif
+#if defined(GOODSERVE_VNNI) || defined(GOODSERVE_BLOCK_AVX2)
+#define GOODSERVE_BLOCKS 1
 #include <immintrin.h>
 #endif
 
@@ -56,6 +62,16 @@ constexpr int64_t kRowChunk = 16;    // output rows per work item
 // Groups of R weight rows prefetched ahead. Without it a pass over a weight larger than the cache read DRAM at
 // 6-16 GB/s (the hardware prefetchers lose R interleaved streams of a row's few lines each); 4: BENCHMARKS.md.
 constexpr int64_t kAhead = 4;
+
+#ifdef GOODSERVE_BLOCKS
+// Kinds (goodserve_block_gemv's kind argument).
+constexpr int kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4, kQ5 = 5;
+// Bits of each code above its low nibble, stored as bit planes (Q5_K, Q5_0 / Q5_1: 1, Q6_K: 2).
+constexpr int high_bits(int kind) { return kind == kQ5K || kind == kQ5 ? 1 : kind == kQ6K ? 2 : 0; }
+// Whether the kind's scales are a K-quant's super-block scales (else one fp16 d, and m, per block of 32).
+constexpr bool super_blocks(int kind) { return kind == kQ4K || kind == kQ5K || kind == kQ6K; }
+
+#endif
 
 #ifdef GOODSERVE_VNNI
 
@@ -86,13 +102,6 @@ void quantize_row(const T* x, int64_t nb, bool pairs, int16_t* xq, float* dx, fl
     _mm256_storeu_si256((__m256i*)out_hi, _mm512_cvtsepi32_epi16(qhi));
   }
 }
-
-// Kinds (goodserve_block_gemv's kind argument).
-constexpr int kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4, kQ5 = 5;
-// Bits of each code above its low nibble, stored as bit planes (Q5_K, Q5_0 / Q5_1: 1, Q6_K: 2).
-constexpr int high_bits(int kind) { return kind == kQ5K || kind == kQ5 ? 1 : kind == kQ6K ? 2 : 0; }
-// Whether the kind's scales are a K-quant's super-block scales (else one fp16 d, and m, per block of 32).
-constexpr bool super_blocks(int kind) { return kind == kQ4K || kind == kQ5K || kind == kQ6K; }
 
 // The per-row scale table of a K-quant weight (2 and 3: Q4_K / Q5_K, 4: Q6_K), as the ggml-quants.c
 // dequantizers compute the scales: s = (d * sc) * dx per block of 32 (Q6_K: per 16, s[2b + h] for half h
@@ -248,6 +257,12 @@ void gemv_rows(const int16_t* xq, const float* dx, const float* sx, int64_t K, c
   }
 }
 
+#elif defined(GOODSERVE_BLOCK_AVX2)
+#include "block_gemv_avx2.h"
+#endif
+
+#ifdef GOODSERVE_BLOCKS
+
 template <int Kind, int M, typename Y>
 void gemv(const int16_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* codes, const uint16_t* d,
           const uint16_t* mins, int offset, int64_t N, Y* y, int64_t y_stride, int num_threads) {
@@ -367,15 +382,15 @@ void run_grouped(int kind, const X* x, int64_t x_stride, int64_t K, const uint8_
   }
 }
 
-#endif  // GOODSERVE_VNNI
+#endif  // GOODSERVE_BLOCKS
 
 }  // namespace
 
 extern "C" {
 
-// Whether this build has the kernel (AVX-512 with VNNI at compile time, -march=native).
+// Whether this build has the kernel (AVX-512 with VNNI, or AVX2 with FMA and F16C, at compile time: -march=native).
 int goodserve_block_gemv_supported() {
-#ifdef GOODSERVE_VNNI
+#ifdef GOODSERVE_BLOCKS
   return 1;
 #else
   return 0;
@@ -392,7 +407,7 @@ int goodserve_block_gemv_supported() {
 int goodserve_block_gemv(int kind, int x_dtype, const void* x, int64_t x_stride, int64_t M, int64_t K,
                          const uint8_t* codes, const uint16_t* d, const uint16_t* mins, int offset, int64_t N,
                          int y_dtype, void* y, int64_t y_stride, int num_threads) {
-#ifdef GOODSERVE_VNNI
+#ifdef GOODSERVE_BLOCKS
   if (M < 1 || K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ5 ||
       (super_blocks(kind) && (K % 256 || mins == nullptr)) || ((kind == kQ4K || kind == kQ5K) && offset != 0) ||
       x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
@@ -427,7 +442,7 @@ int goodserve_block_gemv_grouped(int kind, int x_dtype, const void* x, int64_t x
                                  const uint8_t* mins, int64_t mins_stride, int offset, int64_t N,
                                  const int64_t* groups, int64_t num_groups, int y_dtype, void* y, int64_t y_stride,
                                  int num_threads) {
-#ifdef GOODSERVE_VNNI
+#ifdef GOODSERVE_BLOCKS
   if (K % 64 || K / 32 > kMaxBlocks || N % kRowChunk || kind < kQ4 || kind > kQ5 ||
       (super_blocks(kind) && (K % 256 || mins == nullptr)) || ((kind == kQ4K || kind == kQ5K) && offset != 0) ||
       x_dtype < 0 || x_dtype > 1 || y_dtype < 0 || y_dtype > 1)
