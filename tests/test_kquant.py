@@ -269,13 +269,12 @@ def check_greedy_equals_dense_float32(path: str, left_out: int) -> None:
     CPU, whose blocks run in float32) gives the greedy tokens of the same file dequantized to float32, for this
     family of prompts but the one of ``left_out`` tokens (a near tie in bfloat16; also used by test_q5)."""
     from goodserve import LLM, SamplingParams
-    from goodserve.engine.args import resolve_dtype
 
     prompts = [[100 + (7 * i + 3 * j) % 400 for j in range(n)] for i, n in enumerate((5, 17, 33, 48, 3, 9, 12, 25, 7))
                if n != left_out]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = {}
-    for dtype, quantization in (("float32", "none"), (resolve_dtype("auto", "cpu"), "auto")):
+    for dtype, quantization in (("float32", "none"), ("auto", "auto")):
         llm = LLM(path, dtype=dtype, quantization=quantization, block_size=4, num_blocks=256,
                   log_stats_interval=0)
         model = llm.engine.core.runner.model

@@ -275,9 +275,9 @@ def test_moe_file_keeps_its_experts_as_blocks_and_greedy_tokens_equal_the_float3
 
 
 def test_experts_run_dequantized_where_the_block_kernel_does_not_apply(tmp_path, monkeypatch):
-    """In float32 (``auto``, where float32 is not ``--dtype auto``'s choice), or without the block kernel (its
-    check patched off, as on a CPU without AVX-512 VNNI or AVX2), the experts held as blocks are dequantized at
-    load: the same weights, bit for bit, as the file loaded dense (``--quantization none``)."""
+    """In float32 asked for (the precision mode), or without the block kernel (its check patched off, as on a
+    CPU without AVX-512 VNNI or AVX2), the experts held as blocks are dequantized at load: the same weights,
+    bit for bit, as the file loaded dense (``--quantization none``)."""
     from goodserve import LLM
 
     path = _moe_file(tmp_path)
@@ -288,9 +288,8 @@ def test_experts_run_dequantized_where_the_block_kernel_does_not_apply(tmp_path,
         assert all(m.experts is None for m in moes)
         return [w for m in moes for w in (m.gate_up, m.down)]
 
-    if not moe_blocks.native.blocks_run_in(torch.float32):
-        for want, got in zip(experts("float32", "none"), experts("float32", "auto")):
-            assert got.dtype == torch.float32 and torch.equal(got, want)
+    for want, got in zip(experts("float32", "none"), experts("float32", "auto")):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
     monkeypatch.setattr(moe_blocks.native, "block_gemv_usable", lambda x: False)
     for want, got in zip(experts("bfloat16", "none"), experts("bfloat16", "auto")):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)

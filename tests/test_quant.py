@@ -153,6 +153,23 @@ def test_dense_copies_by_default_only_wait_for_int4_in_bfloat16_and_a_server_mak
     assert all(m._dense is not None for m in model if isinstance(m, QuantLinear))
 
 
+def test_float32_asked_by_name_is_the_precision_mode_where_blocks_could_run_in_float32(monkeypatch):
+    """On an AVX2-only CPU the block kernel takes float32 activations (``--dtype auto``'s choice there), so
+    ``--quantization auto`` under ``--dtype float32`` asked by name resolves to ``none``: every weight dequantized,
+    as float32 is on every other CPU. ``--dtype auto``, other quantizations and other devices are left alone."""
+    from goodserve.engine.args import resolve_quantization
+    from goodserve.models import native
+
+    monkeypatch.setattr(native, "blocks_run_in", lambda dtype: True)  # as on an AVX2-only CPU
+    assert resolve_quantization("auto", "float32", "cpu") == "none"
+    assert resolve_quantization("auto", "auto", "cpu") == "auto"
+    assert resolve_quantization("auto", "bfloat16", "cpu") == "auto"
+    assert resolve_quantization("int8", "float32", "cpu") == "int8"
+    assert resolve_quantization("auto", "float32", "cuda:0") == "auto"
+    monkeypatch.setattr(native, "blocks_run_in", lambda dtype: dtype == torch.bfloat16)  # AVX-512: dense float32
+    assert resolve_quantization("auto", "float32", "cpu") == "auto"
+
+
 def test_make_linear_auto_keeps_4bit_blocks_only_in_bfloat16():
     data, ref = _gguf_weight("Q4_1", n=128)
     w = unpack_gguf_blocks(data, "Q4_1", (128, 96))

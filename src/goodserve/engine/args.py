@@ -261,6 +261,20 @@ def resolve_dtype(asked: str, device: str) -> str:
     return "bfloat16" if onednn_has_bfloat16() else "float32"
 
 
+def resolve_quantization(asked: str, asked_dtype: str, device: str) -> str:
+    """``--quantization`` resolved against the ``--dtype`` asked for: ``auto`` under ``--dtype float32`` asked
+    by name is ``none`` on a CPU where the GGUF block kernel would otherwise take float32 activations (AVX2
+    only, :func:`goodserve.models.native.blocks_run_in`): float32 asked for is the precision mode, every weight
+    dequantized, as on every other CPU; ``--dtype auto`` resolved to float32 there runs the file's blocks."""
+    if asked != "auto" or asked_dtype != "float32" or device.split(":")[0] != "cpu":
+        return asked
+    import torch
+
+    from goodserve.models.native import blocks_run_in
+
+    return "none" if blocks_run_in(torch.float32) else asked
+
+
 #: Names of fp8 that ``--kv-cache-dtype`` refuses with a reason rather than as merely unknown.
 _FP8_NAMES = ("fp8", "float8", "fp8_e4m3", "fp8_e5m2", "float8_e4m3fn", "float8_e5m2")
 

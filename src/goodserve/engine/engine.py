@@ -19,7 +19,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from goodserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from goodserve.engine.args import EngineArgs, resolve_batch_invariant, resolve_dtype, resolve_kv_cache_dtype
+from goodserve.engine.args import (EngineArgs, resolve_batch_invariant, resolve_dtype, resolve_kv_cache_dtype,
+                                   resolve_quantization)
 from goodserve.engine.chat import render_chat
 from goodserve.engine.core import EngineCore
 from goodserve.engine.kv_pool import resolve_pool
@@ -77,6 +78,7 @@ class Engine:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        args = dataclasses.replace(args, quantization=resolve_quantization(args.quantization, args.dtype, device))
         if args.dtype == "auto":
             args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, device))
             logger.info("dtype auto: %s on %s", args.dtype, device if device != "cpu" else
