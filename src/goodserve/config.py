@@ -35,9 +35,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "native")
 
 #: ``--quantization`` values (``goodserve.models.quant.make_linear``): ``auto`` runs a GGUF's Q4_0/Q4_1/Q8_0
 #: and Q4_K/Q5_K/Q6_K blocks as the file holds them when the dtype is bfloat16, on goodserve's block kernel
-#: (AVX-512 VNNI or AVX2, int16 activations; also in float32 on an AVX2-only CPU) or else PyTorch's int4 CPU
-#: kernel for Q4_0/Q4_1 (the K-quants: dense), and
-#: everything else in the dtype; ``none``
+#: (AVX-512 VNNI or AVX2, int16 activations; also in float32 under ``--dtype auto`` on an AVX2-only CPU) or else
+#: PyTorch's int4 CPU kernel for Q4_0/Q4_1 (the K-quants: dense), and everything else in the dtype; ``none``
 #: dequantizes every weight to the dtype; ``int4`` / ``int8`` run every linear layer on that kernel,
 #: re-quantizing weights the file does not hold that way.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")

@@ -33,7 +33,8 @@ class EngineArgs:
             path, float32 elsewhere), ``"bfloat16"`` or ``"float32"``.
         quantization: How linear layers run (``goodserve.models.quant``): ``"auto"`` (default: a GGUF's
             Q4_0/Q4_1/Q8_0 weights run as they are in the file for small steps, on the native block kernel
-            where the CPU has AVX-512 VNNI or AVX2, in bfloat16 (and float32 on an AVX2-only CPU), else Q4 on
+            where the CPU has AVX-512 VNNI or AVX2, in bfloat16 (and, under ``dtype="auto"``, float32 on an
+            AVX2-only CPU: :func:`resolve_quantization`), else Q4 on
             PyTorch's int4 CPU kernel in bfloat16;
             everything else in ``dtype``), ``"none"`` (dequantize to ``dtype``), ``"int4"``
             / ``"int8"`` (every linear layer on that kernel, re-quantizing what the file holds otherwise).
@@ -184,14 +185,13 @@ class EngineArgs:
         g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
         g.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                        help="auto (default): bfloat16 on a GPU or a CPU with a fast bfloat16 path (AVX-512 or "
-                            "AMX), float32 on others (AVX2 only); float32 is the precision mode (on an AVX2-only "
-                            "CPU with --quantization none)")
+                            "AMX), float32 on others (AVX2 only); float32 asked by name is the precision mode")
         g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                        help="auto (default): a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K weights as "
                             "they are, on the native block kernel (AVX-512 VNNI or AVX2; without it Q4_0/Q4_1 on "
-                            "PyTorch's int4 CPU kernel, the others dense), in bfloat16 (and in float32 on an "
-                            "AVX2-only CPU); none: dequantize to --dtype; int4/int8: every linear layer on "
-                            "PyTorch's kernel")
+                            "PyTorch's int4 CPU kernel, the others dense), in bfloat16 (and in float32 under "
+                            "--dtype auto on an AVX2-only CPU); none: dequantize to --dtype; int4/int8: every "
+                            "linear layer on PyTorch's kernel")
         g.add_argument("--kv-cache-dtype", default="auto",
                        help="dtype of the cached K/V: auto (default: --dtype), bfloat16, float32, or int8 "
                             "(a float32 scale per token and KV head: about half of bfloat16's bytes per token)")

@@ -278,10 +278,10 @@ def block_gemv_usable(x: torch.Tensor) -> bool:
 
 def blocks_run_in(dtype: torch.dtype) -> bool:
     """Whether ``--quantization auto`` runs a GGUF's blocks on :func:`block_gemv` under activations of ``dtype``:
-    bfloat16, and float32 on a CPU where oneDNN has no bfloat16 path (AVX2 only: float32 is then
-    ``--dtype auto``'s choice, not a precision mode, and the kernel reads 3.5-7x fewer bytes than float32
-    copies; ``--quantization none`` dequantizes there). Elsewhere float32 is the precision mode: every
-    weight dequantized. The kernel itself takes either dtype."""
+    bfloat16, and float32 on a CPU where oneDNN has no bfloat16 path (AVX2 only), where float32 is
+    ``--dtype auto``'s choice and the file's blocks are a fraction of float32 copies' bytes. Elsewhere float32
+    is the precision mode, every weight dequantized, and so it is there when asked for by name
+    (:func:`goodserve.engine.args.resolve_quantization`). The kernel itself takes either dtype."""
     from goodserve.models.linear import onednn_has_bfloat16
 
     return (dtype == torch.bfloat16 or (dtype == torch.float32 and not onednn_has_bfloat16())) \
