@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from goodserve.models.quant import (DENSE_AFTER_ROWS, BlockQuantized, QuantLinear, dequantize_rows,
+from goodserve.models.quant import (DEFAULT_MAX_ROWS, DENSE_AFTER_ROWS, FLOAT32_BLOCKS_MAX_ROWS, BlockQuantized,
+                                    QuantLinear, dequantize_rows,
                                     make_dense_copies, make_linear, pack_int4, pack_int4_codes, quantize_int4,
                                     unpack_gguf_blocks, unpack_int4)
 
@@ -168,6 +169,24 @@ def test_float32_asked_by_name_is_the_precision_mode_where_blocks_could_run_in_f
     assert resolve_quantization("auto", "float32", "cuda:0") == "auto"
     monkeypatch.setattr(native, "blocks_run_in", lambda dtype: dtype == torch.bfloat16)  # AVX-512: dense float32
     assert resolve_quantization("auto", "float32", "cpu") == "auto"
+
+
+def test_blocks_in_float32_run_decode_sized_steps_of_up_to_32_rows_on_the_kernel(monkeypatch):
+    """Where ``auto`` runs blocks in float32 (an AVX2-only CPU), a block layer keeps steps of up to
+    :data:`FLOAT32_BLOCKS_MAX_ROWS` rows on the kernel; in bfloat16, up to :data:`DEFAULT_MAX_ROWS`."""
+    from goodserve.models import native
+
+    if not native.block_gemv_usable(torch.empty(0)):
+        pytest.skip("the block kernel is not built here")
+    monkeypatch.setattr(native, "blocks_run_in", lambda dtype: True)
+    data, _ = _gguf_weight("Q4_1", n=128, k=128)
+    weight = unpack_gguf_blocks(data, "Q4_1", (128, 128))
+    in_float32, in_bfloat16 = (make_linear(weight, None, dtype, "auto") for dtype in (torch.float32, torch.bfloat16))
+    assert in_float32.kind == in_bfloat16.kind == "blocks"
+    assert (in_float32.max_rows, in_bfloat16.max_rows) == (FLOAT32_BLOCKS_MAX_ROWS, DEFAULT_MAX_ROWS) == (32, 4)
+    x = torch.randn(32, 128)
+    assert torch.equal(in_float32(x), torch.cat([in_float32(x[i:i + 4]) for i in range(0, 32, 4)]))
+    assert in_float32._dense is None and in_float32._rows_past_max == 0  # all 32 rows on the kernel
 
 
 def test_make_linear_auto_keeps_4bit_blocks_only_in_bfloat16():

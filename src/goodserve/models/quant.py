@@ -53,6 +53,12 @@ GROUP_SIZE = 32  # weights per GGUF block (QK4_0 = QK4_1 = QK8_0 = 32)
 #: keep it ahead at 4 rows (issue 15, run 4: batch 4 at 46 ms with 4 here, 51-54 ms with 2).
 DEFAULT_MAX_ROWS = 4
 
+#: ``max_rows`` of a block layer under float32 activations (``--dtype auto`` on an AVX2-only CPU, the only place
+#: ``auto`` runs blocks in float32): there the float32 copy reads several times the blocks' bytes, and its GEMM
+#: ran decode steps slower than the kernel's passes of 4 rows up to this many rows, and about as fast at twice
+#: as many (BENCHMARKS.md, "The block kernel on AVX2").
+FLOAT32_BLOCKS_MAX_ROWS = 32
+
 #: Rows of steps past ``max_rows`` an int4 layer in bfloat16 runs on the kernel before it makes its dense
 #: copy: the ski-rental rule (Karlin et al., "Competitive snoopy caching", 1988; buy once renting has cost
 #: the price), so the rows never cost more than twice the better choice made in hindsight. Measured on this
@@ -481,7 +487,8 @@ def make_linear(weight, bias: Optional[torch.Tensor], dtype: torch.dtype, quanti
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     q4 = isinstance(weight, BlockQuantized) and weight.qtype in ("Q4_0", "Q4_1")
     if quantization == "auto" and runs_on_blocks(weight, dtype):
-        return QuantLinear("blocks", weight, dtype, bias)
+        return QuantLinear("blocks", weight, dtype, bias,
+                           max_rows=FLOAT32_BLOCKS_MAX_ROWS if dtype == torch.float32 else DEFAULT_MAX_ROWS)
     if quantization == "auto":
         quantization = "int4" if q4 and dtype == torch.bfloat16 and weight.shape[0] % 64 == 0 else "none"
     if quantization == "int4":
