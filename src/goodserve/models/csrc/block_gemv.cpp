@@ -71,6 +71,30 @@ constexpr int high_bits(int kind) { return kind == kQ5K || kind == kQ5 ? 1 : kin
 // Whether the kind's scales are a K-quant's super-block scales (else one fp16 d, and m, per block of 32).
 constexpr bool super_blocks(int kind) { return kind == kQ4K || kind == kQ5K || kind == kQ6K; }
 
+// Q4_K / Q5_K's per-row scale table (ksuper_scales' other kinds; 8 lanes on either ISA): s = (d * sc) * dx per
+// block of 32 and the minimums' term -sum_b (dmin * m_b) * sx_b.
+template <int M>
+void kmin_scales(const uint16_t* dr, const uint8_t* sub, const float* dx, const float* sx, int64_t nb,
+                 float (*s)[2 * kMaxBlocks], float* mterm) {
+  const int64_t nsb = nb / 8;
+  __m256 mt[M];
+  for (int m = 0; m < M; ++m) mt[m] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nsb; ++j) {
+    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dr[2 * j])),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 16 * j)))));
+    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dr[2 * j + 1])),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 16 * j + 8)))));
+    for (int m = 0; m < M; ++m) {
+      _mm256_store_ps(s[m] + 8 * j, _mm256_mul_ps(dsc, _mm256_loadu_ps(dx + m * nb + 8 * j)));
+      mt[m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(sx + m * nb + 8 * j), mt[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(mt[m]), _mm256_extractf128_ps(mt[m], 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    mterm[m] = -_mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+}
 #endif
 
 #ifdef GOODSERVE_VNNI
@@ -124,23 +148,7 @@ void ksuper_scales(const uint16_t* dr, const uint8_t* sub, const float* dx, cons
     for (int m = 0; m < M; ++m) mterm[m] = 0.f;
     return;
   }
-  __m256 mt[M];
-  for (int m = 0; m < M; ++m) mt[m] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < nsb; ++j) {
-    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dr[2 * j])),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 16 * j)))));
-    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dr[2 * j + 1])),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 16 * j + 8)))));
-    for (int m = 0; m < M; ++m) {
-      _mm256_store_ps(s[m] + 8 * j, _mm256_mul_ps(dsc, _mm256_loadu_ps(dx + m * nb + 8 * j)));
-      mt[m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(sx + m * nb + 8 * j), mt[m]);
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(mt[m]), _mm256_extractf128_ps(mt[m], 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    mterm[m] = -_mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-  }
+  kmin_scales<M>(dr, sub, dx, sx, nb, s, mterm);
 }
 
 // Rows [n0, n1) of y, R weight rows at a time (R x M independent accumulator chains).

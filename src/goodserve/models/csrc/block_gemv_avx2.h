@@ -57,7 +57,8 @@ void quantize_row(const T* x, int64_t nb, bool pairs, int16_t* xq, float* dx, fl
   }
 }
 
-// block_gemv.cpp's ksuper_scales (the same products and sums, in the same order per lane).
+// block_gemv.cpp's ksuper_scales (the same products and sums, in the same order per lane); Q4_K / Q5_K share
+// its kmin_scales.
 template <int Kind, int M>
 void ksuper_scales(const uint16_t* dr, const uint8_t* sub, const float* dx, const float* sx, int64_t nb,
                    float (*s)[2 * kMaxBlocks], float* mterm) {
@@ -81,19 +82,7 @@ void ksuper_scales(const uint16_t* dr, const uint8_t* sub, const float* dx, cons
     for (int m = 0; m < M; ++m) mterm[m] = 0.f;
     return;
   }
-  __m256 mt[M];
-  for (int m = 0; m < M; ++m) mt[m] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < nsb; ++j) {
-    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dr[2 * j])),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 16 * j)))));
-    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dr[2 * j + 1])),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sub + 16 * j + 8)))));
-    for (int m = 0; m < M; ++m) {
-      _mm256_store_ps(s[m] + 8 * j, _mm256_mul_ps(dsc, _mm256_loadu_ps(dx + m * nb + 8 * j)));
-      mt[m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(sx + m * nb + 8 * j), mt[m]);
-    }
-  }
-  for (int m = 0; m < M; ++m) mterm[m] = -hsum8(mt[m]);
+  kmin_scales<M>(dr, sub, dx, sx, nb, s, mterm);
 }
 
 // 16 lanes of a bit plane (bits 0-15 of plane16) added as 2^bit to the 16 int16 codes of v where set.
