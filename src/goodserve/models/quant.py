@@ -1,11 +1,8 @@
 """Low-bit linear layers for CPU, fed from GGUF blocks as they are in the file.
 
 A GGUF ``Q4_0`` / ``Q4_1`` tensor stores each row in blocks of 32 weights with an fp16 scale ``d`` (and, for
-``Q4_1``, an fp16 minimum ``m``) and 4-bit codes ``q`` in 0..15 (llama.cpp ``ggml-quants.c``):
-
-* ``Q4_0``: ``w = d * (q - 8)``
-* ``Q4_1``: ``w = d * q + m``
-* ``Q8_0``: ``w = d * q`` with ``q`` in -128..127.
+``Q4_1``, an fp16 minimum ``m``) and 4-bit codes ``q`` in 0..15 (llama.cpp ``ggml-quants.c``): ``Q4_0``
+``w = d * (q - 8)``, ``Q4_1`` ``w = d * q + m``, ``Q8_0`` ``w = d * q`` with ``q`` in -128..127.
 
 PyTorch's CPU kernel ``aten._weight_int4pack_mm_for_cpu`` computes with ``w = (q - 8) * scale + zero`` per
 group of ``group_size`` input features, an affine int4 group: ``Q4_0`` maps to ``scale = d, zero = 0`` and
@@ -22,12 +19,10 @@ K-quants ``Q4_K`` / ``Q5_K`` / ``Q6_K`` and ``Q5_0`` / ``Q5_1``, repacked at loa
 32 instead (2^-15 of the block's largest value; the products are exact integers). It is what
 ``--quantization auto`` runs where it builds, for the tied LM head too.
 
-These kernels are matrix-vector kernels: fast while a step has few rows, far slower than oneDNN's bfloat16
-GEMM for a prefill chunk. :class:`QuantLinear` therefore runs steps of at most ``max_rows`` rows on the
-kernel and larger ones on a dense copy of the same weight, made from the codes
-(:func:`goodserve.models.decode_plans.dense_copy`: packed for the native GEMM where it runs on AMX, else for
-oneDNN where :mod:`goodserve.models.linear` applies) once the larger steps have cost the kernel about what the
-copy costs (:data:`DENSE_AFTER_ROWS`): a one-shot command with a short prompt never pays for it.
+These kernels are matrix-vector kernels: fast while a step has few rows, far slower than a GEMM for a prefill
+chunk. :class:`QuantLinear` runs steps of at most ``max_rows`` rows on the kernel and larger ones on a dense
+copy made from the codes (:func:`goodserve.models.decode_plans.dense_copy`) once the larger steps have cost
+the kernel about what the copy costs (:data:`DENSE_AFTER_ROWS`): a short one-shot prompt never pays for it.
 """
 
 from __future__ import annotations
@@ -53,10 +48,8 @@ GROUP_SIZE = 32  # weights per GGUF block (QK4_0 = QK4_1 = QK8_0 = 32)
 #: keep it ahead at 4 rows (issue 15, run 4: batch 4 at 46 ms with 4 here, 51-54 ms with 2).
 DEFAULT_MAX_ROWS = 4
 
-#: ``max_rows`` of a block layer under float32 activations (``--dtype auto`` on an AVX2-only CPU, the only place
-#: ``auto`` runs blocks in float32): there the float32 copy reads several times the blocks' bytes, and its GEMM
-#: ran decode steps slower than the kernel's passes of 4 rows up to this many rows, and about as fast at twice
-#: as many (BENCHMARKS.md, "The block kernel on AVX2").
+#: ``max_rows`` of block layers in float32 (``auto`` on an AVX2-only CPU): the float32 GEMM ran decode steps slower
+#: than the kernel's passes up to this many rows (BENCHMARKS.md, "The block kernel on AVX2").
 FLOAT32_BLOCKS_MAX_ROWS = 32
 
 #: Rows of steps past ``max_rows`` an int4 layer in bfloat16 runs on the kernel before it makes its dense
@@ -66,8 +59,7 @@ FLOAT32_BLOCKS_MAX_ROWS = 32
 #: ~0.025-0.06 ms more per row than the dense GEMM at 16-128 rows, so the copy pays for itself after
 #: ~190-460 rows. The block kernel reads its weight once per 4 rows, as the int4 kernel does, and follows the
 #: same rule in either activation dtype. Other kernels and dtypes (not measured; int4 in float32 is ~30x
-#: slower) copy at once. A
-#: server makes every copy before its first step (:func:`make_dense_copies`).
+#: slower) copy at once. A server makes every copy before its first step (:func:`make_dense_copies`).
 DENSE_AFTER_ROWS = 256
 
 # Byte layout of one block (ggml-common.h): fp16 d [, fp16 m], then the codes.
@@ -383,8 +375,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.kind, self.dtype, self.max_rows = kind, dtype, max_rows
         if dense_after_rows is None:
-            dense_after_rows = DENSE_AFTER_ROWS if kind == "blocks" or (kind == "int4" and dtype == torch.bfloat16) \
-                else 0
+            waits = kind == "blocks" or (kind == "int4" and dtype == torch.bfloat16)
+            dense_after_rows = DENSE_AFTER_ROWS if waits else 0
         self.dense_after_rows = dense_after_rows
         self._rows_past_max = 0  # rows of steps past max_rows so far (until the dense copy is made)
         self.out_features, self.in_features = weight.shape
