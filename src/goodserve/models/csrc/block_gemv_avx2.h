@@ -85,7 +85,7 @@ void ksuper_scales(const uint16_t* dr, const uint8_t* sub, const float* dx, cons
   kmin_scales<M>(dr, sub, dx, sx, nb, s, mterm);
 }
 
-// 16 lanes of a bit plane (bits 0-15 of plane16) added as 2^bit to the 16 int16 codes of v where set.
+// value (16 for code bit 4, 32 for bit 5) added to each int16 code of v, lane i, whose bit i of plane16 is set.
 inline __m256i add_plane(__m256i v, uint32_t plane16, __m256i value) {
   const __m256i sel = _mm256_set_epi16(-32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1);
   const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(plane16)), sel), sel);
