@@ -71,6 +71,13 @@ constexpr int high_bits(int kind) { return kind == kQ5K || kind == kQ5 ? 1 : kin
 // Whether the kind's scales are a K-quant's super-block scales (else one fp16 d, and m, per block of 32).
 constexpr bool super_blocks(int kind) { return kind == kQ4K || kind == kQ5K || kind == kQ6K; }
 
+// The sum of 8 float32 lanes.
+inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
 // Q4_K / Q5_K's per-row scale table (ksuper_scales' other kinds; 8 lanes on either ISA): s = (d * sc) * dx per
 // block of 32 and the minimums' term -sum_b (dmin * m_b) * sx_b.
 template <int M>
@@ -89,11 +96,7 @@ void kmin_scales(const uint16_t* dr, const uint8_t* sub, const float* dx, const 
       mt[m] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(sx + m * nb + 8 * j), mt[m]);
     }
   }
-  for (int m = 0; m < M; ++m) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(mt[m]), _mm256_extractf128_ps(mt[m], 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    mterm[m] = -_mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-  }
+  for (int m = 0; m < M; ++m) mterm[m] = -hsum8(mt[m]);
 }
 #endif
 

@@ -1,19 +1,13 @@
 // The block kernel's per-ISA pieces on AVX2 (+ FMA, F16C), for CPUs without AVX-512 VNNI: the same layouts,
 // the same int16 activations and the same exact int32 dot products per block as block_gemv.cpp's AVX-512 code,
 // 8 lanes wide. Included by block_gemv.cpp inside its anonymous namespace, after the kind constants, where
-// GOODSERVE_BLOCK_AVX2 is defined; it defines what the shared drivers there call: quantize_row, ksuper_scales and
-// gemv_rows.
+// GOODSERVE_BLOCK_AVX2 is defined (it uses hsum8 and kmin_scales from there); it defines what the shared drivers
+// there call: quantize_row, ksuper_scales and gemv_rows.
 #pragma once
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // bfloat16 -> float32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-inline float hsum8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
 
 inline int32_t hsum8i(__m256i v) {
